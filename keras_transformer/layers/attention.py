@@ -1,0 +1,285 @@
+"""Multi-head scaled dot-product attention (paper section 3.2).
+
+Shape legend used in the comments: B batch, T query length, S key/value
+length, N heads, K per-head key size (d_k), V per-head value size (d_v),
+D model size (d_model, `hidden_dim`).
+"""
+
+import math
+
+import keras
+from keras import ops
+
+
+def clone_initializer(initializer):
+    """A fresh copy, so that no two weights share one seeded initializer."""
+    return initializer.__class__.from_config(initializer.get_config())
+
+
+def masked_fill_value(dtype):
+    """The logit given to masked positions before the softmax.
+
+    A large finite negative rather than -inf, so that a row with no visible
+    key gives a uniform distribution instead of NaN (as Keras' own softmax
+    masking does); smaller in half precision so that it stays finite.
+    """
+    return -3e4 if keras.backend.standardize_dtype(dtype) == "float16" else -1e9
+
+
+def scaled_dot_product_attention(query, key, value, mask=None, dropout=None, training=None):
+    """softmax(Q K^T / sqrt(d_k)) V, the paper's equation (1), written out.
+
+    Args:
+        query: `[B, T, N, K]`.
+        key: `[B, S, N, K]`.
+        value: `[B, S, N, V]`.
+        mask: optional boolean, broadcastable to `[B, N, T, S]`; True = attend.
+        dropout: optional dropout layer applied to the attention weights.
+        training: passed to `dropout`.
+
+    Returns:
+        `(outputs [B, T, N, V], weights [B, N, T, S])`.
+    """
+    scale = 1.0 / math.sqrt(ops.shape(query)[-1])
+    scores = ops.einsum("btnk,bsnk->bnts", query, key) * ops.cast(scale, query.dtype)
+    if mask is not None:
+        scores = ops.where(mask, scores, ops.cast(masked_fill_value(scores.dtype), scores.dtype))
+    # The softmax runs in float32 even under mixed precision.
+    weights = ops.cast(ops.softmax(ops.cast(scores, "float32"), axis=-1), query.dtype)
+    if dropout is not None:
+        weights = dropout(weights, training=training)
+    outputs = ops.einsum("bnts,bsnv->btnv", weights, value)
+    return outputs, weights
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention with an incremental-decoding cache.
+
+    `MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O` with
+    `head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)` (paper section 3.2.2).
+    The per-head key size `key_dim` (d_k) and value size `value_dim` (d_v)
+    are independent, as in the paper's Table 3 rows (A) and (B).
+
+    Masks are boolean, True = attend, broadcastable to `[B, T, S]` (or
+    `[B, N, T, S]`). Padding, causal and restricted-window masks are combined
+    by the caller (see `attention_masks`).
+
+    Incremental decoding (as keras-hub's `CachedMultiHeadAttention`):
+    - `cache=(key_cache, value_cache)` with `cache_update_index=i`: the
+      keys/values of `value` are written into the fixed-size caches
+      `[B, S_max, N, K]` / `[B, S_max, N, V]` at position `i`, attention runs
+      over the whole cache (the mask hides positions not yet written) and the
+      updated cache is returned. This is decoder self-attention.
+    - `cache=(key_cache, value_cache)` without an index: the cache is used as
+      the keys/values and `value` is ignored. This is cross-attention, whose
+      keys/values are computed once per source with `compute_cache`.
+
+    Args:
+        num_heads: int, h in the paper.
+        key_dim: int, per-head size of queries and keys (d_k).
+        value_dim: int, per-head size of values (d_v). Defaults to `key_dim`.
+        dropout: float, dropout on the attention weights. The paper does not
+            use it (it drops sub-layer outputs instead), so 0.0 by default.
+        attention_window: optional int r: each query only sees keys within
+            distance r (the paper's Table 1 "self-attention (restricted)").
+            Applied by `attention_masks` in the encoder/decoder layers; stored
+            here for reference and serialization.
+        use_fused_attention: bool, use `keras.ops.dot_product_attention`
+            (fused/flash kernels where the backend has them) when it computes
+            the same function: key_dim == value_dim, no attention dropout in
+            training, and no attention weights requested.
+        kernel_initializer, bias_initializer: for the four projections.
+
+    Example:
+    >>> layer = MultiHeadAttention(num_heads=8, key_dim=64)
+    >>> x = keras.random.normal((2, 10, 512))
+    >>> layer(x, x).shape
+    (2, 10, 512)
+
+    References:
+    - Vaswani et al., "Attention Is All You Need", 2017, section 3.2.
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        key_dim,
+        value_dim=None,
+        dropout=0.0,
+        attention_window=None,
+        use_fused_attention=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads={num_heads!r} must be a positive integer")
+        if not isinstance(key_dim, int) or key_dim < 1:
+            raise ValueError(f"key_dim={key_dim!r} must be a positive integer")
+        if value_dim is not None and (not isinstance(value_dim, int) or value_dim < 1):
+            raise ValueError(f"value_dim={value_dim!r} must be a positive integer or None")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
+        if attention_window is not None and (not isinstance(attention_window, int) or attention_window < 0):
+            raise ValueError(f"attention_window={attention_window!r} must be a non-negative integer or None")
+        self.num_heads = num_heads
+        self.key_dim = key_dim
+        self.value_dim = value_dim if value_dim is not None else key_dim
+        self.dropout = dropout
+        self.attention_window = attention_window
+        self.use_fused_attention = use_fused_attention
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.supports_masking = False
+
+    def _dense(self, units, name):
+        return keras.layers.Dense(
+            units,
+            kernel_initializer=clone_initializer(self.kernel_initializer),
+            bias_initializer=clone_initializer(self.bias_initializer),
+            dtype=self.dtype_policy,
+            name=name,
+        )
+
+    def build(self, query_shape, value_shape=None):
+        value_shape = query_shape if value_shape is None else value_shape
+        self._output_dim = query_shape[-1]
+        self.query_dense = self._dense(self.num_heads * self.key_dim, "query")
+        self.query_dense.build(query_shape)
+        self.key_dense = self._dense(self.num_heads * self.key_dim, "key")
+        self.key_dense.build(value_shape)
+        self.value_dense = self._dense(self.num_heads * self.value_dim, "value")
+        self.value_dense.build(value_shape)
+        self.output_dense = self._dense(self._output_dim, "attention_output")
+        self.output_dense.build(tuple(query_shape[:-1]) + (self.num_heads * self.value_dim,))
+        self.weights_dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
+
+    def _split_heads(self, x, head_dim):
+        # [B, T, N * H] -> [B, T, N, H]
+        shape = ops.shape(x)
+        return ops.reshape(x, (shape[0], shape[1], self.num_heads, head_dim))
+
+    def compute_cache(self, value):
+        """Keys and values of `value` `[B, S, D]` for a cross-attention cache.
+
+        Returns `(keys [B, S, N, K], values [B, S, N, V])`.
+        """
+        keys = self._split_heads(self.key_dense(value), self.key_dim)
+        values = self._split_heads(self.value_dense(value), self.value_dim)
+        return keys, values
+
+    def call(
+        self,
+        query,
+        value=None,
+        attention_mask=None,
+        cache=None,
+        cache_update_index=None,
+        return_attention_scores=False,
+        training=None,
+    ):
+        value = query if value is None else value
+        q = self._split_heads(self.query_dense(query), self.key_dim)  # [B, T, N, K]
+        if cache is None:
+            k, v = self.compute_cache(value)  # [B, S, N, K], [B, S, N, V]
+        elif cache_update_index is None:
+            k, v = cache
+        else:
+            key_cache, value_cache = cache
+            new_k, new_v = self.compute_cache(value)  # [B, T, N, K], [B, T, N, V]
+            start = [0, cache_update_index, 0, 0]
+            k = ops.slice_update(key_cache, start, ops.cast(new_k, key_cache.dtype))
+            v = ops.slice_update(value_cache, start, ops.cast(new_v, value_cache.dtype))
+            cache = (k, v)
+
+        mask = None
+        if attention_mask is not None:
+            mask = ops.cast(attention_mask, "bool")
+            if len(mask.shape) == 3:
+                mask = ops.expand_dims(mask, 1)  # [B, T, S] -> [B, 1, T, S]
+
+        fused = (
+            self.use_fused_attention
+            and not return_attention_scores
+            and self.key_dim == self.value_dim
+            and not (training and self.dropout > 0)
+        )
+        if fused:
+            scores = None
+            outputs = ops.dot_product_attention(
+                q, k, v, mask=mask, scale=1.0 / math.sqrt(self.key_dim)
+            )
+        else:
+            outputs, scores = scaled_dot_product_attention(
+                q, k, v, mask=mask, dropout=self.weights_dropout, training=training
+            )
+        shape = ops.shape(outputs)
+        outputs = ops.reshape(outputs, (shape[0], shape[1], self.num_heads * self.value_dim))
+        outputs = self.output_dense(outputs)  # [B, T, D]
+
+        results = (outputs,)
+        if return_attention_scores:
+            results += (scores,)
+        if cache is not None and cache_update_index is not None:
+            results += (cache,)
+        return results[0] if len(results) == 1 else results
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "key_dim": self.key_dim,
+                "value_dim": self.value_dim,
+                "dropout": self.dropout,
+                "attention_window": self.attention_window,
+                "use_fused_attention": self.use_fused_attention,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+            }
+        )
+        return config
+
+
+def attention_masks(
+    query_length,
+    key_length,
+    key_padding_mask=None,
+    causal=False,
+    attention_window=None,
+    query_offset=0,
+):
+    """Boolean attention mask `[B or 1, T, S]`, True = attend.
+
+    Combines (with AND) the key padding mask, the causal mask and the
+    restricted-window mask `|i - j| <= r` of the paper's Table 1.
+
+    Args:
+        query_length: int or scalar tensor T.
+        key_length: int or scalar tensor S.
+        key_padding_mask: optional `[B, S]`, True (or 1) for real tokens.
+        causal: bool, query i only sees keys j <= i.
+        attention_window: optional int r.
+        query_offset: int or scalar tensor, the position of the first query
+            (the cache index in incremental decoding).
+
+    Rows in which no key is visible (an all-padding source) are left fully
+    masked; the attention then averages uniformly over padding, which is
+    finite and never read.
+    """
+    mask = None
+    if causal or attention_window is not None:
+        i = ops.expand_dims(ops.arange(query_length, dtype="int32") + ops.cast(query_offset, "int32"), 1)
+        j = ops.expand_dims(ops.arange(key_length, dtype="int32"), 0)
+        mask = ops.ones((query_length, key_length), dtype="bool")
+        if causal:
+            mask = ops.logical_and(mask, j <= i)
+        if attention_window is not None:
+            mask = ops.logical_and(mask, ops.abs(i - j) <= attention_window)
+        mask = ops.expand_dims(mask, 0)  # [1, T, S]
+    if key_padding_mask is not None:
+        padding = ops.expand_dims(ops.cast(key_padding_mask, "bool"), 1)  # [B, 1, S]
+        mask = padding if mask is None else ops.logical_and(mask, padding)
+    return mask

@@ -1,0 +1,570 @@
+"""TransformerModel: the encoder-decoder of "Attention Is All You Need".
+
+Shape legend: B batch, S source length, T target length, D hidden_dim
+(d_model), V vocabulary_size, L decoder layers, N heads, K/Vh per-head
+key/value size (d_k, d_v).
+"""
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import uuid
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_transformer.layers.decoder import TransformerDecoderLayer
+from keras_transformer.layers.encoder import TransformerEncoderLayer, check_layer_args, head_dims
+from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
+from keras_transformer.presets import PRESETS
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.weights.h5"
+METADATA_FILE = "metadata.json"
+TOKENIZER_FILE = "tokenizer.model"
+PRESET_FORMAT_VERSION = 1
+
+
+def _is_symbolic(x):
+    """True inside tracing (tf.function, jax.jit, torch.compile) or for KerasTensors."""
+    if isinstance(x, keras.KerasTensor):
+        return True
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.executing_eagerly() or tf.is_symbolic_tensor(x)
+    if backend == "jax":
+        import jax
+
+        return isinstance(x, jax.core.Tracer)
+    if backend == "torch":
+        import torch
+
+        return torch.compiler.is_compiling()
+    return False
+
+
+def check_token_ids(token_ids, name, vocabulary_size):
+    """Validates a `[B, L]` integer id tensor; returns it as int32.
+
+    Rank and dtype are checked always. The id range is checked whenever the
+    values are concrete (eager calls, numpy inputs): JAX clamps out-of-range
+    gather indices silently and TensorFlow fails deep inside a kernel, so a
+    bad id would otherwise corrupt results or give an unreadable error.
+    """
+    if isinstance(token_ids, (list, tuple)):
+        token_ids = np.asarray(token_ids)
+    shape = tuple(token_ids.shape)
+    if len(shape) != 2:
+        raise ValueError(
+            f"{name} must have rank 2 [batch, length], received shape {shape}"
+        )
+    dtype = keras.backend.standardize_dtype(token_ids.dtype)
+    if "int" not in dtype:
+        raise ValueError(f"{name} must be an integer tensor of token ids, received dtype {dtype}")
+    if not _is_symbolic(token_ids) and 0 not in shape:
+        values = ops.convert_to_numpy(token_ids)
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= vocabulary_size:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"{name} contains token id {bad}, outside [0, {vocabulary_size}) "
+                f"for vocabulary_size={vocabulary_size}. Check that the tokenizer "
+                "and the model use the same vocabulary."
+            )
+    return ops.cast(token_ids, "int32")
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class TransformerModel(keras.Model):
+    """The Transformer encoder-decoder (Vaswani et al., 2017).
+
+    The paper's symbols map to the arguments as: N = `num_layers`,
+    d_model = `hidden_dim`, d_ff = `intermediate_dim`, h = `num_heads`,
+    d_k = `key_dim`, d_v = `value_dim`, P_drop = `dropout`.
+
+    As in the paper: one embedding matrix is shared by the encoder input,
+    the decoder input and the pre-softmax projection (section 3.4);
+    embeddings are multiplied by sqrt(d_model); dropout is applied to the
+    sums of embeddings and positions and to every sub-layer output;
+    post-layer-normalisation unless `normalize_first=True`. Masks are derived
+    from the padding id (0); callers never build them.
+
+    Every variant of the paper's Table 3 is a constructor call: (A) `num_heads`
+    with `key_dim`/`value_dim`, (B) `key_dim`, (C) `num_layers`, `hidden_dim`,
+    `intermediate_dim`, `key_dim`/`value_dim`, (D) `dropout` (label smoothing
+    lives in the loss), (E) `position_encoding="learned"`.
+
+    Args:
+        vocabulary_size: int, size of the shared source/target vocabulary.
+        num_layers: int, encoder and decoder layers (N).
+        num_heads: int, attention heads (h).
+        hidden_dim: int, model size (d_model).
+        intermediate_dim: int, feed-forward inner size (d_ff).
+        key_dim: optional int, per-head query/key size (d_k);
+            default `hidden_dim // num_heads`.
+        value_dim: optional int, per-head value size (d_v); default `key_dim`.
+        dropout: float, P_drop.
+        attention_dropout: float, dropout on attention weights (not in the
+            paper, 0.0).
+        max_sequence_length: int, longest source or target accepted.
+        position_encoding: "sinusoidal" (paper) or "learned" (Table 3, row E).
+        normalize_first: bool, pre-LN instead of the paper's post-LN; adds a
+            final LayerNorm after each stack.
+        attention_window: optional int r, restricted self-attention (Table 1).
+        layer_norm_epsilon: float.
+        num_encoder_layers, num_decoder_layers: optional ints overriding
+            `num_layers` for one side.
+        use_fused_attention: bool, use `keras.ops.dot_product_attention`
+            where it computes the same numbers.
+        pad_id, unk_id, start_id, end_id: the tokenizer's special ids.
+
+    Example:
+    >>> model = TransformerModel.from_preset("tiny")
+    >>> src = np.array([[5, 6, 7, 3, 0]])
+    >>> tgt = np.array([[2, 8, 9, 0]])
+    >>> model({"encoder_token_ids": src, "decoder_token_ids": tgt}).shape
+    (1, 4, 1000)
+
+    References:
+    - Vaswani et al., "Attention Is All You Need", NeurIPS 2017, arXiv:1706.03762.
+    """
+
+    presets = {name: preset["description"] for name, preset in PRESETS.items()}
+
+    def __init__(
+        self,
+        vocabulary_size,
+        num_layers=6,
+        num_heads=8,
+        hidden_dim=512,
+        intermediate_dim=2048,
+        key_dim=None,
+        value_dim=None,
+        dropout=0.1,
+        attention_dropout=0.0,
+        max_sequence_length=1024,
+        position_encoding="sinusoidal",
+        normalize_first=False,
+        attention_window=None,
+        layer_norm_epsilon=1e-5,
+        num_encoder_layers=None,
+        num_decoder_layers=None,
+        use_fused_attention=True,
+        pad_id=0,
+        unk_id=1,
+        start_id=2,
+        end_id=3,
+        **kwargs,
+    ):
+        for name, value in (
+            ("vocabulary_size", vocabulary_size),
+            ("num_layers", num_layers),
+            ("hidden_dim", hidden_dim),
+            ("max_sequence_length", max_sequence_length),
+        ):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        for name, value in (("num_encoder_layers", num_encoder_layers), ("num_decoder_layers", num_decoder_layers)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer or None")
+        check_layer_args(intermediate_dim, num_heads, dropout, key_dim, value_dim, attention_window)
+        key_dim_resolved, value_dim_resolved = head_dims(hidden_dim, num_heads, key_dim, value_dim)
+        if position_encoding not in ("sinusoidal", "learned"):
+            raise ValueError(
+                f"position_encoding={position_encoding!r} must be 'sinusoidal' or 'learned'"
+            )
+        if position_encoding == "sinusoidal" and hidden_dim % 2:
+            raise ValueError(f"hidden_dim={hidden_dim} must be even for sinusoidal positions")
+        for name, value in (("pad_id", pad_id), ("unk_id", unk_id), ("start_id", start_id), ("end_id", end_id)):
+            if not 0 <= value < vocabulary_size:
+                raise ValueError(f"{name}={value} must be in [0, vocabulary_size={vocabulary_size})")
+        if pad_id != 0:
+            raise ValueError(f"pad_id={pad_id}: only 0 is supported (masks are built from ids > 0)")
+        super().__init__(**kwargs)
+
+        self.vocabulary_size = int(vocabulary_size)
+        self.num_layers = int(num_layers)
+        self.num_heads = num_heads
+        self.hidden_dim = int(hidden_dim)
+        self.intermediate_dim = intermediate_dim
+        self.key_dim = key_dim
+        self.value_dim = value_dim
+        self.dropout = dropout
+        self.attention_dropout = attention_dropout
+        self.max_sequence_length = int(max_sequence_length)
+        self.position_encoding = position_encoding
+        self.normalize_first = normalize_first
+        self.attention_window = attention_window
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.num_encoder_layers = num_encoder_layers
+        self.num_decoder_layers = num_decoder_layers
+        self.use_fused_attention = use_fused_attention
+        self.pad_id, self.unk_id, self.start_id, self.end_id = pad_id, unk_id, start_id, end_id
+        self.head_key_dim, self.head_value_dim = key_dim_resolved, value_dim_resolved
+        self.tokenizer = None
+
+        # One matrix for both embeddings and the pre-softmax projection
+        # (section 3.4). With inputs scaled by sqrt(d_model), N(0, d^-0.5)
+        # gives unit-scale embeddings and unit-scale initial logits (as in
+        # tensor2tensor and fairseq).
+        self.token_embedding = keras.layers.ReversibleEmbedding(
+            self.vocabulary_size,
+            self.hidden_dim,
+            tie_weights=True,
+            embeddings_initializer=keras.initializers.RandomNormal(stddev=self.hidden_dim**-0.5),
+            dtype=self.dtype_policy,
+            name="token_embedding",
+        )
+        if position_encoding == "sinusoidal":
+            position_layer = lambda name: SinusoidalPositionEncoding(  # noqa: E731
+                self.max_sequence_length, dtype=self.dtype_policy, name=name
+            )
+        else:
+            position_layer = lambda name: LearnedPositionEmbedding(  # noqa: E731
+                self.max_sequence_length, dtype=self.dtype_policy, name=name
+            )
+        self.encoder_position = position_layer("encoder_position")
+        self.decoder_position = position_layer("decoder_position")
+        self.encoder_embedding_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy, name="encoder_embedding_dropout")
+        self.decoder_embedding_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy, name="decoder_embedding_dropout")
+        layer_args = dict(
+            intermediate_dim=intermediate_dim,
+            num_heads=num_heads,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            layer_norm_epsilon=layer_norm_epsilon,
+            key_dim=key_dim_resolved,
+            value_dim=value_dim_resolved,
+            normalize_first=normalize_first,
+            attention_window=attention_window,
+            use_fused_attention=use_fused_attention,
+            dtype=self.dtype_policy,
+        )
+        self.encoder_layers = [
+            TransformerEncoderLayer(**layer_args, name=f"encoder_layer_{i}")
+            for i in range(num_encoder_layers or num_layers)
+        ]
+        self.decoder_layers = [
+            TransformerDecoderLayer(**layer_args, name=f"decoder_layer_{i}")
+            for i in range(num_decoder_layers or num_layers)
+        ]
+        if normalize_first:
+            self.encoder_final_norm = keras.layers.LayerNormalization(
+                epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="encoder_final_layer_norm"
+            )
+            self.decoder_final_norm = keras.layers.LayerNormalization(
+                epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="decoder_final_layer_norm"
+            )
+        # All sizes are in the config, so the model is built (and has its
+        # weights, e.g. for count_params) as soon as it is constructed.
+        self.build()
+
+    def build(self, input_shape=None):
+        sequence = (None, None, self.hidden_dim)
+        self.token_embedding.build((None, None))
+        self.encoder_position.build(sequence)
+        self.decoder_position.build(sequence)
+        for layer in self.encoder_layers:
+            layer.build(sequence)
+        for layer in self.decoder_layers:
+            layer.build(sequence, sequence)
+        if self.normalize_first:
+            self.encoder_final_norm.build(sequence)
+            self.decoder_final_norm.build(sequence)
+        self.built = True
+
+    # ------------------------------------------------------------------ #
+    # Forward pass
+    # ------------------------------------------------------------------ #
+    def _embed(self, token_ids, position_layer, dropout_layer, start_index=0, training=None):
+        x = self.token_embedding(token_ids)  # [B, T, D]
+        x = x * ops.cast(math.sqrt(self.hidden_dim), x.dtype)
+        x = x + position_layer(x, start_index=start_index)
+        return dropout_layer(x, training=training)
+
+    def encode(self, encoder_token_ids, training=False):
+        """Encoder outputs `[B, S, D]` for source ids `[B, S]` (pad id 0)."""
+        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        padding_mask = ops.not_equal(encoder_token_ids, self.pad_id)  # [B, S]
+        x = self._embed(encoder_token_ids, self.encoder_position, self.encoder_embedding_dropout, training=training)
+        for layer in self.encoder_layers:
+            x = layer(x, padding_mask=padding_mask, training=training)
+        if self.normalize_first:
+            x = self.encoder_final_norm(x)
+        return x
+
+    def _logits(self, x):
+        if self.normalize_first:
+            x = self.decoder_final_norm(x)
+        # Pre-softmax projection with the shared embedding matrix; logits
+        # are float32 even under mixed precision.
+        return ops.cast(self.token_embedding(x, reverse=True), "float32")  # [B, T, V]
+
+    def decode(self, decoder_token_ids, encoder_outputs, encoder_token_ids, training=False):
+        """Full (uncached) decoder: logits `[B, T, V]` for target ids `[B, T]`.
+
+        Args:
+            decoder_token_ids: `[B, T]` target ids, starting with the start id.
+            encoder_outputs: `[B, S, D]` from `encode`.
+            encoder_token_ids: `[B, S]` source ids (for the padding mask).
+        """
+        decoder_token_ids = check_token_ids(decoder_token_ids, "decoder_token_ids", self.vocabulary_size)
+        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        encoder_padding_mask = ops.not_equal(encoder_token_ids, self.pad_id)
+        decoder_padding_mask = ops.not_equal(decoder_token_ids, self.pad_id)
+        x = self._embed(decoder_token_ids, self.decoder_position, self.decoder_embedding_dropout, training=training)
+        for layer in self.decoder_layers:
+            x = layer(
+                x,
+                encoder_outputs,
+                decoder_padding_mask=decoder_padding_mask,
+                encoder_padding_mask=encoder_padding_mask,
+                training=training,
+            )
+        return self._logits(x)
+
+    def call(self, inputs, training=None):
+        if not isinstance(inputs, dict) or not {"encoder_token_ids", "decoder_token_ids"} <= set(inputs):
+            received = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            raise ValueError(
+                "TransformerModel expects a dict with 'encoder_token_ids' and "
+                f"'decoder_token_ids', received {received}"
+            )
+        encoder_outputs = self.encode(inputs["encoder_token_ids"], training=training)
+        return self.decode(
+            inputs["decoder_token_ids"], encoder_outputs, inputs["encoder_token_ids"], training=training
+        )
+
+    # ------------------------------------------------------------------ #
+    # Incremental decoding
+    # ------------------------------------------------------------------ #
+    def init_cache(self, encoder_outputs, encoder_token_ids, max_length):
+        """The decoding cache for `max_length` target positions.
+
+        Cross-attention keys/values are computed here, once per source;
+        self-attention keys/values start as zeros and are filled one position
+        per `decode_step`. Every entry has the batch on axis 0, so beam search
+        can reorder or tile the whole cache with one gather.
+
+        Returns:
+            dict with `self_key [B, L, T_max, N, K]`, `self_value
+            [B, L, T_max, N, Vh]`, `cross_key [B, L, S, N, K]`, `cross_value
+            [B, L, S, N, Vh]` and `encoder_padding_mask [B, S]` (bool).
+        """
+        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        batch = ops.shape(encoder_outputs)[0]
+        layers = len(self.decoder_layers)
+        dtype = self.compute_dtype
+        cross = [layer.compute_cross_attention_cache(encoder_outputs) for layer in self.decoder_layers]
+        return {
+            "self_key": ops.zeros((batch, layers, max_length, self.num_heads, self.head_key_dim), dtype),
+            "self_value": ops.zeros((batch, layers, max_length, self.num_heads, self.head_value_dim), dtype),
+            "cross_key": ops.stack([k for k, _ in cross], axis=1),
+            "cross_value": ops.stack([v for _, v in cross], axis=1),
+            "encoder_padding_mask": ops.not_equal(encoder_token_ids, self.pad_id),
+        }
+
+    def decode_step(self, token_ids, index, cache):
+        """One cached decoder step.
+
+        Args:
+            token_ids: `[B]` or `[B, 1]`, the target token at position `index`.
+            index: int or scalar int tensor, its position (0 for the start id).
+            cache: from `init_cache` or the previous step.
+
+        Returns:
+            `(logits [B, V] for position index + 1, updated cache)`.
+        """
+        if len(token_ids.shape) == 1:
+            token_ids = ops.expand_dims(token_ids, 1)  # [B] -> [B, 1]
+        token_ids = ops.cast(token_ids, "int32")
+        x = self._embed(token_ids, self.decoder_position, self.decoder_embedding_dropout, start_index=index, training=False)
+        keys, values = [], []
+        for i, layer in enumerate(self.decoder_layers):
+            x, (key, value) = layer(
+                x,
+                encoder_padding_mask=cache["encoder_padding_mask"],
+                self_attention_cache=(cache["self_key"][:, i], cache["self_value"][:, i]),
+                self_attention_cache_update_index=index,
+                cross_attention_cache=(cache["cross_key"][:, i], cache["cross_value"][:, i]),
+                training=False,
+            )
+            keys.append(key)
+            values.append(value)
+        cache = dict(cache, self_key=ops.stack(keys, axis=1), self_value=ops.stack(values, axis=1))
+        return self._logits(x)[:, 0, :], cache
+
+    # ------------------------------------------------------------------ #
+    # Config, presets
+    # ------------------------------------------------------------------ #
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "vocabulary_size": self.vocabulary_size,
+                "num_layers": self.num_layers,
+                "num_heads": self.num_heads,
+                "hidden_dim": self.hidden_dim,
+                "intermediate_dim": self.intermediate_dim,
+                "key_dim": self.key_dim,
+                "value_dim": self.value_dim,
+                "dropout": self.dropout,
+                "attention_dropout": self.attention_dropout,
+                "max_sequence_length": self.max_sequence_length,
+                "position_encoding": self.position_encoding,
+                "normalize_first": self.normalize_first,
+                "attention_window": self.attention_window,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+                "num_encoder_layers": self.num_encoder_layers,
+                "num_decoder_layers": self.num_decoder_layers,
+                "use_fused_attention": self.use_fused_attention,
+                "pad_id": self.pad_id,
+                "unk_id": self.unk_id,
+                "start_id": self.start_id,
+                "end_id": self.end_id,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        for key in ("trainable",):
+            config.pop(key, None)
+        return cls(**config)
+
+    @classmethod
+    def from_preset(cls, preset, **overrides):
+        """A built-in preset (random weights) or a directory from `save_to_preset`.
+
+        Args:
+            preset: a name in `TransformerModel.presets` or a directory path.
+            **overrides: constructor arguments replacing the preset's
+                (e.g. `vocabulary_size=32000`, `dropout=0.0`).
+        """
+        allowed = set(_constructor_args())
+        unknown = sorted(set(overrides) - allowed)
+        if unknown:
+            raise ValueError(f"Unknown TransformerModel argument(s) {unknown}; allowed: {sorted(allowed)}")
+        if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
+            return _load_preset_directory(cls, pathlib.Path(preset), overrides)
+        if isinstance(preset, str) and preset in PRESETS:
+            return cls(**{**PRESETS[preset]["config"], **overrides})
+        raise ValueError(
+            f"Unknown preset {preset!r}. Built-in presets: {', '.join(PRESETS)}; "
+            "or pass a directory written by save_to_preset."
+        )
+
+    def save_to_preset(self, directory, tokenizer=None, metadata=None, overwrite=False):
+        """Writes config.json, model.weights.h5, the tokenizer and metadata.json.
+
+        The directory is written next to its final place and renamed at the
+        end, so a failure never leaves a partial preset.
+
+        Args:
+            directory: path to create.
+            tokenizer: optional tokenizer with a `save(directory)` method;
+                defaults to `self.tokenizer`.
+            metadata: optional JSON-serializable dict (what trained it, on
+                what, with what score).
+            overwrite: replace an existing directory.
+        """
+        directory = pathlib.Path(directory)
+        if directory.exists() and not overwrite:
+            raise FileExistsError(f"{directory} already exists; pass overwrite=True to replace it")
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex}"
+        staging.mkdir()
+        try:
+            from keras_transformer import __version__
+
+            config = {
+                "module": "keras_transformer",
+                "class_name": type(self).__name__,
+                "format_version": PRESET_FORMAT_VERSION,
+                "keras_transformer_version": __version__,
+                "keras_version": keras.__version__,
+                "config": _jsonable(self.get_config()),
+            }
+            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            self.save_weights(str(staging / WEIGHTS_FILE))
+            if tokenizer is not None:
+                tokenizer.save(staging)
+            (staging / METADATA_FILE).write_text(json.dumps(metadata or {}, indent=2, sort_keys=True) + "\n")
+            _replace_directory(staging, directory)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def _constructor_args():
+    import inspect
+
+    return [
+        name
+        for name, p in inspect.signature(TransformerModel.__init__).parameters.items()
+        if name != "self" and p.kind is not p.VAR_KEYWORD
+    ] + ["dtype", "name"]
+
+
+def _jsonable(config):
+    config = dict(config)
+    # Keras' dtype policy serializes as a dict; a preset stores the name.
+    policy = config.get("dtype")
+    if isinstance(policy, dict):
+        config["dtype"] = policy.get("config", {}).get("name", None)
+    return config
+
+
+def _replace_directory(staging, directory):
+    if directory.exists():
+        trash = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex}"
+        os.replace(directory, trash)
+        os.replace(staging, directory)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, directory)
+
+
+def _load_preset_directory(cls, directory, overrides):
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / name).is_file():
+            raise FileNotFoundError(
+                f"Preset directory {directory} has no {name}; a preset directory "
+                f"written by save_to_preset holds {CONFIG_FILE} and {WEIGHTS_FILE}."
+            )
+    try:
+        saved = json.loads((directory / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{directory / CONFIG_FILE} is not valid JSON: {error}") from None
+    if saved.get("class_name") != cls.__name__ or "config" not in saved:
+        raise ValueError(
+            f"{directory / CONFIG_FILE} does not describe a {cls.__name__} "
+            f"(class_name={saved.get('class_name')!r})"
+        )
+    if saved.get("format_version") != PRESET_FORMAT_VERSION:
+        raise ValueError(
+            f"{directory / CONFIG_FILE} has format_version={saved.get('format_version')!r}; "
+            f"this version of keras_transformer reads format {PRESET_FORMAT_VERSION}"
+        )
+    config = {**saved["config"], **overrides}
+    config.pop("name", None)
+    model = cls.from_config(config)
+    try:
+        model.load_weights(str(directory / WEIGHTS_FILE))
+    except Exception as error:  # noqa: BLE001 - re-raised with the file named
+        raise ValueError(
+            f"Could not load {directory / WEIGHTS_FILE} into a model built from "
+            f"{directory / CONFIG_FILE}: {error}"
+        ) from error
+    if (directory / TOKENIZER_FILE).is_file():
+        from keras_transformer.tokenizer import Tokenizer
+
+        model.tokenizer = Tokenizer.load(directory)
+    return model

@@ -1,0 +1,129 @@
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import to_numpy
+from keras_transformer.layers import MultiHeadAttention
+from keras_transformer.layers.attention import attention_masks
+
+
+def numpy_multi_head_attention(query, value, weights, num_heads, key_dim, value_dim, mask=None):
+    """The paper's equation (1) per head, concatenated and projected (section 3.2.2)."""
+    wq, bq, wk, bk, wv, bv, wo, bo = weights
+    heads = []
+    for h in range(num_heads):
+        q = query @ wq[:, h * key_dim:(h + 1) * key_dim] + bq[h * key_dim:(h + 1) * key_dim]
+        k = value @ wk[:, h * key_dim:(h + 1) * key_dim] + bk[h * key_dim:(h + 1) * key_dim]
+        v = value @ wv[:, h * value_dim:(h + 1) * value_dim] + bv[h * value_dim:(h + 1) * value_dim]
+        logits = q @ np.swapaxes(k, -1, -2) / math.sqrt(key_dim)  # [B, T, S]
+        if mask is not None:
+            logits = np.where(mask, logits, -np.inf)
+        logits = logits - logits.max(-1, keepdims=True)
+        probs = np.exp(logits)
+        probs = probs / probs.sum(-1, keepdims=True)
+        heads.append(probs @ v)
+    return np.concatenate(heads, -1) @ wo + bo
+
+
+def hand_set_layer(rng, hidden, num_heads, key_dim, value_dim, fused=False):
+    layer = MultiHeadAttention(num_heads, key_dim, value_dim, use_fused_attention=fused)
+    layer.build((None, None, hidden), (None, None, hidden))
+    weights = [
+        rng.normal(size=(hidden, num_heads * key_dim)), rng.normal(size=num_heads * key_dim),
+        rng.normal(size=(hidden, num_heads * key_dim)), rng.normal(size=num_heads * key_dim),
+        rng.normal(size=(hidden, num_heads * value_dim)), rng.normal(size=num_heads * value_dim),
+        rng.normal(size=(num_heads * value_dim, hidden)), rng.normal(size=hidden),
+    ]
+    weights = [(w * 0.3).astype("float32") for w in weights]
+    for dense, (kernel, bias) in zip(
+        [layer.query_dense, layer.key_dense, layer.value_dense, layer.output_dense],
+        zip(weights[0::2], weights[1::2]),
+    ):
+        dense.set_weights([kernel, bias])
+    return layer, weights
+
+
+@pytest.mark.parametrize("num_heads,key_dim,value_dim", [(2, 4, 4), (4, 3, 5), (1, 8, 8)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_matches_numpy_equation_1(rng, num_heads, key_dim, value_dim, masked):
+    hidden = 8
+    layer, weights = hand_set_layer(rng, hidden, num_heads, key_dim, value_dim)
+    query = rng.normal(size=(2, 5, hidden)).astype("float32")
+    value = rng.normal(size=(2, 7, hidden)).astype("float32")
+    mask = None
+    if masked:
+        mask = rng.random((2, 5, 7)) > 0.4
+        mask[:, :, 0] = True  # every query sees at least one key
+    expected = numpy_multi_head_attention(query, value, weights, num_heads, key_dim, value_dim, mask)
+    actual = to_numpy(layer(query, value, attention_mask=mask))
+    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_path_equals_plain_path(rng, masked):
+    hidden, num_heads, key_dim = 16, 4, 4
+    plain, weights = hand_set_layer(np.random.default_rng(1), hidden, num_heads, key_dim, key_dim, fused=False)
+    fused, _ = hand_set_layer(np.random.default_rng(1), hidden, num_heads, key_dim, key_dim, fused=True)
+    query = rng.normal(size=(3, 6, hidden)).astype("float32")
+    value = rng.normal(size=(3, 9, hidden)).astype("float32")
+    mask = None
+    if masked:
+        mask = attention_masks(6, 9, key_padding_mask=np.arange(9)[None, :] < np.array([[9], [4], [1]]), causal=True)
+    np.testing.assert_allclose(
+        to_numpy(fused(query, value, attention_mask=mask)),
+        to_numpy(plain(query, value, attention_mask=mask)),
+        rtol=1e-5, atol=1e-5,
+    )
+
+
+def test_attention_scores_are_the_softmax_weights(rng):
+    layer, _ = hand_set_layer(rng, 8, 2, 4, 4)
+    x = rng.normal(size=(2, 5, 8)).astype("float32")
+    mask = np.tril(np.ones((5, 5), bool))[None]
+    _, scores = layer(x, x, attention_mask=mask, return_attention_scores=True)
+    scores = to_numpy(scores)
+    assert scores.shape == (2, 2, 5, 5)
+    np.testing.assert_allclose(scores.sum(-1), 1.0, rtol=1e-5)
+    assert np.all(scores[..., np.triu_indices(5, 1)[0], np.triu_indices(5, 1)[1]] < 1e-6)
+
+
+def test_cache_update_matches_full_attention(rng):
+    """Writing keys/values one step at a time gives the full causal attention."""
+    layer, _ = hand_set_layer(rng, 8, 2, 4, 4)
+    x = rng.normal(size=(2, 6, 8)).astype("float32")
+    full = to_numpy(layer(x, x, attention_mask=attention_masks(6, 6, causal=True)))
+    cache = (np.zeros((2, 6, 2, 4), "float32"), np.zeros((2, 6, 2, 4), "float32"))
+    for t in range(6):
+        mask = attention_masks(1, 6, causal=True, query_offset=t)
+        out, cache = layer(x[:, t:t + 1], x[:, t:t + 1], attention_mask=mask, cache=cache, cache_update_index=t)
+        np.testing.assert_allclose(to_numpy(out)[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+
+
+def test_restricted_window_mask():
+    mask = to_numpy(attention_masks(5, 5, attention_window=1))[0]
+    expected = np.abs(np.arange(5)[:, None] - np.arange(5)[None, :]) <= 1
+    np.testing.assert_array_equal(mask, expected)
+    causal = to_numpy(attention_masks(5, 5, causal=True, attention_window=1))[0]
+    np.testing.assert_array_equal(causal, expected & (np.arange(5)[None, :] <= np.arange(5)[:, None]))
+
+
+def test_config_round_trip():
+    layer = MultiHeadAttention(4, 8, 16, dropout=0.1, attention_window=3, name="mha")
+    clone = MultiHeadAttention.from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_heads=0, key_dim=4), "num_heads=0"),
+        (dict(num_heads=2, key_dim=-1), "key_dim=-1"),
+        (dict(num_heads=2, key_dim=4, dropout=1.5), "dropout=1.5"),
+        (dict(num_heads=2, key_dim=4, attention_window=-2), "attention_window=-2"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MultiHeadAttention(**kwargs)

@@ -1,0 +1,297 @@
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_transformer as kt
+from conftest import BACKEND, random_ids, tiny_model, to_numpy
+
+
+def logits(model, src, tgt):
+    return to_numpy(model({"encoder_token_ids": src, "decoder_token_ids": tgt}))
+
+
+def test_output_shape_and_dtype(rng):
+    model = tiny_model()
+    out = logits(model, random_ids(rng, 3, 7), random_ids(rng, 3, 5))
+    assert out.shape == (3, 5, 50)
+    assert out.dtype == np.float32
+    assert tuple(model.encode(random_ids(rng, 3, 7)).shape) == (3, 7, 16)
+
+
+def test_embedding_matrix_is_shared_with_the_output_projection(rng):
+    model = tiny_model()
+    embeddings = [w for w in model.weights if "embeddings" in w.path and "token_embedding" in w.path]
+    assert len(embeddings) == 1, [w.path for w in model.weights]
+    # Logits are the decoder output times the (shared) embedding matrix transposed.
+    table = to_numpy(embeddings[0])
+    assert table.shape == (50, 16)
+    src, tgt = random_ids(rng, 1, 4), random_ids(rng, 1, 3)
+    before = logits(model, src, tgt)
+    embeddings[0].assign(table * 2.0)
+    assert not np.allclose(before, logits(model, src, tgt))
+
+
+def test_config_round_trip():
+    model = tiny_model(key_dim=3, value_dim=5, position_encoding="learned", normalize_first=True,
+                       attention_window=4, num_decoder_layers=3)
+    clone = kt.TransformerModel.from_config(model.get_config())
+    assert clone.get_config() == model.get_config()
+    assert clone.count_params() == model.count_params()
+
+
+def test_keras_file_round_trip(tmp_path, rng):
+    model = tiny_model(position_encoding="learned")
+    src, tgt = random_ids(rng, 2, 6), random_ids(rng, 2, 4)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, kt.TransformerModel)
+    np.testing.assert_allclose(logits(loaded, src, tgt), logits(model, src, tgt), rtol=1e-6, atol=1e-6)
+
+
+def test_preset_directory_round_trip_gives_identical_logits(tmp_path, rng):
+    model = tiny_model()
+    src, tgt = random_ids(rng, 2, 6), random_ids(rng, 2, 4)
+    model.save_to_preset(tmp_path / "preset", metadata={"note": "test"})
+    assert sorted(os.listdir(tmp_path / "preset")) == ["config.json", "metadata.json", "model.weights.h5"]
+    assert json.loads((tmp_path / "preset" / "metadata.json").read_text()) == {"note": "test"}
+    loaded = kt.TransformerModel.from_preset(str(tmp_path / "preset"))
+    np.testing.assert_array_equal(logits(loaded, src, tgt), logits(model, src, tgt))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], "staging directory left behind"
+
+
+def test_save_to_preset_refuses_to_overwrite(tmp_path):
+    model = tiny_model()
+    model.save_to_preset(tmp_path / "p")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        model.save_to_preset(tmp_path / "p")
+    model.save_to_preset(tmp_path / "p", overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["p"]
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.weights.h5"])
+def test_preset_directory_missing_file_is_named(tmp_path, missing):
+    tiny_model().save_to_preset(tmp_path / "p")
+    os.remove(tmp_path / "p" / missing)
+    with pytest.raises(FileNotFoundError, match=missing):
+        kt.TransformerModel.from_preset(str(tmp_path / "p"))
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ValueError, match="base, big, big_en_fr, small, tiny"):
+        kt.TransformerModel.from_preset("huge")
+
+
+def test_unknown_override_is_named():
+    with pytest.raises(ValueError, match="hidden_size"):
+        kt.TransformerModel.from_preset("tiny", hidden_size=8)
+
+
+def test_presets_property_describes_every_preset():
+    assert set(kt.TransformerModel.presets) == {"base", "big", "big_en_fr", "small", "tiny"}
+    assert all(isinstance(d, str) and d for d in kt.TransformerModel.presets.values())
+
+
+def test_from_preset_applies_overrides():
+    model = kt.TransformerModel.from_preset("tiny", vocabulary_size=123, dropout=0.0)
+    assert model.vocabulary_size == 123 and model.dropout == 0.0
+
+
+def test_causality(rng):
+    """Changing future target tokens leaves earlier logits unchanged."""
+    model = tiny_model()
+    src, tgt = random_ids(rng, 2, 6), random_ids(rng, 2, 8)
+    changed = tgt.copy()
+    changed[:, 5:] = random_ids(rng, 2, 3)
+    a, b = logits(model, src, tgt), logits(model, src, changed)
+    np.testing.assert_allclose(a[:, :5], b[:, :5], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(a[:, 5:], b[:, 5:])
+
+
+def test_source_padding_invariance(rng):
+    model = tiny_model()
+    src, tgt = random_ids(rng, 2, 6), random_ids(rng, 2, 5)
+    padded = np.concatenate([src, np.zeros((2, 4), "int32")], axis=1)
+    np.testing.assert_allclose(logits(model, padded, tgt), logits(model, src, tgt), rtol=1e-5, atol=1e-5)
+
+
+def test_target_padding_invariance(rng):
+    model = tiny_model()
+    src, tgt = random_ids(rng, 2, 6), random_ids(rng, 2, 5)
+    padded = np.concatenate([tgt, np.zeros((2, 3), "int32")], axis=1)
+    np.testing.assert_allclose(logits(model, src, padded)[:, :5], logits(model, src, tgt), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_rows_are_independent(rng):
+    model = tiny_model()
+    src = random_ids(rng, 3, 6)
+    src[1, 3:] = 0  # a shorter source in the middle of the batch
+    tgt = random_ids(rng, 3, 4)
+    batch = logits(model, src, tgt)
+    for i in range(3):
+        length = int((src[i] > 0).sum())
+        alone = logits(model, src[i:i + 1, :length], tgt[i:i + 1])
+        np.testing.assert_allclose(batch[i], alone[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"position_encoding": "learned"}, {"normalize_first": True}, {"key_dim": 3, "value_dim": 6},
+     {"attention_window": 2}],
+    ids=["paper", "learned", "pre_ln", "dk_dv", "window"],
+)
+def test_cached_decoding_equals_full_decoding(rng, overrides):
+    model = tiny_model(**overrides)
+    src = random_ids(rng, 2, 7)
+    src[0, 4:] = 0
+    tgt = random_ids(rng, 2, 6)
+    full = logits(model, src, tgt)
+    cache = model.init_cache(model.encode(src), src, max_length=6)
+    for t in range(6):
+        step, cache = model.decode_step(tgt[:, t], t, cache)
+        np.testing.assert_allclose(to_numpy(step), full[:, t], rtol=1e-5, atol=1e-5)
+
+
+def closed_form_parameter_count(vocabulary, n, d_model, d_ff, h, d_k, d_v):
+    """Parameters of the paper's architecture with a shared embedding matrix.
+
+    Per attention block: W^Q, W^K (d_model x h d_k, + biases), W^V (d_model x
+    h d_v + bias), W^O (h d_v x d_model + bias). FFN: d_model x d_ff + d_ff +
+    d_ff x d_model + d_model. LayerNorm: 2 d_model. Encoder layer: 1 attention,
+    1 FFN, 2 norms; decoder layer: 2 attentions, 1 FFN, 3 norms. Sinusoidal
+    positions have no parameters.
+    """
+    attention = 2 * (d_model * h * d_k + h * d_k) + (d_model * h * d_v + h * d_v) + (h * d_v * d_model + d_model)
+    ffn = d_model * d_ff + d_ff + d_ff * d_model + d_model
+    norm = 2 * d_model
+    encoder_layer = attention + ffn + 2 * norm
+    decoder_layer = 2 * attention + ffn + 3 * norm
+    return vocabulary * d_model + n * (encoder_layer + decoder_layer)
+
+
+@pytest.mark.parametrize(
+    "preset,dims,paper_millions",
+    [("base", (37000, 6, 512, 2048, 8, 64, 64), 65), ("big", (37000, 6, 1024, 4096, 16, 64, 64), 213)],
+)
+def test_parameter_counts_match_closed_form(preset, dims, paper_millions):
+    model = kt.TransformerModel.from_preset(preset)
+    expected = closed_form_parameter_count(*dims)
+    assert model.count_params() == expected
+    # Within 4% of the paper's rounded figure (see README for the difference).
+    assert abs(expected / 1e6 - paper_millions) / paper_millions < 0.04
+
+
+# Paper Table 3: every row is a constructor call (vocabulary shrunk to keep the test fast).
+TABLE_3 = {
+    "A1": dict(num_heads=1, key_dim=512, value_dim=512),
+    "A2": dict(num_heads=4, key_dim=128, value_dim=128),
+    "A3": dict(num_heads=16, key_dim=32, value_dim=32),
+    "A4": dict(num_heads=32, key_dim=16, value_dim=16),
+    "B1": dict(key_dim=16, value_dim=64),
+    "B2": dict(key_dim=32, value_dim=64),
+    "C_N2": dict(num_layers=2),
+    "C_N4": dict(num_layers=4),
+    "C_N8": dict(num_layers=8),
+    "C_d256": dict(hidden_dim=256, key_dim=32, value_dim=32),
+    "C_d1024": dict(hidden_dim=1024, key_dim=128, value_dim=128),
+    "C_ff1024": dict(intermediate_dim=1024),
+    "C_ff4096": dict(intermediate_dim=4096),
+    "D_drop0": dict(dropout=0.0),
+    "D_drop02": dict(dropout=0.2),
+    "E_learned": dict(position_encoding="learned"),
+}
+
+
+@pytest.mark.parametrize("row", sorted(TABLE_3))
+def test_table_3_variant_is_expressible(row):
+    overrides = TABLE_3[row]
+    model = kt.TransformerModel.from_preset("base", vocabulary_size=64, **overrides)
+    config = {**kt.presets.PRESETS["base"]["config"], **overrides}
+    h, d_model = config["num_heads"], config["hidden_dim"]
+    d_k = config.get("key_dim") or d_model // h
+    d_v = config.get("value_dim") or d_k
+    attention = model.decoder_layers[0].cross_attention
+    assert tuple(attention.query_dense.kernel.shape) == (d_model, h * d_k)
+    assert tuple(attention.value_dense.kernel.shape) == (d_model, h * d_v)
+    assert tuple(attention.output_dense.kernel.shape) == (h * d_v, d_model)
+    assert len(model.encoder_layers) == len(model.decoder_layers) == config["num_layers"]
+    assert model.encoder_layers[0].feedforward_intermediate.units == config["intermediate_dim"]
+    assert model.dropout == config["dropout"]
+    out = model({"encoder_token_ids": np.array([[5, 6, 3]]), "decoder_token_ids": np.array([[2, 7]])})
+    assert tuple(out.shape) == (1, 2, 64)
+
+
+def test_restricted_attention_model_runs(rng):
+    model = tiny_model(attention_window=2)
+    assert logits(model, random_ids(rng, 1, 9), random_ids(rng, 1, 4)).shape == (1, 4, 50)
+
+
+@pytest.mark.parametrize(
+    "src,match",
+    [
+        (np.array([5, 6, 7], "int32"), r"rank 2 \[batch, length\], received shape \(3,\)"),
+        (np.ones((1, 3), "float32"), "integer tensor of token ids, received dtype float32"),
+        (np.array([[5, 50, 3]], "int32"), r"token id 50, outside \[0, 50\)"),
+        (np.array([[5, -1, 3]], "int32"), r"token id -1, outside \[0, 50\)"),
+    ],
+    ids=["rank", "dtype", "too_large", "negative"],
+)
+def test_bad_token_ids_are_clear_errors(src, match):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=match):
+        model({"encoder_token_ids": src, "decoder_token_ids": np.array([[2, 5, 6]])})
+
+
+def test_bad_decoder_ids_are_named():
+    with pytest.raises(ValueError, match="decoder_token_ids contains token id 99"):
+        tiny_model()({"encoder_token_ids": np.array([[5, 3]]), "decoder_token_ids": np.array([[2, 99]])})
+
+
+def test_inputs_must_be_the_named_dict():
+    with pytest.raises(ValueError, match="'encoder_token_ids' and 'decoder_token_ids'"):
+        tiny_model()([np.array([[5, 3]]), np.array([[2, 5]])])
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(num_heads=7), "num_heads=7 must divide hidden_dim=16"),
+        (dict(vocabulary_size=0), "vocabulary_size=0"),
+        (dict(position_encoding="rotary"), "position_encoding='rotary'"),
+        (dict(dropout=1.0), "dropout=1.0"),
+        (dict(end_id=50), "end_id=50"),
+    ],
+)
+def test_bad_constructor_arguments(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_model(**overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="spawns all three backends itself; run once")
+def test_one_weights_file_gives_the_same_logits_on_all_backends(tmp_path):
+    """Save on one backend, load on TensorFlow, JAX and PyTorch in fresh processes."""
+    tiny_model(position_encoding="learned").save_to_preset(tmp_path / "preset")
+    rng = np.random.default_rng(0)
+    src, tgt = random_ids(rng, 2, 7), random_ids(rng, 2, 5)
+    src[1, 4:] = 0
+    np.save(tmp_path / "src.npy", src)
+    np.save(tmp_path / "tgt.npy", tgt)
+    script = (
+        "import sys, numpy as np, keras, keras_transformer as kt\n"
+        "d = sys.argv[1]\n"
+        "m = kt.TransformerModel.from_preset(d + '/preset')\n"
+        "out = m({'encoder_token_ids': np.load(d + '/src.npy'), 'decoder_token_ids': np.load(d + '/tgt.npy')})\n"
+        "np.save(d + '/' + keras.backend.backend() + '.npy', keras.ops.convert_to_numpy(out))\n"
+    )
+    for backend in ("tensorflow", "jax", "torch"):
+        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+        subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=300)
+    reference = np.load(tmp_path / "tensorflow.npy")
+    for backend in ("jax", "torch"):
+        np.testing.assert_allclose(np.load(tmp_path / f"{backend}.npy"), reference, rtol=1e-4, atol=1e-4)
