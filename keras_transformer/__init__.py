@@ -3,6 +3,19 @@
 __version__ = "0.1.0.dev0"
 
 from keras_transformer import layers
+from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import TransformerModel
+from keras_transformer.schedules import WarmupSchedule, WarmupScheduleCallback, warmup_learning_rate
+from keras_transformer.tokenizer import Tokenizer, train_tokenizer
 
-__all__ = ["TransformerModel", "layers", "__version__"]
+__all__ = [
+    "LabelSmoothedCrossEntropy",
+    "Tokenizer",
+    "TransformerModel",
+    "WarmupSchedule",
+    "WarmupScheduleCallback",
+    "__version__",
+    "layers",
+    "train_tokenizer",
+    "warmup_learning_rate",
+]

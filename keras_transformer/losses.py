@@ -1,0 +1,202 @@
+"""Label-smoothed cross-entropy over target tokens, ignoring padding.
+
+Shape legend: B batch, T target length, V vocabulary size.
+"""
+
+import keras
+from keras import ops
+
+_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum", "none", None)
+
+
+def _scale_loss_for_distribution(loss):
+    """Divides a replica's mean loss by the number of `tf.distribute` replicas.
+
+    Keras' TensorFlow trainer sums gradients across replicas, so every
+    `keras.losses.Loss` divides its mean by the replica count; this does the
+    same for our own reduction. A no-op on JAX and PyTorch and with one replica.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return loss
+    import tensorflow as tf
+
+    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if num_replicas > 1:
+        loss = loss / num_replicas
+    return loss
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class LabelSmoothedCrossEntropy(keras.losses.Loss):
+    """Label-smoothed cross-entropy averaged over non-padding target tokens.
+
+    The paper trains with label smoothing of value `eps = 0.1` (Section 5.4).
+    Keras 3's `SparseCategoricalCrossentropy` has no label smoothing and
+    `CategoricalCrossentropy` needs a one-hot `[B, T, V]` target, so this loss
+    takes integer targets and never builds a one-hot tensor. Per token:
+
+    ```
+    logp = log_softmax(logits)                               # [B, T, V]
+    loss = -(1 - eps) * logp[gold] - eps * mean_v(logp[v])   # [B, T]
+    ```
+
+    i.e. the smoothed target puts `1 - eps + eps / V` on the gold token and
+    `eps / V` on every token, the gold one included. This is exactly
+    `keras.losses.CategoricalCrossentropy(label_smoothing=eps)` on the one-hot
+    target, `torch.nn.CrossEntropyLoss(label_smoothing=eps)` and the original
+    fairseq/tensor2tensor formulation (current fairseq spreads `eps / (V - 1)`
+    over the non-gold tokens only; the difference is O(eps / V)).
+
+    Reduction. Targets equal to `pad_id` get loss 0 and do not count. With the
+    default `reduction="sum_over_batch_size"` the value is the sum of token
+    losses divided by the number of non-padding target tokens in the batch:
+    the per-token loss the paper reports, independent of how much padding a
+    batch carries. `model.compile(loss=LabelSmoothedCrossEntropy())` followed
+    by `model.fit` therefore optimizes this token mean on every backend. To
+    get it exactly (Keras' base class would divide by `B * T`), this class
+    overrides `__call__` and reduces itself:
+
+    - `"sum_over_batch_size"` / `"mean"`: `sum(w * loss) / num_tokens`
+      (Keras' convention for masked losses: sample weights scale tokens, the
+      divisor counts non-padding tokens);
+    - `"mean_with_sample_weight"`: `sum(w * loss) / sum(w * non_pad)`;
+    - `"sum"`: `sum(w * loss)`;
+    - `None` / `"none"`: per-token losses `[B, T]`, 0 at padding.
+
+    `sample_weight` may be `[B]`, `[B, 1]` or `[B, T]`. Under a
+    `tf.distribute` strategy each replica averages over its own tokens (as any
+    Keras mean loss does), so the step optimizes the mean of the replicas'
+    token means; with token-bucketed batches these are nearly equal. A Keras
+    mask carried by `y_pred` is not used: the targets define the mask.
+
+    Logits are cast to float32 before the softmax, so mixed-precision
+    (`float16`/`bfloat16`) logits are accepted and the loss is float32.
+
+    Args:
+        label_smoothing: float in `[0, 1)`. The smoothing `eps`; `0` gives
+            plain sparse categorical cross-entropy. Defaults to `0.1`.
+        pad_id: int or `None`. Target id that is ignored; `None` counts every
+            target. Defaults to `0`.
+        from_logits: bool. Must be `True`: `y_pred` holds logits (the model's
+            output), never probabilities. Defaults to `True`.
+        reduction: str or `None`. See above. Defaults to
+            `"sum_over_batch_size"`.
+        name: str. Name of the loss. Defaults to
+            `"label_smoothed_cross_entropy"`.
+
+    Example:
+
+    ```python
+    loss = keras_transformer.LabelSmoothedCrossEntropy(label_smoothing=0.1)
+    y_true = np.array([[5, 7, 3, 0]])                 # [B, T], 0 = padding
+    logits = np.random.normal(size=(1, 4, 16))        # [B, T, V]
+    value = loss(y_true, logits)                      # mean over 3 tokens
+    model.compile(optimizer="adam", loss=loss)
+    ```
+
+    References:
+        - [Vaswani et al., 2017](https://arxiv.org/abs/1706.03762), Sec. 5.4.
+        - [Szegedy et al., 2016](https://arxiv.org/abs/1512.00567), Sec. 7.
+    """
+
+    def __init__(
+        self,
+        label_smoothing=0.1,
+        pad_id=0,
+        from_logits=True,
+        reduction="sum_over_batch_size",
+        name="label_smoothed_cross_entropy",
+    ):
+        if not isinstance(label_smoothing, (int, float)) or not (
+            0.0 <= label_smoothing < 1.0
+        ):
+            raise ValueError(
+                f"label_smoothing={label_smoothing!r} must be a float in [0, 1)"
+            )
+        if pad_id is not None and (
+            isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0
+        ):
+            raise ValueError(f"pad_id={pad_id!r} must be a non-negative int or None")
+        if from_logits is not True:
+            raise ValueError(
+                f"from_logits={from_logits!r} is not supported: "
+                "LabelSmoothedCrossEntropy takes logits only (from_logits=True)"
+            )
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction={reduction!r} must be one of {_REDUCTIONS}")
+        # Always float32: mixed-precision logits are upcast before the softmax.
+        super().__init__(name=name, reduction=reduction, dtype="float32")
+        self.label_smoothing = float(label_smoothing)
+        self.pad_id = pad_id
+        self.from_logits = from_logits
+
+    def call(self, y_true, y_pred):
+        """Per-token losses.
+
+        Args:
+            y_true: int tensor `[B, T]` (or `[B, T, 1]`) of target ids.
+            y_pred: float tensor `[B, T, V]` of logits.
+
+        Returns:
+            float32 tensor `[B, T]`; 0 where `y_true == pad_id`.
+        """
+        y_true = ops.convert_to_tensor(y_true)
+        y_pred = ops.cast(y_pred, "float32")
+        if len(y_true.shape) == len(y_pred.shape):
+            y_true = ops.squeeze(y_true, axis=-1)  # [B, T, 1] -> [B, T]
+        y_true = ops.cast(y_true, "int32")
+
+        log_probs = ops.log_softmax(y_pred, axis=-1)  # [B, T, V]
+        gold = ops.take_along_axis(
+            log_probs, ops.expand_dims(y_true, -1), axis=-1
+        )  # [B, T, 1]
+        gold = ops.squeeze(gold, axis=-1)  # [B, T]
+        eps = self.label_smoothing
+        # -(1 - eps) log p(gold) - eps * mean over all V classes of log p(v).
+        losses = -(1.0 - eps) * gold
+        if eps > 0.0:
+            losses = losses - eps * ops.mean(log_probs, axis=-1)  # [B, T]
+        return ops.where(self._token_mask(y_true), losses, 0.0)
+
+    def _token_mask(self, y_true):
+        """Boolean `[B, T]`: which targets count."""
+        if self.pad_id is None:
+            return ops.ones_like(y_true, dtype="bool")
+        return ops.not_equal(y_true, self.pad_id)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        with keras.name_scope(self.name):
+            y_true = ops.convert_to_tensor(y_true)
+            y_pred = ops.convert_to_tensor(y_pred)
+            if len(y_true.shape) == len(y_pred.shape):
+                y_true = ops.squeeze(y_true, axis=-1)  # [B, T, 1] -> [B, T]
+            losses = self.call(y_true, y_pred)  # [B, T]
+            weights = ops.cast(self._token_mask(y_true), "float32")  # [B, T]
+            num_tokens = ops.sum(weights)
+            if sample_weight is not None:
+                sample_weight = ops.cast(sample_weight, "float32")
+                if len(sample_weight.shape) == 1:
+                    sample_weight = ops.expand_dims(sample_weight, -1)  # [B, 1]
+                losses = losses * sample_weight
+                weights = weights * sample_weight
+            if self.reduction in (None, "none"):
+                return losses
+            total = ops.sum(losses)
+            if self.reduction == "sum":
+                return total
+            if self.reduction == "mean_with_sample_weight":
+                loss = ops.divide_no_nan(total, ops.sum(weights))
+            else:  # "sum_over_batch_size", "mean": the token mean.
+                loss = ops.divide_no_nan(total, num_tokens)
+            return _scale_loss_for_distribution(loss)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "label_smoothing": self.label_smoothing,
+                "pad_id": self.pad_id,
+                "from_logits": self.from_logits,
+            }
+        )
+        return config

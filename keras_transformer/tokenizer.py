@@ -1,0 +1,374 @@
+"""One shared subword vocabulary for source and target (the paper shares it).
+
+The vocabulary is a SentencePiece model. Its serialized proto is the single
+artifact: the Python `sentencepiece` processor encodes and decodes here (fast,
+no backend involved), and the same bytes drive the keras-hub tokenizer and the
+TensorFlow Text op used inside an exported SavedModel, so all three give the
+same ids.
+
+Reserved ids: 0 = padding (the model builds its masks from `ids > 0`),
+1 = unknown, 2 = start, 3 = end.
+"""
+
+import gzip
+import io
+import itertools
+import logging
+import os
+import random
+import tempfile
+
+import numpy as np
+import sentencepiece as spm
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILENAME = "tokenizer.model"
+PAD_ID, UNK_ID, START_ID, END_ID = 0, 1, 2, 3
+MODEL_TYPES = ("bpe", "unigram")
+_SAMPLING_SEED = 1234
+
+
+def _is_file(item):
+    if isinstance(item, os.PathLike):
+        return True
+    return isinstance(item, str) and "\n" not in item and os.path.isfile(item)
+
+
+def _read_lines(path):
+    """Yields the non-empty lines of a UTF-8 text file, plain or `.gz`."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"No such corpus file: {path!r}")
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                yield line
+
+
+def _sentences(texts_or_files):
+    """Yields sentences, interleaving the sources line by line.
+
+    Interleaving (one English line, one German line, ...) keeps both
+    languages represented however the iteration is cut short.
+    """
+    if isinstance(texts_or_files, (str, os.PathLike)):
+        texts_or_files = [texts_or_files]  # A single path.
+        if not _is_file(texts_or_files[0]):
+            raise FileNotFoundError(f"No such corpus file: {texts_or_files[0]!r}")
+    sources, texts = [], []
+    for item in texts_or_files:
+        if _is_file(item):
+            sources.append(_read_lines(item))
+        elif isinstance(item, str):
+            if item.strip():
+                texts.append(item.strip())
+        else:
+            raise TypeError(
+                f"Expected sentences (str) or file paths, received {item!r} "
+                f"of type {type(item).__name__}"
+            )
+    if texts:
+        sources.insert(0, iter(texts))
+    sentinel = object()
+    for group in itertools.zip_longest(*sources, fillvalue=sentinel):
+        for sentence in group:
+            if sentence is not sentinel:
+                yield sentence
+
+
+def _reservoir_sample(sentences, size, seed=_SAMPLING_SEED):
+    """A uniform sample of `size` sentences, in corpus order, reproducibly."""
+    rng = random.Random(seed)
+    sample = []  # (index, sentence)
+    for i, sentence in enumerate(sentences):
+        if i < size:
+            sample.append((i, sentence))
+        else:
+            j = rng.randint(0, i)
+            if j < size:
+                sample[j] = (i, sentence)
+    return [sentence for _, sentence in sorted(sample, key=lambda pair: pair[0])]
+
+
+def train_tokenizer(
+    texts_or_files, vocabulary_size=8000, model_type="bpe", max_sentences=None
+):
+    """Trains one SentencePiece vocabulary shared by both languages.
+
+    Training is deterministic: the same input gives the same proto bytes.
+    Nothing is written to disk (the trainer reads an in-memory iterator and
+    writes to a buffer).
+
+    Args:
+        texts_or_files: an iterable of sentences (str) and/or paths of UTF-8
+            text files with one sentence per line (plain or `.gz`), e.g.
+            `["train.en", "train.de"]`; lines of several files are
+            interleaved. An item that is an `os.PathLike` or a str naming an
+            existing file is read as a file; a single str or path is a file.
+        vocabulary_size: int. Number of pieces, the 4 reserved ids included.
+            Defaults to `8000`.
+        model_type: str. `"bpe"` (the paper's byte-pair encoding) or
+            `"unigram"`. Defaults to `"bpe"`.
+        max_sentences: int or `None`. Train on a uniform, reproducible sample
+            of this many sentences (for large corpora such as WMT, e.g.
+            `2_000_000`); `None` uses every sentence. Defaults to `None`.
+
+    Returns:
+        A `Tokenizer`.
+
+    Example:
+
+    ```python
+    tokenizer = train_tokenizer(["train.en.gz", "train.de.gz"], 37000)
+    tokenizer.save("preset_dir")
+    ```
+    """
+    if (
+        isinstance(vocabulary_size, bool)
+        or not isinstance(vocabulary_size, int)
+        or vocabulary_size <= END_ID + 1
+    ):
+        raise ValueError(
+            f"vocabulary_size={vocabulary_size!r} must be an int > {END_ID + 1} "
+            "(ids 0-3 are reserved)"
+        )
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} must be one of {MODEL_TYPES}")
+    if max_sentences is not None and (
+        isinstance(max_sentences, bool)
+        or not isinstance(max_sentences, int)
+        or max_sentences <= 0
+    ):
+        raise ValueError(f"max_sentences={max_sentences!r} must be a positive int or None")
+
+    sentences = tqdm(_sentences(texts_or_files), desc="Reading sentences", unit=" lines", disable=None)
+    if max_sentences is not None:
+        # SentencePiece's own sampling (`shuffle_input_sentence` with
+        # `input_sentence_size`) differs from run to run even with
+        # `set_random_generator_seed`, so we sample with a seeded RNG.
+        sentences = _reservoir_sample(sentences, max_sentences)
+    logger.info(
+        "Training a %s vocabulary of %d pieces with SentencePiece", model_type, vocabulary_size
+    )
+    model = io.BytesIO()
+    # We call SentencePiece directly: keras-hub's `compute_sentence_piece_proto`
+    # cannot set the special ids, and we need pad=0, unk=1, start=2, end=3.
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        vocab_size=vocabulary_size,
+        model_type=model_type,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=START_ID,
+        eos_id=END_ID,
+        # Every character seen in training gets a piece: German umlauts, ß
+        # and French accents must never become <unk>.
+        character_coverage=1.0,
+        # NFKC (SentencePiece's default): compatibility variants (full-width
+        # forms, ligatures, decomposed accents, non-breaking spaces) map to one
+        # form, so the same word always gets the same pieces. The rules are
+        # stored in the proto, so keras-hub and TF Text apply them identically.
+        # Decoding returns the normalized text; NFC input (what corpora and
+        # users normally have) round-trips unchanged.
+        normalization_rule_name="nmt_nfkc",
+        # Reproducibility: one thread, corpus order, no internal sampling.
+        num_threads=1,
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        minloglevel=2,  # SentencePiece's INFO lines are very chatty.
+    )
+    tokenizer = Tokenizer(model.getvalue())
+    logger.info("Trained a vocabulary of %d pieces", tokenizer.vocabulary_size)
+    return tokenizer
+
+
+class Tokenizer:
+    """A shared SentencePiece subword vocabulary.
+
+    Wraps the serialized SentencePiece proto. Python-side encoding and
+    decoding use the `sentencepiece` processor; `to_keras_hub()` and
+    `tf_text_tokenizer()` give in-graph tokenizers built from the same bytes.
+    The proto must reserve id 0 for padding and define start and end pieces
+    (`train_tokenizer` uses pad=0, unk=1, start=2, end=3).
+
+    Args:
+        proto: bytes. A serialized SentencePiece `ModelProto`.
+
+    Example:
+
+    ```python
+    tokenizer = Tokenizer.load("preset_dir")
+    ids = tokenizer.encode(["A sentence."])        # [[..., tokenizer.end_id]]
+    tokenizer.decode(ids)                          # ["A sentence."]
+    ```
+    """
+
+    def __init__(self, proto):
+        if not isinstance(proto, (bytes, bytearray)):
+            raise TypeError(
+                f"proto must be the serialized SentencePiece model (bytes), "
+                f"received {type(proto).__name__}"
+            )
+        self._proto = bytes(proto)
+        self._processor = spm.SentencePieceProcessor(model_proto=self._proto)
+        if self.pad_id != PAD_ID:
+            raise ValueError(
+                f"The SentencePiece model has pad_id={self.pad_id}; this "
+                f"package needs padding at id {PAD_ID}"
+            )
+        if self.start_id < 0 or self.end_id < 0:
+            raise ValueError(
+                f"The SentencePiece model has start_id={self.start_id}, "
+                f"end_id={self.end_id}; both must be defined (>= 0)"
+            )
+
+    @property
+    def proto(self):
+        """The serialized SentencePiece model (bytes)."""
+        return self._proto
+
+    @property
+    def vocabulary_size(self):
+        return self._processor.get_piece_size()
+
+    @property
+    def pad_id(self):
+        return self._processor.pad_id()
+
+    @property
+    def unk_id(self):
+        return self._processor.unk_id()
+
+    @property
+    def start_id(self):
+        return self._processor.bos_id()
+
+    @property
+    def end_id(self):
+        return self._processor.eos_id()
+
+    def encode(self, texts, add_start=False, add_end=True):
+        """Text to ids.
+
+        Args:
+            texts: list of str (a single str is treated as a list of one).
+            add_start: bool. Prepend the start id. Defaults to `False`.
+            add_end: bool. Append the end id. Defaults to `True`.
+
+        Returns:
+            list of lists of int, one per text, unpadded.
+        """
+        if isinstance(texts, (str, bytes)):
+            texts = [texts]
+        texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in texts]
+        for text in texts:
+            if not isinstance(text, str):
+                raise TypeError(f"Expected str, received {text!r} of type {type(text).__name__}")
+        return self._processor.encode(
+            texts, out_type=int, add_bos=add_start, add_eos=add_end
+        )
+
+    def decode(self, ids):
+        """Ids to text.
+
+        Each sequence is cut at its first end id; padding and start ids are
+        dropped, so generated rows `[start, ..., end, 0, 0]` decode cleanly.
+
+        Args:
+            ids: list of lists of int, or a 2D array or tensor `[B, L]`
+                (a flat sequence or 1D array is treated as one sequence).
+
+        Returns:
+            list of str, one per sequence.
+        """
+        if hasattr(ids, "shape"):  # NumPy array or backend tensor.
+            ids = np.asarray(ids)
+            ids = ids.tolist() if ids.ndim > 1 else [ids.tolist()]
+        else:
+            ids = list(ids)
+            if not ids or not isinstance(ids[0], (list, tuple, np.ndarray)):
+                ids = [ids]
+        drop = {self.pad_id, self.start_id}
+        sequences = []
+        for sequence in ids:
+            kept = []
+            for token in sequence:
+                token = int(token)
+                if token == self.end_id:
+                    break
+                if token not in drop:
+                    kept.append(token)
+            sequences.append(kept)
+        return self._processor.decode(sequences)
+
+    def save(self, directory):
+        """Writes `directory/tokenizer.model` atomically; returns its path.
+
+        Args:
+            directory: str or path. Created if missing.
+        """
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, TOKENIZER_FILENAME)
+        fd, tmp_path = tempfile.mkstemp(prefix=f".{TOKENIZER_FILENAME}.", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._proto)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_path, path)
+        except BaseException:
+            if os.path.exists(tmp_path):
+                os.remove(tmp_path)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, directory):
+        """Reads `directory/tokenizer.model`.
+
+        Args:
+            directory: str or path. A directory written by `save` (a preset
+                directory).
+
+        Raises:
+            FileNotFoundError: naming the missing file.
+        """
+        path = os.path.join(os.fspath(directory), TOKENIZER_FILENAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"No tokenizer in {os.fspath(directory)!r}: expected the file {path!r}"
+            )
+        with open(path, "rb") as f:
+            return cls(f.read())
+
+    def to_keras_hub(self):
+        """A `keras_hub.tokenizers.SentencePieceTokenizer` on the same proto.
+
+        It neither prepends the start id nor appends the end id.
+        """
+        import keras_hub
+
+        return keras_hub.tokenizers.SentencePieceTokenizer(proto=self._proto)
+
+    def tf_text_tokenizer(self, add_start=False, add_end=True):
+        """A `tensorflow_text.SentencepieceTokenizer` for in-graph use.
+
+        Same ids as `encode` with the same flags; usable inside a
+        `tf.function` and exportable in a SavedModel.
+
+        Args:
+            add_start: bool. Prepend the start id. Defaults to `False`.
+            add_end: bool. Append the end id. Defaults to `True`.
+        """
+        import tensorflow as tf
+        import tensorflow_text
+
+        return tensorflow_text.SentencepieceTokenizer(
+            model=self._proto, out_type=tf.int32, add_bos=add_start, add_eos=add_end
+        )
