@@ -51,8 +51,8 @@ def _is_symbolic(x):
 def check_token_ids(token_ids, name, vocabulary_size):
     """Validates a `[B, L]` integer id tensor; returns it as int32.
 
-    Rank and dtype are checked always. The id range is checked whenever the
-    values are concrete (eager calls, numpy inputs): JAX clamps out-of-range
+    Rank is checked always; dtype and range whenever the values are concrete
+    (eager calls, numpy inputs): JAX clamps out-of-range
     gather indices silently and TensorFlow fails deep inside a kernel, so a
     bad id would otherwise corrupt results or give an unreadable error.
     """
@@ -63,10 +63,14 @@ def check_token_ids(token_ids, name, vocabulary_size):
         raise ValueError(
             f"{name} must have rank 2 [batch, length], received shape {shape}"
         )
+    if _is_symbolic(token_ids):
+        # Inside tracing, Keras itself may build the model with float
+        # placeholders (e.g. under MirroredStrategy); concrete inputs are checked.
+        return ops.cast(token_ids, "int32")
     dtype = keras.backend.standardize_dtype(token_ids.dtype)
     if "int" not in dtype:
         raise ValueError(f"{name} must be an integer tensor of token ids, received dtype {dtype}")
-    if not _is_symbolic(token_ids) and 0 not in shape:
+    if 0 not in shape:
         values = ops.convert_to_numpy(token_ids)
         low, high = int(values.min()), int(values.max())
         if low < 0 or high >= vocabulary_size:
@@ -398,6 +402,88 @@ class TransformerModel(keras.Model):
             values.append(value)
         cache = dict(cache, self_key=ops.stack(keys, axis=1), self_value=ops.stack(values, axis=1))
         return self._logits(x)[:, 0, :], cache
+
+    def generate(self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50):
+        """Translates source ids with beam search (greedy for `beam_size=1`).
+
+        A thin wrapper around `keras_transformer.generation.generate`, which
+        documents the search, the length penalty and the output length.
+
+        Args:
+            encoder_token_ids: int `[B, S]` source ids (tokens + end id, pad 0).
+            beam_size: int >= 1. Defaults to 4 (the paper).
+            length_penalty: float alpha >= 0. Defaults to 0.6 (the paper).
+            max_extra_length: int >= 0, output tokens allowed beyond the
+                source length. Defaults to 50 (the paper).
+
+        Returns:
+            int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s.
+
+        Example:
+        >>> model = TransformerModel.from_preset("tiny")
+        >>> model.generate(np.array([[5, 6, 7, 3]]), beam_size=4)[0, 0]
+        2
+        """
+        from keras_transformer.generation import generate
+
+        return generate(
+            self,
+            encoder_token_ids,
+            beam_size=beam_size,
+            length_penalty=length_penalty,
+            max_extra_length=max_extra_length,
+        )
+
+    def attention_scores(self, encoder_token_ids, decoder_token_ids):
+        """Every layer's and head's attention weights, for plots like the paper's Figures 3-5.
+
+        Runs the model once (inference mode) with unfused attention so that
+        the softmax weights are available. Rows of padding queries are
+        meaningless; padding keys get (close to) zero weight.
+
+        Args:
+            encoder_token_ids: int `[B, S]` source ids.
+            decoder_token_ids: int `[B, T]` target ids starting with the start id.
+
+        Returns:
+            dict of lists of NumPy float arrays, one per layer:
+            `"encoder_self_attention"` `[B, N, S, S]`,
+            `"decoder_self_attention"` `[B, N, T, T]` and
+            `"cross_attention"` `[B, N, T, S]` (query axis first, then key).
+
+        Example:
+        >>> model = TransformerModel.from_preset("tiny")
+        >>> scores = model.attention_scores(np.array([[5, 6, 3]]), np.array([[2, 7]]))
+        >>> scores["cross_attention"][0].shape
+        (1, 4, 2, 3)
+        """
+        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        decoder_token_ids = check_token_ids(decoder_token_ids, "decoder_token_ids", self.vocabulary_size)
+        encoder_padding_mask = ops.not_equal(encoder_token_ids, self.pad_id)  # [B, S]
+        decoder_padding_mask = ops.not_equal(decoder_token_ids, self.pad_id)  # [B, T]
+        scores = {"encoder_self_attention": [], "decoder_self_attention": [], "cross_attention": []}
+        x = self._embed(encoder_token_ids, self.encoder_position, self.encoder_embedding_dropout, training=False)
+        for layer in self.encoder_layers:
+            x, weights = layer(x, padding_mask=encoder_padding_mask, return_attention_scores=True, training=False)
+            scores["encoder_self_attention"].append(weights)  # [B, N, S, S]
+        if self.normalize_first:
+            x = self.encoder_final_norm(x)
+        y = self._embed(decoder_token_ids, self.decoder_position, self.decoder_embedding_dropout, training=False)
+        for layer in self.decoder_layers:
+            y, self_weights, cross_weights = layer(
+                y,
+                x,
+                decoder_padding_mask=decoder_padding_mask,
+                encoder_padding_mask=encoder_padding_mask,
+                return_attention_scores=True,
+                training=False,
+            )
+            scores["decoder_self_attention"].append(self_weights)  # [B, N, T, T]
+            scores["cross_attention"].append(cross_weights)  # [B, N, T, S]
+        return {
+            name: [np.asarray(ops.convert_to_numpy(w)).astype("float32") for w in weights]
+            for name, weights in scores.items()
+        }
 
     # ------------------------------------------------------------------ #
     # Config, presets

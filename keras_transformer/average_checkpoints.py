@@ -1,0 +1,33 @@
+"""`python -m keras_transformer.average_checkpoints`: average Keras weight files.
+
+The paper averages the last 5 (base) or 20 (big) checkpoints (section 6.1).
+"""
+
+import argparse
+import os
+
+from keras_transformer.training import average_checkpoints, list_checkpoints
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m keras_transformer.average_checkpoints", description=__doc__.splitlines()[0])
+    parser.add_argument("inputs", nargs="+", help="weight files, or one directory of ckpt-*.weights.h5")
+    parser.add_argument("--last", type=int, help="with a directory: average only the last K checkpoints")
+    parser.add_argument("--output", required=True, help="averaged .weights.h5 to write")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    paths = args.inputs
+    if len(paths) == 1 and os.path.isdir(paths[0]):
+        paths = list_checkpoints(paths[0])
+        if not paths:
+            parser.error(f"no ckpt-*.weights.h5 files in {args.inputs[0]}")
+    if args.last:
+        paths = paths[-args.last:]
+    if os.path.exists(args.output) and not args.overwrite:
+        parser.error(f"{args.output} exists; pass --overwrite to replace it")
+    average_checkpoints(paths, args.output)
+    print(f"averaged {len(paths)} checkpoints into {args.output}")
+
+
+if __name__ == "__main__":
+    main()

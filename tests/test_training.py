@@ -1,0 +1,239 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import keras_transformer as kt
+from conftest import BACKEND, tiny_model, to_numpy
+from keras_transformer import data, training
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def reversal_pairs(rng, n, vocabulary_size=20):
+    sources, targets = [], []
+    for _ in range(n):
+        x = rng.integers(4, vocabulary_size, size=rng.integers(3, 9))
+        sources.append(np.append(x, 3).astype("int32"))
+        targets.append(np.concatenate([[2], x[::-1], [3]]).astype("int32"))
+    return sources, targets
+
+
+@pytest.mark.slow
+def test_learns_to_reverse_sequences():
+    """A small model learns a synthetic reversal task to >= 99% token accuracy."""
+    rng = np.random.default_rng(0)
+    keras.utils.set_random_seed(0)
+    train = data.make_dataset(*reversal_pairs(rng, 3000), tokens_per_batch=640, seed=0, repeat=True)
+    valid = data.make_dataset(*reversal_pairs(rng, 300), tokens_per_batch=640, shuffle=False)
+    model = kt.TransformerModel(vocabulary_size=20, num_layers=2, num_heads=4, hidden_dim=64,
+                                intermediate_dim=128, dropout=0.0, max_sequence_length=16)
+    training.compile_model(model, warmup_steps=100, learning_rate_scale=1.0, label_smoothing=0.0)
+    model.fit(train, epochs=10, steps_per_epoch=100, verbose=0)
+    results = model.evaluate(valid, verbose=0, return_dict=True)
+    assert results["masked_accuracy"] >= 0.99, results
+
+
+def test_masked_accuracy_ignores_padding():
+    y_true = np.array([[5, 6, 0, 0]])
+    y_pred = np.zeros((1, 4, 8), "float32")
+    y_pred[0, 0, 5] = y_pred[0, 1, 7] = 1.0  # first right, second wrong, padding "right" or not
+    y_pred[0, 2, 0] = 1.0
+    assert float(to_numpy(training.masked_accuracy(y_true, y_pred))) == pytest.approx(0.5)
+
+
+def test_compile_uses_the_paper_optimizer():
+    model = tiny_model()
+    training.compile_model(model, warmup_steps=4000)
+    optimizer = model.optimizer
+    assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.9, 0.98, 1e-9)
+    assert isinstance(optimizer._learning_rate, kt.WarmupSchedule)
+    assert isinstance(model.loss, kt.LabelSmoothedCrossEntropy)
+
+
+def test_average_checkpoints_equals_manual_mean(tmp_path):
+    weights = []
+    for seed in range(3):
+        model = tiny_model(seed=seed)
+        model.save_weights(str(tmp_path / f"ckpt-{seed:08d}.weights.h5"))
+        weights.append([to_numpy(w) for w in model.weights])
+    paths = training.list_checkpoints(tmp_path)
+    assert [p.name for p in paths] == [f"ckpt-{i:08d}.weights.h5" for i in range(3)]
+    training.average_checkpoints(paths, tmp_path / "avg.weights.h5")
+    model = tiny_model(seed=99)
+    model.load_weights(str(tmp_path / "avg.weights.h5"))
+    for actual, *originals in zip([to_numpy(w) for w in model.weights], *weights):
+        np.testing.assert_allclose(actual, np.mean(originals, axis=0), rtol=1e-6, atol=1e-7)
+
+
+def test_average_checkpoints_cli(tmp_path):
+    for seed in range(2):
+        tiny_model(seed=seed).save_weights(str(tmp_path / f"ckpt-{seed:08d}.weights.h5"))
+    from keras_transformer import average_checkpoints as cli
+
+    cli.main([str(tmp_path), "--output", str(tmp_path / "avg.weights.h5")])
+    assert (tmp_path / "avg.weights.h5").is_file()
+    with pytest.raises(SystemExit):
+        cli.main([str(tmp_path), "--output", str(tmp_path / "avg.weights.h5")])
+
+
+def test_average_checkpoints_rejects_different_models(tmp_path):
+    tiny_model().save_weights(str(tmp_path / "a.weights.h5"))
+    tiny_model(hidden_dim=8).save_weights(str(tmp_path / "b.weights.h5"))
+    with pytest.raises(ValueError, match="different shapes"):
+        training.average_checkpoints([tmp_path / "a.weights.h5", tmp_path / "b.weights.h5"])
+
+
+def test_periodic_checkpoint_keeps_the_last_k(tmp_path):
+    import tensorflow as tf
+
+    model = tiny_model(vocabulary_size=20)
+    training.compile_model(model, warmup_steps=10)
+    x = {"encoder_token_ids": np.full((2, 5), 7, "int32"), "decoder_token_ids": np.full((2, 4), 8, "int32")}
+    dataset = tf.data.Dataset.from_tensors((x, np.full((2, 4), 9, "int32"))).repeat()
+    callback = training.PeriodicCheckpoint(tmp_path, every_steps=2, keep=2)
+    model.fit(dataset, epochs=1, steps_per_epoch=7, callbacks=[callback], verbose=0)
+    assert [p.name for p in training.list_checkpoints(tmp_path)] == ["ckpt-00000004.weights.h5", "ckpt-00000006.weights.h5"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_nan_loss_stops_training():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss=lambda y, p: keras.ops.mean(p) * float("nan"))
+    guard = training.StopOnNaN()
+    model.fit(np.ones((8, 2)), np.ones((8, 1)), batch_size=2, epochs=3, callbacks=[guard], verbose=0)
+    assert guard.bad_step == 1
+
+
+def test_unknown_strategy_is_rejected():
+    with pytest.raises(ValueError, match="strategy='ring'"):
+        training.resolve_strategy("ring")
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="multi_worker is the JAX path")
+def test_multi_worker_needs_jax():
+    with pytest.raises(ValueError, match="KERAS_BACKEND=jax"):
+        training.resolve_strategy("multi_worker")
+
+
+def test_refuses_existing_non_resumable_output(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "precious.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        training.run_training(tmp_path / "out", preset="tiny")
+    assert (tmp_path / "out" / "precious.txt").read_text() == "keep me"
+
+
+TRAIN_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from keras_transformer.training import run_training
+    run_training(sys.argv[1], preset="tiny", train_src=sys.argv[2], train_tgt=sys.argv[3],
+                 vocabulary_size=300, tokens_per_batch=512, steps=int(sys.argv[4]),
+                 checkpoint_every=5, warmup_steps=10, max_length=48, verbose=0,
+                 model_overrides={"max_sequence_length": 64})
+    """
+)
+
+
+def _small_corpus(tmp_path, n=400):
+    from keras_transformer.datasets import load_bundled
+
+    english, german = load_bundled("valid")
+    (tmp_path / "src.txt").write_text("\n".join(english[:n]) + "\n", encoding="utf-8")
+    (tmp_path / "tgt.txt").write_text("\n".join(german[:n]) + "\n", encoding="utf-8")
+    return str(tmp_path / "src.txt"), str(tmp_path / "tgt.txt")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="one backend is enough for the process-level test")
+def test_training_resumes_after_sigkill(tmp_path):
+    src, tgt = _small_corpus(tmp_path)
+    out = tmp_path / "run"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+    command = [sys.executable, "-c", TRAIN_SCRIPT, str(out), src, tgt, "400"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    backup = out / "training" / "backup" / "training_metadata.json"
+    deadline = time.time() + 240
+    while not backup.exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    assert backup.exists(), "no backup was written before the deadline"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved_epoch = json.loads(backup.read_text())["epoch"]
+    log_before = (out / "training" / "log.csv").read_text().splitlines()
+
+    # Start again with a shorter total: it must continue from the backup, not from step 0.
+    resumed_steps = (saved_epoch + 2) * 5
+    subprocess.run(command[:-1] + [str(resumed_steps)], env=env, check=True, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_after = (out / "training" / "log.csv").read_text().splitlines()
+    epochs_after = [int(line.split(",")[0]) for line in log_after[1:] if line and line[0].isdigit()]
+    assert len(log_after) > len(log_before)
+    # The backup records the number of finished intervals; the second run starts after them.
+    assert saved_epoch >= 1
+    assert min(epochs_after[len(log_before) - 1:]) == saved_epoch
+    checkpoints = [p.name for p in training.list_checkpoints(out / "training" / "checkpoints")]
+    assert checkpoints[-1] == f"ckpt-{resumed_steps:08d}.weights.h5"
+    assert (out / "config.json").is_file() and (out / "tokenizer.model").is_file()
+    metadata = json.loads((out / "metadata.json").read_text())
+    assert metadata["steps"] == resumed_steps
+    loaded = kt.TransformerModel.from_preset(str(out))
+    assert loaded.tokenizer is not None and loaded.tokenizer.vocabulary_size == loaded.vocabulary_size
+    with pytest.raises(FileExistsError, match="finished training run"):
+        training.run_training(out, preset="tiny", train_src=src, train_tgt=tgt)
+
+
+MIRRORED_SCRIPT = textwrap.dedent(
+    """
+    import sys, json
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+    import keras_transformer as kt
+    from keras_transformer import training
+    rng = np.random.default_rng(0)
+    x = {"encoder_token_ids": rng.integers(4, 40, (16, 9)).astype("int32"),
+         "decoder_token_ids": rng.integers(4, 40, (16, 7)).astype("int32")}
+    x["encoder_token_ids"][3, 5:] = 0
+    y = rng.integers(4, 40, (16, 7)).astype("int32")
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat(4)
+    name, scope = training.resolve_strategy(sys.argv[1])
+    with scope:
+        keras.utils.set_random_seed(0)
+        model = kt.TransformerModel(vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16,
+                                    intermediate_dim=32, dropout=0.0)
+        training.compile_model(model, warmup_steps=10, strategy_name=name)
+    history = model.fit(dataset, epochs=1, verbose=0)
+    np.savez(sys.argv[2], loss=history.history["loss"][-1], *[np.asarray(w) for w in model.weights[:4]])
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="MirroredStrategy is the TensorFlow path")
+def test_mirrored_strategy_matches_single_device(tmp_path):
+    """Two logical CPU replicas give the same loss and weights as one device on the same global batch.
+
+    The labels have no padding: with padding, each replica averages over its own
+    tokens and the step uses the mean of replica means (see
+    LabelSmoothedCrossEntropy), which differs slightly from the global token mean.
+    """
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO, KERAS_BACKEND="tensorflow")
+    for strategy in ("none", "mirrored"):
+        subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT, strategy, str(tmp_path / f"{strategy}.npz")],
+                       env=env, check=True, timeout=300)
+    single, mirrored = np.load(tmp_path / "none.npz"), np.load(tmp_path / "mirrored.npz")
+    np.testing.assert_allclose(mirrored["loss"], single["loss"], rtol=1e-5)
+    for key in single.files:
+        if key != "loss":
+            np.testing.assert_allclose(mirrored[key], single[key], rtol=1e-4, atol=1e-5)
