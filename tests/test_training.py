@@ -237,3 +237,67 @@ def test_mirrored_strategy_matches_single_device(tmp_path):
     for key in single.files:
         if key != "loss":
             np.testing.assert_allclose(mirrored[key], single[key], rtol=1e-4, atol=1e-5)
+
+
+MULTI_WORKER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    process_id, num_processes, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    if num_processes > 1:
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                                   num_processes=num_processes, process_id=process_id)
+    import numpy as np, keras, tensorflow as tf
+    import keras_transformer as kt
+    from keras_transformer import training
+    name, scope = training.resolve_strategy("multi_worker")
+    rng = np.random.default_rng(0)
+    x = {"encoder_token_ids": rng.integers(4, 40, (16, 9)).astype("int32"),
+         "decoder_token_ids": rng.integers(4, 40, (16, 7)).astype("int32")}
+    x["encoder_token_ids"][3, 5:] = 0
+    y = rng.integers(4, 40, (16, 7)).astype("int32")
+    dataset = tf.data.Dataset.from_tensors((x, y)).repeat(4)
+    keras.utils.set_random_seed(0)
+    model = kt.TransformerModel(vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16,
+                                intermediate_dim=32, dropout=0.0)
+    training.compile_model(model, warmup_steps=10, strategy_name=name)
+    history = model.fit(dataset, epochs=1, verbose=0)
+    assert jax.process_count() == num_processes
+    names = [w.path for w in model.weights]
+    np.savez(out, steps=int(model.optimizer.iterations.value), names=np.array(names),
+             **{f"w{i}": np.asarray(w) for i, w in enumerate(model.weights)})
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BACKEND != "jax", reason="multi_worker is the JAX path")
+def test_two_jax_processes_train_like_one(tmp_path):
+    """Two jax.distributed CPU processes (gloo) end with identical weights equal to one process.
+
+    Key-projection biases are left out of the comparison with the single
+    process: their true gradient is zero (softmax ignores a constant shift of
+    the logits), so Adam (epsilon 1e-9) turns float rounding noise into
+    full-size steps whose sign differs with the reduction order.
+    """
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO, KERAS_BACKEND="jax")
+    workers = [
+        subprocess.Popen([sys.executable, "-c", MULTI_WORKER_SCRIPT, str(i), "2", port, str(tmp_path / f"p{i}.npz")],
+                         env=env)
+        for i in range(2)
+    ]
+    assert [w.wait(timeout=300) for w in workers] == [0, 0]
+    subprocess.run([sys.executable, "-c", MULTI_WORKER_SCRIPT, "0", "1", "0", str(tmp_path / "single.npz")],
+                   env=env, check=True, timeout=300)
+    p0, p1, single = (np.load(tmp_path / f"{n}.npz") for n in ("p0", "p1", "single"))
+    assert int(p0["steps"]) == int(single["steps"]) == 4
+    for i, name in enumerate(single["names"]):
+        np.testing.assert_array_equal(p0[f"w{i}"], p1[f"w{i}"])
+        if not name.endswith("key/bias"):
+            np.testing.assert_allclose(p0[f"w{i}"], single[f"w{i}"], rtol=1e-4, atol=1e-5, err_msg=name)
