@@ -1,0 +1,688 @@
+"""Greedy and beam search over a cached decoder step.
+
+One search drives every model that implements the *decoding protocol*: the
+Keras `TransformerModel` on TensorFlow, JAX and PyTorch, and the ONNX Runtime
+wrapper in `export/runtime.py`, so both produce the same tokens.
+
+The decoding protocol (duck typing; nothing else of the model is used):
+
+- attributes `vocabulary_size`, `pad_id` (must be 0), `start_id`, `end_id`,
+  and optionally `max_sequence_length` (generation is capped to fit it);
+- `encode(encoder_token_ids [B, S] int32) -> encoder_outputs [B, S, D]`;
+- `init_cache(encoder_outputs, encoder_token_ids, max_length) -> cache`: a
+  dict of arrays that all have the batch on axis 0 (the search tiles and
+  reorders every entry with one `ops.take(x, indices, axis=0)` and never
+  looks inside); `max_length` is a Python int;
+- `decode_step(token_ids [B] int32, index, cache) -> (logits [B, V], cache)`:
+  feeds the token at position `index` (0 for the start id) and returns the
+  logits of position `index + 1`. `index` is a Python int, except inside
+  the compiled loop used for Keras models (a scalar int32 tensor there).
+
+Arguments handed to the protocol methods are backend tensors (or, for the
+very first calls, NumPy arrays); a NumPy-based implementation such as ONNX
+Runtime converts them with `keras.ops.convert_to_numpy` and may return NumPy
+arrays.
+
+Shape legend: B batch, K beam size, S source length, L output buffer length
+(the start id plus the generated tokens), V vocabulary size.
+
+References:
+- Vaswani et al., "Attention Is All You Need", 2017, section 6.1 (beam size
+  4, length penalty alpha = 0.6, maximum output length input + 50, early
+  termination when possible).
+- Wu et al., "Google's Neural Machine Translation System", 2016,
+  arXiv:1609.08144, section 7 (the length penalty).
+- tensor2tensor's `beam_search.py` and the Flax WMT example's `decode.py`
+  (the vectorised search with live and finished beams).
+"""
+
+import logging
+import math
+import weakref
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_transformer.model import check_token_ids
+
+logger = logging.getLogger(__name__)
+
+NEG_INF = float("-inf")
+# The least log-probability the forced end id gets at the maximum length.
+FORCED_END_LOG_PROB = -1e9
+
+# Source and buffer lengths are rounded up to a multiple of this, so that a
+# compiled search is traced once per bucket rather than once per length.
+# Extra source positions are padding (masked); extra buffer positions are
+# never fed to the decoder.
+LENGTH_BUCKET = 8
+
+_PROTOCOL_ATTRIBUTES = ("vocabulary_size", "pad_id", "start_id", "end_id", "encode", "init_cache", "decode_step")
+
+# XLA for the compiled search on TensorFlow; on a 2-core CPU it was faster
+# than a plain tf.function graph (see benchmarks/README.md).
+TF_JIT_COMPILE = True
+
+# model -> {"search": the whole search compiled} for models exposing Keras variables.
+_COMPILED = weakref.WeakKeyDictionary()
+# (backend, search, vocabulary size and ids) -> the compiled search update of
+# the hybrid driver; it reads nothing else of the model, so models share it.
+_COMPILED_UPDATES = {}
+
+
+def length_penalty_factor(length, alpha):
+    """The GNMT length penalty lp(Y) = ((5 + |Y|) / 6) ** alpha.
+
+    A hypothesis Y is scored `log P(Y | X) / lp(Y)` (Wu et al., 2016,
+    equation 14, without the coverage penalty). |Y| counts the generated
+    tokens including the end id, not the start id. alpha = 0 gives plain
+    log-probabilities; the paper uses alpha = 0.6.
+
+    Args:
+        length: int or int tensor, |Y|.
+        alpha: float or float tensor, `length_penalty` >= 0.
+
+    Returns:
+        float32 tensor shaped like `length`.
+
+    Example:
+    >>> float(length_penalty_factor(3, 1.0))  # (5 + 3) / 6
+    1.3333334
+    """
+    length = ops.cast(length, "float32")
+    return ops.power((5.0 + length) / 6.0, ops.cast(alpha, "float32"))
+
+
+def generate(
+    model,
+    encoder_token_ids,
+    beam_size=4,
+    length_penalty=0.6,
+    max_extra_length=50,
+    compile=True,
+    return_scores=False,
+):
+    """Translates source ids into target ids with greedy or beam search.
+
+    `beam_size=1` is greedy search: the most probable token at every step,
+    stopping at the end id (`length_penalty` then only affects the returned
+    score). `beam_size > 1` is the paper's beam search: hypotheses are scored
+    by their log-probability divided by `length_penalty_factor(|Y|, alpha)`;
+    the best `2 * beam_size` extensions of the live beams are kept, those
+    ending with the end id join a set of finished hypotheses and the best
+    `beam_size` others stay live (as tensor2tensor). A row stops as soon as
+    no live beam can beat its best finished hypothesis: a live beam's
+    log-probability only decreases, and for alpha >= 0 the penalty is
+    largest at the row's maximum length, so `live_log_prob / lp(max_length)`
+    bounds its final score. The search stops when every row has stopped.
+
+    Output length: row b generates at most `max_length_b = n_b +
+    max_extra_length` tokens (at least 1), with n_b the number of non-pad
+    ids of source row b (its end id included), i.e. per row as in the paper,
+    and capped at `model.max_sequence_length - 1` when the model has one.
+    At the step that reaches `max_length_b` only the end id may be chosen,
+    so a hypothesis that hits the maximum length still ends with the end id
+    (with its log-probability counted, floored at -1e9 when the model gives it
+    probability 0). The pad and start ids are never generated.
+
+    Compilation (`compile=True`), per backend and model:
+    - TensorFlow and JAX, a model exposing its Keras `variables` (a
+      `TransformerModel`, or a wrapper forwarding them): the whole search
+      (encoder, cache and a `keras.ops.while_loop` over the decoder step) is
+      compiled, with `tf.function(jit_compile=True)` (XLA) or `jax.jit`,
+      once per (batch size, source length bucket, output length bucket,
+      beam size) and cached per model;
+    - TensorFlow and JAX, any other model (the ONNX Runtime wrapper, whose
+      `decode_step` calls ONNX Runtime with NumPy arrays): a Python loop
+      calls `decode_step` eagerly and the search's own per-step work
+      (log-softmax, top-k, gathers, stopping test) as one compiled function;
+    - PyTorch: a Python loop under `torch.no_grad()` (`ops.while_loop` is a
+      Python loop there anyway).
+    `compile=False` runs everything eagerly in a Python loop. All give the
+    same tokens.
+
+    Args:
+        model: an object implementing the decoding protocol (see the module
+            docstring), e.g. a `TransformerModel`.
+        encoder_token_ids: int `[B, S]` source ids (tokens + end id, then pad
+            id 0), NumPy array or tensor.
+        beam_size: int >= 1. Defaults to 4 (the paper).
+        length_penalty: float alpha >= 0. Defaults to 0.6 (the paper).
+        max_extra_length: int >= 0, extra output tokens allowed beyond the
+            source length. Defaults to 50 (the paper).
+        compile: bool. Compile the search where possible (see above);
+            `False` runs eagerly. Both give the same tokens.
+        return_scores: bool. Also return the score of each output row.
+
+    Returns:
+        int32 NumPy array `[B, L]`: each row is the start id, the generated
+        tokens, the end id, then pad ids (0); L is the longest row. With
+        `return_scores=True`, `(ids, scores)` with `scores` float32 `[B]`,
+        `log P(Y | X) / lp(Y)`.
+
+    Example:
+    >>> model = TransformerModel.from_preset("tiny")
+    >>> src = np.array([[5, 6, 7, 3], [8, 9, 3, 0]])
+    >>> ids = generate(model, src, beam_size=4)
+    >>> ids[:, 0]
+    array([2, 2], dtype=int32)
+    """
+    _check_protocol(model)
+    _check_search_args(beam_size, length_penalty, max_extra_length)
+    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
+    if model.pad_id != 0:
+        raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
+    source = np.asarray(ops.convert_to_numpy(encoder_token_ids)).astype("int32")
+    batch, source_length = source.shape
+    if batch == 0:
+        empty = np.zeros((0, 0), "int32")
+        return (empty, np.zeros((0,), "float32")) if return_scores else empty
+
+    limit = getattr(model, "max_sequence_length", None)
+    max_lengths = np.maximum((source != model.pad_id).sum(axis=1) + int(max_extra_length), 1)
+    if limit is not None:
+        max_lengths = np.minimum(max_lengths, int(limit) - 1)
+    max_lengths = max_lengths.astype("int32")  # [B]
+    length = _round_up(int(max_lengths.max()) + 1, LENGTH_BUCKET)  # L
+    padded_length = _round_up(max(source_length, 1), LENGTH_BUCKET)
+    if limit is not None:
+        padded_length = min(padded_length, max(source_length, int(limit)))
+    source = np.pad(source, ((0, 0), (0, padded_length - source_length)))  # [B, S_bucket]
+
+    search = _select_search(model, compile)
+    sequences, scores = search(
+        model,
+        ops.convert_to_tensor(source, "int32"),
+        ops.convert_to_tensor(max_lengths, "int32"),
+        ops.convert_to_tensor(float(length_penalty), "float32"),
+        int(beam_size),
+        length,
+    )
+    sequences = _finish_rows(np.asarray(ops.convert_to_numpy(sequences)), model.end_id, model.pad_id)
+    if return_scores:
+        return sequences, np.asarray(ops.convert_to_numpy(scores)).astype("float32")
+    return sequences
+
+
+# ---------------------------------------------------------------------- #
+# Validation
+# ---------------------------------------------------------------------- #
+def _check_protocol(model):
+    missing = [name for name in _PROTOCOL_ATTRIBUTES if not hasattr(model, name)]
+    if missing:
+        raise TypeError(
+            f"{type(model).__name__} does not implement the decoding protocol: missing {missing}. "
+            "See keras_transformer.generation for the protocol."
+        )
+
+
+def _check_search_args(beam_size, length_penalty, max_extra_length):
+    if isinstance(beam_size, bool) or not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
+        raise ValueError(f"beam_size={beam_size!r} must be an integer >= 1 (1 is greedy search)")
+    if (
+        isinstance(length_penalty, bool)
+        or not isinstance(length_penalty, (int, float, np.integer, np.floating))
+        or not math.isfinite(length_penalty)
+        or length_penalty < 0
+    ):
+        raise ValueError(f"length_penalty={length_penalty!r} must be a finite number >= 0 (the paper uses 0.6)")
+    if (
+        isinstance(max_extra_length, bool)
+        or not isinstance(max_extra_length, (int, np.integer))
+        or max_extra_length < 0
+    ):
+        raise ValueError(f"max_extra_length={max_extra_length!r} must be an integer >= 0")
+
+
+def _round_up(value, multiple):
+    return -(-value // multiple) * multiple
+
+
+def _finish_rows(sequences, end_id, pad_id):
+    """Pads every row after its first end id and trims to the longest row.
+
+    The search always ends a hypothesis with the end id (it is forced at the
+    maximum length); a row without one (not produced by this module's
+    search) gets the end id appended after its last token.
+    """
+    sequences = sequences.astype("int32", copy=True)
+    batch, length = sequences.shape
+    is_end = sequences[:, 1:] == end_id
+    ends = np.where(is_end.any(axis=1), is_end.argmax(axis=1) + 1, -1)
+    missing = ends < 0
+    if missing.any():
+        sequences = np.pad(sequences, ((0, 0), (0, 1)), constant_values=pad_id)
+        for row in np.flatnonzero(missing):
+            tokens = np.flatnonzero(sequences[row] != pad_id)
+            ends[row] = tokens[-1] + 1
+            sequences[row, ends[row]] = end_id
+    positions = np.arange(sequences.shape[1])[None, :]
+    sequences = np.where(positions > ends[:, None], pad_id, sequences)
+    return np.ascontiguousarray(sequences[:, : int(ends.max()) + 1])
+
+
+# ---------------------------------------------------------------------- #
+# The search: keras.ops only, shared by every driver
+#
+# A search is four functions of a small state (sequences and scores; the
+# decoder cache is kept beside it): `tokens(state)` -> the ids to feed,
+# `update(model, state, logits, ...)` -> the next state and, for beams, the
+# parent of each new beam (by which the driver reorders the cache),
+# `keep_going(state, ...)` and `result(state)`. Three drivers run them:
+# - compiled: the whole search in a `keras.ops.while_loop` (jax.jit / XLA);
+# - hybrid: a Python loop calling the model's `decode_step` eagerly (ONNX
+#   Runtime) and a compiled `update` (TensorFlow, JAX);
+# - eager: a Python loop (compile=False, PyTorch).
+# ---------------------------------------------------------------------- #
+def _initial_state(model, encoder_token_ids, beam_size, length, index):
+    """Encodes the source; returns `(search, state, cache)`."""
+    encoder_outputs = model.encode(encoder_token_ids)  # [B, S, D]
+    cache = model.init_cache(encoder_outputs, encoder_token_ids, length)
+    batch = encoder_token_ids.shape[0]
+    if beam_size == 1:
+        return GREEDY, _greedy_initial_state(model, batch, length, index), cache
+    return BEAM, _beam_initial_state(model, batch, beam_size, length, index), tile_cache(cache, beam_size)
+
+
+def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled):
+    """Runs greedy or beam search; returns `(sequences [B, L], scores [B])`.
+
+    Args:
+        encoder_token_ids: int32 `[B, S]`.
+        max_lengths: int32 `[B]`, most generated tokens per row (end included).
+        alpha: float32 scalar, the length penalty.
+        beam_size: Python int K.
+        length: Python int L, the output buffer length (>= max(max_lengths) + 1).
+        compiled: use `ops.while_loop` (inside jax.jit / tf.function) rather
+            than a Python loop with a Python int index.
+    """
+    index = ops.convert_to_tensor(0, "int32") if compiled else 0
+    search, state, cache = _initial_state(model, encoder_token_ids, beam_size, length, index)
+
+    def cond(loop):
+        return search.keep_going(loop["state"], max_lengths, alpha, length)
+
+    def body(loop):
+        state = loop["state"]
+        logits, cache = model.decode_step(search.tokens(state), state["index"], loop["cache"])
+        state, parents = search.update(model, state, logits, max_lengths, alpha)
+        if parents is not None:
+            cache = reorder_cache(cache, parents)
+        return {"state": state, "cache": cache}
+
+    loop = {"state": state, "cache": cache}
+    if compiled:
+        loop = ops.while_loop(cond, body, loop)
+    else:
+        # The index stays a Python int, so a NumPy-based decode_step (ONNX
+        # Runtime) receives plain integers.
+        while bool(ops.convert_to_numpy(cond(loop))):
+            loop = body(loop)
+    return search.result(loop["state"])
+
+
+def _hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    """Python loop around an eager `decode_step` and a compiled search update.
+
+    For models whose step cannot be traced (ONNX Runtime): the model runs as
+    it is; the search's own work per step (log-softmax, top-k, gathers,
+    stopping test), dozens of small ops, is one compiled call instead of
+    dozens of eager dispatches.
+    """
+    search, state, cache = _initial_state(model, encoder_token_ids, beam_size, length, 0)
+    update = _compiled_update(search, model)
+    tokens, index, keep_going = search.tokens(state), 0, True
+    while keep_going:
+        logits, cache = model.decode_step(tokens, index, cache)
+        state = dict(state, index=ops.convert_to_tensor(index, "int32"))
+        state, parents, tokens, keep_going = update(
+            state, ops.convert_to_tensor(logits), max_lengths, alpha, length
+        )
+        if parents is not None:
+            cache = reorder_cache(cache, parents)
+        index += 1
+        keep_going = bool(ops.convert_to_numpy(keep_going))
+    return search.result(state)
+
+
+def _token_log_probs(model, logits, generated_length, max_lengths):
+    """Log-probabilities of the next token, with forbidden tokens at -inf.
+
+    Args:
+        logits: `[B, ..., V]`.
+        generated_length: int or scalar tensor, |Y| once this token is added.
+        max_lengths: int32 `[B]`.
+
+    The log-softmax is taken over the model's full distribution first, so a
+    hypothesis' score is its true log-probability; then the pad and start
+    ids are excluded, and at a row's maximum length everything but the end
+    id.
+    """
+    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
+    vocabulary = ops.arange(model.vocabulary_size, dtype="int32")
+    allowed = ops.logical_and(
+        ops.not_equal(vocabulary, model.pad_id), ops.not_equal(vocabulary, model.start_id)
+    )  # [V]
+    at_max = ops.equal(max_lengths, generated_length)  # [B]
+    at_max = ops.reshape(at_max, (-1,) + (1,) * (len(log_probs.shape) - 1))  # [B, 1, ..., 1]
+    is_end = ops.equal(vocabulary, model.end_id)  # [V]
+    allowed = ops.logical_and(allowed, ops.logical_or(ops.logical_not(at_max), is_end))
+    # A model that gives the end id probability 0 still gets it at the maximum length.
+    forced = ops.logical_and(at_max, is_end)
+    log_probs = ops.where(forced, ops.maximum(log_probs, FORCED_END_LOG_PROB), log_probs)
+    return ops.where(allowed, log_probs, NEG_INF)
+
+
+def _write_position(sequences, position, tokens):
+    """`sequences[..., position] = tokens` for `[..., L]` ids and `[...]` tokens."""
+    length = sequences.shape[-1]
+    here = ops.equal(ops.arange(length, dtype="int32"), position)  # [L]
+    return ops.where(here, ops.expand_dims(tokens, -1), sequences)
+
+
+def _read_position(sequences, position):
+    """`sequences[..., position]` for a Python int or scalar tensor position."""
+    return ops.take(sequences, position, axis=-1)
+
+
+def _start_sequences(model, shape):
+    """Int32 zeros of `shape` (`[..., L]`) with the start id at position 0."""
+    length = shape[-1]
+    row = ops.where(ops.equal(ops.arange(length, dtype="int32"), 0), model.start_id, model.pad_id)
+    return ops.broadcast_to(ops.cast(row, "int32"), shape)
+
+
+class _Search:
+    """The functions of one search (see the comment above `_initial_state`)."""
+
+    def __init__(self, name, tokens, update, keep_going, result):
+        self.name, self.tokens, self.update, self.keep_going, self.result = name, tokens, update, keep_going, result
+
+
+# Greedy search ------------------------------------------------------------ #
+def _greedy_initial_state(model, batch, length, index):
+    return {
+        "index": index,
+        "sequences": _start_sequences(model, (batch, length)),  # [B, L]
+        "log_probs": ops.zeros((batch,), "float32"),  # [B], sum so far
+        "scores": ops.zeros((batch,), "float32"),  # [B], set when a row ends
+        "finished": ops.zeros((batch,), "bool"),  # [B]
+    }
+
+
+def _greedy_tokens(state):
+    return _read_position(state["sequences"], state["index"])  # [B]
+
+
+def _greedy_update(model, state, logits, max_lengths, alpha):
+    index = state["index"]
+    log_probs = _token_log_probs(model, logits, index + 1, max_lengths)  # [B, V]
+    next_tokens = ops.cast(ops.argmax(log_probs, axis=-1), "int32")  # [B]
+    finished = state["finished"]
+    # Rows that already ended are fed pad ids from now on (never read).
+    next_tokens = ops.where(finished, model.pad_id, next_tokens)
+    total = ops.where(finished, state["log_probs"], state["log_probs"] + ops.max(log_probs, axis=-1))
+    ended = ops.logical_and(ops.logical_not(finished), ops.equal(next_tokens, model.end_id))
+    scores = ops.where(ended, total / length_penalty_factor(index + 1, alpha), state["scores"])
+    state = {
+        "index": index + 1,
+        "sequences": _write_position(state["sequences"], index + 1, next_tokens),
+        "log_probs": total,
+        "scores": scores,
+        "finished": ops.logical_or(finished, ended),
+    }
+    return state, None  # no reordering
+
+
+def _greedy_keep_going(state, max_lengths, alpha, length):
+    return ops.logical_and(state["index"] < length - 1, ops.logical_not(ops.all(state["finished"])))
+
+
+def _greedy_result(state):
+    return state["sequences"], state["scores"]
+
+
+GREEDY = _Search("greedy", _greedy_tokens, _greedy_update, _greedy_keep_going, _greedy_result)
+
+
+# Beam search -------------------------------------------------------------- #
+def gather_beams(x, beam_indices):
+    """Selects beams: `[B, K_old, ...]` and `[B, K_new]` -> `[B, K_new, ...]`.
+
+    One `ops.take` on the flattened beams:
+    `[B, K_old, ...] -> [B * K_old, ...] -> [B * K_new, ...] -> [B, K_new, ...]`.
+    """
+    batch, old_beams = x.shape[0], x.shape[1]
+    flat = ops.reshape(x, (batch * old_beams,) + tuple(x.shape[2:]))
+    indices = ops.reshape(_flat_beam_indices(beam_indices, old_beams), (-1,))
+    return ops.reshape(ops.take(flat, indices, axis=0), (batch, -1) + tuple(x.shape[2:]))
+
+
+def _flat_beam_indices(beam_indices, beam_size):
+    """`[B, K_new]` beam numbers -> `[B, K_new]` rows of the `[B * K, ...]` layout."""
+    batch = beam_indices.shape[0]
+    offsets = ops.expand_dims(ops.arange(batch, dtype="int32") * beam_size, 1)  # [B, 1]
+    return ops.cast(beam_indices, "int32") + offsets
+
+
+def tile_cache(cache, beam_size):
+    """Repeats every cache entry per beam: `[B, ...] -> [B * K, ...]`.
+
+    Row b of the input becomes rows `b * K ... b * K + K - 1`; one
+    `ops.take(x, indices, axis=0)` per entry.
+    """
+    batch = next(iter(cache.values())).shape[0]
+    indices = ops.repeat(ops.arange(batch, dtype="int32"), beam_size)  # [B * K]
+    return {name: ops.take(value, indices, axis=0) for name, value in cache.items()}
+
+
+def reorder_cache(cache, beam_indices):
+    """Gives each new beam its parent's cache: `[B * K, ...] -> [B * K, ...]`.
+
+    Args:
+        cache: dict of `[B * K, ...]` entries.
+        beam_indices: int `[B, K]`, the parent beam (in `0..K-1`) of each
+            new beam.
+    """
+    beam_size = beam_indices.shape[1]
+    indices = ops.reshape(_flat_beam_indices(beam_indices, beam_size), (-1,))  # [B * K]
+    return {name: ops.take(value, indices, axis=0) for name, value in cache.items()}
+
+
+def _beam_initial_state(model, batch, beam_size, length, index):
+    # All beams start as the same start id; only beam 0 is live, so the first
+    # step does not pick K copies of the same extension.
+    first = ops.where(ops.equal(ops.arange(beam_size, dtype="int32"), 0), 0.0, NEG_INF)
+    return {
+        "index": index,
+        "live_sequences": _start_sequences(model, (batch, beam_size, length)),  # [B, K, L]
+        "live_log_probs": ops.broadcast_to(ops.cast(first, "float32"), (batch, beam_size)),  # [B, K]
+        "finished_sequences": ops.zeros((batch, beam_size, length), "int32"),  # [B, K, L]
+        "finished_scores": ops.full((batch, beam_size), NEG_INF, "float32"),  # [B, K]
+    }
+
+
+def _beam_tokens(state):
+    live = state["live_sequences"]
+    return ops.reshape(_read_position(live, state["index"]), (live.shape[0] * live.shape[1],))  # [B * K]
+
+
+def _beam_update(model, state, logits, max_lengths, alpha):
+    index = state["index"]
+    live = state["live_sequences"]
+    batch, beam_size, _ = live.shape
+    vocabulary_size = model.vocabulary_size
+
+    # [B * K, V] -> [B, K, V]
+    logits = ops.reshape(ops.convert_to_tensor(logits), (batch, beam_size, vocabulary_size))
+    log_probs = _token_log_probs(model, logits, index + 1, max_lengths)
+
+    # The best 2K extensions of the live beams: at most K of them end, so at
+    # least K stay live.
+    candidates = ops.expand_dims(state["live_log_probs"], 2) + log_probs  # [B, K, V]
+    candidates = ops.reshape(candidates, (batch, beam_size * vocabulary_size))  # [B, K * V]
+    top_log_probs, top_indices = ops.top_k(candidates, 2 * beam_size)  # [B, 2K]
+    top_indices = ops.cast(top_indices, "int32")
+    top_parents = ops.floor_divide(top_indices, vocabulary_size)  # [B, 2K], beam in 0..K-1
+    top_tokens = ops.mod(top_indices, vocabulary_size)  # [B, 2K]
+    top_sequences = _write_position(gather_beams(live, top_parents), index + 1, top_tokens)  # [B, 2K, L]
+    top_ended = ops.equal(top_tokens, model.end_id)
+
+    # Live: the best K extensions that did not end.
+    live_log_probs, live_choice = ops.top_k(ops.where(top_ended, NEG_INF, top_log_probs), beam_size)  # [B, K]
+    live_sequences = gather_beams(top_sequences, live_choice)  # [B, K, L]
+    parents = gather_beams(top_parents, live_choice)  # [B, K]
+
+    # Finished: merge the extensions that ended, scored with the length
+    # penalty, into the best K finished so far.
+    ended_scores = top_log_probs / length_penalty_factor(index + 1, alpha)
+    ended_scores = ops.where(top_ended, ended_scores, NEG_INF)  # [B, 2K]
+    all_scores = ops.concatenate([state["finished_scores"], ended_scores], axis=1)  # [B, 3K]
+    all_sequences = ops.concatenate([state["finished_sequences"], top_sequences], axis=1)  # [B, 3K, L]
+    finished_scores, finished_choice = ops.top_k(all_scores, beam_size)  # [B, K]
+
+    state = {
+        "index": index + 1,
+        "live_sequences": live_sequences,
+        "live_log_probs": live_log_probs,
+        "finished_sequences": gather_beams(all_sequences, finished_choice),
+        "finished_scores": finished_scores,
+    }
+    return state, parents
+
+
+def _beam_keep_going(state, max_lengths, alpha, length):
+    # Beams are sorted best first (top_k), so column 0 is each row's best.
+    best_live_bound = state["live_log_probs"][:, 0] / length_penalty_factor(max_lengths, alpha)  # [B]
+    best_finished = state["finished_scores"][:, 0]  # [B]
+    # -inf >= -inf: a row with neither finished nor live beams has stopped.
+    stopped = ops.greater_equal(best_finished, best_live_bound)
+    return ops.logical_and(state["index"] < length - 1, ops.logical_not(ops.all(stopped)))
+
+
+def _beam_result(state):
+    # Every row has a finished hypothesis: the end id is forced at its
+    # maximum length.
+    return state["finished_sequences"][:, 0], state["finished_scores"][:, 0]
+
+
+BEAM = _Search("beam", _beam_tokens, _beam_update, _beam_keep_going, _beam_result)
+
+
+# ---------------------------------------------------------------------- #
+# Drivers: which one runs, and compilation
+# ---------------------------------------------------------------------- #
+def _select_search(model, compile):
+    """The driver for `model`: compiled, hybrid or eager (see `generate`)."""
+    backend = keras.backend.backend()
+    if not compile or backend not in ("jax", "tensorflow"):
+        return _eager_search
+    if isinstance(getattr(model, "variables", None), (list, tuple)):
+        return _compiled_search(model)
+    return _hybrid_search
+
+
+def _eager_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    if keras.backend.backend() == "torch":
+        import torch
+
+        with torch.no_grad():
+            return _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=False)
+    return _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=False)
+
+
+def _cache_for(model, key, build):
+    """`_COMPILED[model][key]`, built once; models that cannot be weakly referenced are not cached."""
+    try:
+        per_model = _COMPILED.setdefault(model, {})
+    except TypeError:
+        logger.debug("%s is not weak-referenceable; compiled functions are not cached", type(model).__name__)
+        return build()
+    if key not in per_model:
+        per_model[key] = build()
+    return per_model[key]
+
+
+def _compiled_search(model):
+    """The whole search compiled for `model`, which exposes Keras `variables`.
+
+    `jax.jit` on JAX (the variables are arguments, through
+    `keras.StatelessScope`, so they are not baked in as constants and later
+    weight updates are seen) and `tf.function(jit_compile=True)` on
+    TensorFlow (XLA: much faster on CPU than a plain graph, see
+    benchmarks/README.md).
+    """
+    model_ref = weakref.ref(model)  # The cache must not keep the model alive.
+
+    def build_jax():
+        import jax
+
+        variables = list(model.variables)
+
+        def stateless_search(values, encoder_token_ids, max_lengths, alpha, beam_size, length):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                return _search(model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True)
+
+        jitted = jax.jit(stateless_search, static_argnames=("beam_size", "length"))
+
+        def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+            values = [v.value for v in variables]
+            return jitted(values, encoder_token_ids, max_lengths, alpha, beam_size=beam_size, length=length)
+
+        return search
+
+    def build_tensorflow():
+        import tensorflow as tf
+
+        @tf.function(jit_compile=TF_JIT_COMPILE)
+        def traced(encoder_token_ids, max_lengths, alpha, beam_size, length):
+            return _search(model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True)
+
+        def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+            return traced(encoder_token_ids, max_lengths, alpha, beam_size, length)
+
+        return search
+
+    backend = keras.backend.backend()
+    return _cache_for(model, "search", build_jax if backend == "jax" else build_tensorflow)
+
+
+def _compiled_update(search, model):
+    """`search.update` fused with `tokens` and `keep_going`, compiled (hybrid driver).
+
+    Returns a function `(state, logits, max_lengths, alpha, length) ->
+    (state, parents, tokens, keep_going)`. Only the model's ids and
+    vocabulary size are read from `model`, so models that share them share
+    the compiled function (traced once per shape).
+    """
+    constants = _ModelConstants(model)
+
+    def fused(state, logits, max_lengths, alpha, length):
+        state, parents = search.update(constants, state, logits, max_lengths, alpha)
+        return state, parents, search.tokens(state), search.keep_going(state, max_lengths, alpha, length)
+
+    def build():
+        if keras.backend.backend() == "jax":
+            import jax
+
+            return jax.jit(fused, static_argnames=("length",))
+        import tensorflow as tf
+
+        return tf.function(fused, jit_compile=TF_JIT_COMPILE)
+
+    key = (keras.backend.backend(), search.name, constants.key())
+    if key not in _COMPILED_UPDATES:
+        _COMPILED_UPDATES[key] = build()
+    return _COMPILED_UPDATES[key]
+
+
+class _ModelConstants:
+    """The ids and vocabulary size of a model: all that a search update reads."""
+
+    def __init__(self, model):
+        self.vocabulary_size = int(model.vocabulary_size)
+        self.pad_id, self.start_id, self.end_id = int(model.pad_id), int(model.start_id), int(model.end_id)
+
+    def key(self):
+        return (self.vocabulary_size, self.pad_id, self.start_id, self.end_id)

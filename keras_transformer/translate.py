@@ -1,0 +1,116 @@
+"""`python -m keras_transformer.translate`: translate text with a preset directory.
+
+Reads one sentence per line from stdin (or `--input`), writes one
+translation per line to stdout (or `--output`); progress goes to stderr.
+
+```
+echo "A sentence." | python -m keras_transformer.translate --preset runs/small
+python -m keras_transformer.translate --preset runs/small --input test.en --output test.de --beam-size 4
+```
+"""
+
+import argparse
+import gzip
+import logging
+import os
+import sys
+import tempfile
+
+logger = logging.getLogger(__name__)
+
+
+def read_lines(path=None):
+    """Lines of a UTF-8 file (plain or `.gz`), or of stdin when `path` is None or "-".
+
+    Only the line ends are removed; empty lines are kept (they translate to
+    empty lines, so the output stays aligned with the input).
+    """
+    if path is None or path == "-":
+        return sys.stdin.read().splitlines()
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", newline="") as f:
+        return f.read().splitlines()
+
+
+def write_lines(path, lines, overwrite=False):
+    """Writes `lines` to `path` atomically (a temporary file, then `os.replace`).
+
+    Args:
+        path: output file.
+        lines: iterable of str, one per line.
+        overwrite: bool, replace an existing file.
+
+    Raises:
+        FileExistsError: when `path` exists and `overwrite` is False.
+    """
+    path = os.fspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            for line in lines:
+                f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m keras_transformer.translate",
+        description="Translate one sentence per line with a preset directory (model + tokenizer).",
+    )
+    parser.add_argument("--preset", required=True, help="preset directory written by save_to_preset / train")
+    parser.add_argument("--input", default=None, help="input file (plain or .gz); default stdin")
+    parser.add_argument("--output", default=None, help="output file; default stdout")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy (default 4)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sentences per search (default 32)")
+    parser.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha (default 0.6)")
+    parser.add_argument(
+        "--max-extra-length", type=int, default=50, help="output tokens beyond the source length (default 50)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Checked before loading the model, so a refusal is immediate.
+    if args.output is not None and os.path.exists(args.output) and not args.overwrite:
+        parser.error(f"{args.output} already exists; pass --overwrite to replace it")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    from keras_transformer.translator import Translator
+
+    try:
+        translator = Translator.from_preset(args.preset)
+        sources = read_lines(args.input)
+        translations = translator.translate(
+            sources,
+            beam_size=args.beam_size,
+            batch_size=args.batch_size,
+            length_penalty=args.length_penalty,
+            max_extra_length=args.max_extra_length,
+            progress=not args.no_progress,
+        )
+    except (ValueError, FileNotFoundError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if args.output is None:
+        sys.stdout.write("".join(line + "\n" for line in translations))
+        sys.stdout.flush()
+    else:
+        write_lines(args.output, translations, overwrite=args.overwrite)
+        print(f"Wrote {len(translations)} lines to {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
