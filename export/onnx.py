@@ -1,0 +1,442 @@
+"""Export a TransformerModel to ONNX: `python -m export.onnx`.
+
+Three graphs, one per method of the generation protocol
+(`keras_transformer.generation`), so that ONNX Runtime runs the same search
+as Keras (`export/runtime.py`):
+
+- `encoder.onnx`: `TransformerModel.encode`,
+  `encoder_token_ids [batch, source_length] int32 -> encoder_outputs
+  [batch, source_length, D]`.
+- `init_cache.onnx`: `TransformerModel.init_cache`, `(encoder_outputs,
+  encoder_token_ids, max_length) -> self_key, self_value, cross_key,
+  cross_value, encoder_padding_mask`.
+- `decoder_step.onnx`: `TransformerModel.decode_step`, `(decoder_token_ids
+  [batch], step [], self_key, self_value, cross_key, cross_value,
+  encoder_padding_mask) -> logits [batch, V], updated_self_key,
+  updated_self_value`.
+
+Why `init_cache` is its own graph rather than extra outputs of the encoder:
+in the protocol, `init_cache` is a function of `encoder_outputs` and the
+source ids, not a by-product of `encode`. Folded into the encoder graph, the
+runtime would have to remember what `encode` returned and hand it out again
+from `init_cache`, which is wrong as soon as a caller passes other encoder
+outputs (tiled per beam, reordered, or computed elsewhere). Exporting
+`init_cache` itself keeps one definition of the cache layout (`model.py`),
+computes the cross-attention keys/values once per source, and lets ONNX
+Runtime allocate the zero self-attention cache where it is used (on the GPU
+under CUDA). The updated caches are named `updated_self_key` and
+`updated_self_value` because an ONNX graph cannot reuse an input's name for
+an output.
+
+The directory is self-contained: the graphs, `config.json` (ids, sizes,
+opset, exporting versions, format version) and the tokenizer when the preset
+has one. It is written next to its final place and renamed at the end, so a
+failed export (conversion or validation) leaves nothing behind.
+
+Example:
+
+```
+python -m export.onnx --preset path/to/preset --output exported/onnx
+python -m export.onnx --preset tiny --output exported/tiny-int8 --quantize int8
+```
+"""
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import shutil
+import sys
+import uuid
+
+import numpy as np
+
+from export.validate import (
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    GRAPHS,
+    QUANTIZATIONS,
+    validate_onnx,
+)
+
+# Named, not __name__, so that `python -m export.onnx` logs under the same name.
+logger = logging.getLogger("export.onnx")
+
+# Opset 15: tf2onnx's default, inside the range its test suite covers
+# (14-18, MIN_OPSET..MAX_OPSET). The graphs need opset 12 at least (Range and
+# ScatterND for the cache update below, int64 Min/Max). tf2onnx 1.17 emits
+# the same nodes for them at every opset from 13 to 17 (checked; 18 only
+# swaps the layer-norm GlobalAveragePools for ReduceMeans), so a newer opset
+# gains nothing, while an older one loads in more runtimes (ONNX Runtime
+# >= 1.10, TensorRT 8). `--opset` picks another within the tested range.
+DEFAULT_OPSET = 15
+MIN_OPSET = 14
+MAX_OPSET = 18  # The newest opset tf2onnx 1.17 knows.
+
+
+def _dynamic_update_slice_handler(ctx, node, name, args):
+    """tf2onnx handler for `XlaDynamicUpdateSlice`, as an ONNX ScatterND.
+
+    `keras.ops.slice_update`, which writes each decoding step's key/value into
+    the fixed-size self-attention cache, is `XlaDynamicUpdateSlice` on
+    TensorFlow; tf2onnx 1.17 has no handler for it. This one gives it the
+    XLA semantics exactly: `updates` is copied into `operand` at
+    `start_indices`, each start clamped to `[0, operand_dim - update_dim]`.
+    ScatterND copies values, so the exported step computes the same numbers
+    as Keras (no export-only model code path is needed):
+
+        indices[i_0, ..., i_{r-1}] = (start_0 + i_0, ..., start_{r-1} + i_{r-1})
+        output = ScatterND(operand, indices, updates)
+
+    `indices` has the shape of `updates` plus a last axis of size r, so the
+    cost is proportional to the update (one position), not to the cache.
+    """
+    from onnx import TensorProto
+    from tf2onnx import utils
+
+    operand, updates, start_indices = node.input
+    rank = ctx.get_rank(operand)
+    utils.make_sure(rank is not None, "XlaDynamicUpdateSlice %s needs an operand of known rank", name)
+
+    def const(value, label):
+        return ctx.make_const(utils.make_name(f"{name}_{label}"), np.array(value, np.int64)).output[0]
+
+    operand_shape = ctx.make_node("Shape", [operand]).output[0]
+    updates_shape = ctx.make_node("Shape", [updates]).output[0]
+    start = ctx.make_node("Cast", [start_indices], attr={"to": TensorProto.INT64}).output[0]
+    # XLA clamps the start so that the update lies inside the operand.
+    room = ctx.make_node("Sub", [operand_shape, updates_shape]).output[0]
+    start = ctx.make_node("Min", [start, room]).output[0]
+    start = ctx.make_node("Max", [start, const([0] * rank, "zeros")]).output[0]
+    index_shape = ctx.make_node("Concat", [updates_shape, const([1], "one")], attr={"axis": 0}).output[0]
+    coordinates = []
+    for axis in range(rank):
+        axis_const = const(axis, f"axis{axis}")
+        first = ctx.make_node("Gather", [start, axis_const]).output[0]  # scalar
+        size = ctx.make_node("Gather", [updates_shape, axis_const]).output[0]  # scalar
+        stop = ctx.make_node("Add", [first, size]).output[0]
+        positions = ctx.make_node("Range", [first, stop, const(1, "step")]).output[0]  # [size]
+        # [size] -> [1, .., size, .., 1, 1] -> updates.shape + [1]
+        broadcast_shape = [1] * (rank + 1)
+        broadcast_shape[axis] = -1
+        positions = ctx.make_node("Reshape", [positions, const(broadcast_shape, f"shape{axis}")]).output[0]
+        coordinates.append(ctx.make_node("Expand", [positions, index_shape]).output[0])
+    indices = ctx.make_node("Concat", coordinates, attr={"axis": -1}).output[0]  # updates.shape + [rank]
+    node.type = "ScatterND"
+    ctx.replace_inputs(node, [operand, indices, updates])
+
+
+CUSTOM_OP_HANDLERS = {"XlaDynamicUpdateSlice": (_dynamic_update_slice_handler, [])}
+
+
+def _graph_functions(model):
+    """`{graph name: (tf.function, input signature)}` wrapping the model's methods."""
+    import tensorflow as tf
+
+    layers = len(model.decoder_layers)
+    heads, key_dim, value_dim = model.num_heads, model.head_key_dim, model.head_value_dim
+    dtype = tf.as_dtype(model.compute_dtype)
+
+    def spec(shape, spec_dtype, name):
+        return tf.TensorSpec(shape, spec_dtype, name=name)
+
+    def encoder(encoder_token_ids):
+        return {"encoder_outputs": model.encode(encoder_token_ids, training=False)}
+
+    def init_cache(encoder_outputs, encoder_token_ids, max_length):
+        return dict(model.init_cache(encoder_outputs, encoder_token_ids, max_length))
+
+    def decoder_step(
+        decoder_token_ids, step, self_key, self_value, cross_key, cross_value, encoder_padding_mask
+    ):
+        cache = {
+            "self_key": self_key,
+            "self_value": self_value,
+            "cross_key": cross_key,
+            "cross_value": cross_value,
+            "encoder_padding_mask": encoder_padding_mask,
+        }
+        logits, cache = model.decode_step(decoder_token_ids, step, cache)
+        return {
+            "logits": logits,
+            "updated_self_key": cache["self_key"],
+            "updated_self_value": cache["self_value"],
+        }
+
+    key_cache = [None, layers, None, heads, key_dim]  # [B, L, T_max or S, N, K]
+    value_cache = [None, layers, None, heads, value_dim]
+    return {
+        "encoder": (encoder, [spec([None, None], tf.int32, "encoder_token_ids")]),
+        "init_cache": (
+            init_cache,
+            [
+                spec([None, None, model.hidden_dim], dtype, "encoder_outputs"),
+                spec([None, None], tf.int32, "encoder_token_ids"),
+                spec([], tf.int32, "max_length"),
+            ],
+        ),
+        "decoder_step": (
+            decoder_step,
+            [
+                spec([None], tf.int32, "decoder_token_ids"),
+                spec([], tf.int32, "step"),
+                spec(key_cache, dtype, "self_key"),
+                spec(value_cache, dtype, "self_value"),
+                spec(key_cache, dtype, "cross_key"),
+                spec(value_cache, dtype, "cross_value"),
+                spec([None, None], tf.bool, "encoder_padding_mask"),
+            ],
+        ),
+    }
+
+
+def _optimizers():
+    """tf2onnx's graph optimizers, without the back-to-back Reshape merge.
+
+    tf2onnx 1.17 miscompiles Keras' attention projections with all its
+    optimizers on: `Dense` on a `[B, T, D]` input is a tensordot (reshape
+    to `[B * T, D]`, MatMul, reshape back to `[B, T, N * H]`) followed by
+    the head split `reshape(x, (B, T, N, H))`. The reshape optimizer turns
+    the head split's computed shape into `[0, 0, N, H]` ("copy dims 0 and 1
+    from the input"), then the back-to-back optimizer merges the two
+    reshapes, so the zeros copy `[B * T, N * H]` from the 2-D MatMul output
+    and the graph fails (or is wrong) for every length but the traced one.
+    Dropping the back-to-back pass (it only merges chains of Cast, Reshape,
+    Transpose, Squeeze/Unsqueeze, which ONNX Runtime's own graph optimizer
+    also fuses when it loads the model) keeps everything else;
+    `export/validate.py` catches this class of error.
+    """
+    from tf2onnx import optimizer
+
+    # `_get_optimizers` is what from_function uses; tf2onnx has no public list.
+    optimizers = optimizer._get_optimizers()
+    return {name: factory for name, factory in optimizers.items() if name != "remove_back_to_back"}
+
+
+def _convert(function, input_signature, opset, path):
+    """Converts one tf.function with tf2onnx and writes it to `path`.
+
+    The steps of `tf2onnx.convert.from_function`, with two changes: an
+    op tf2onnx cannot convert is an error (tf2onnx logs it and leaves it in
+    the graph), and the optimizer list of `_optimizers()`.
+    """
+    import onnx
+    import tensorflow as tf
+    from tf2onnx import convert, optimizer, tf_loader, tfonnx
+
+    concrete = tf.function(function).get_concrete_function(*input_signature)
+    input_names = [t.name for t in concrete.inputs if t.dtype != tf.resource]
+    output_names = [t.name for t in concrete.outputs if t.dtype != tf.resource]
+    # Graph inputs and outputs take the names of the TensorSpecs and of the
+    # returned dict's keys.
+    renames = convert.tensor_names_from_structed(concrete, input_names, output_names)
+    with tf.device("/cpu:0"):
+        graph_def = tf_loader.from_function(concrete, input_names, output_names)
+    with tf.Graph().as_default() as tf_graph:
+        tf.import_graph_def(graph_def, name="")
+        try:
+            graph = tfonnx.process_tf_graph(
+                tf_graph,
+                continue_on_error=False,
+                opset=opset,
+                custom_op_handlers=dict(CUSTOM_OP_HANDLERS),
+                input_names=input_names,
+                output_names=output_names,
+                tensors_to_rename=renames,
+            )
+        except Exception as error:
+            raise RuntimeError(f"tf2onnx could not convert {path.name} at opset {opset}: {error}") from error
+        graph = optimizer.optimize_graph(graph, catch_errors=True, optimizers=_optimizers())
+        model_proto = graph.make_model(f"keras_transformer {path.stem}")
+    # tf2onnx logs the TensorFlow ops it has no handler for and leaves them in
+    # the graph; fail here, naming them, rather than when a runtime loads it.
+    unconverted = sorted(
+        {node.op_type for node in model_proto.graph.node if not onnx.defs.has(node.op_type, node.domain or "")}
+    )
+    if unconverted:
+        raise RuntimeError(
+            f"tf2onnx could not convert the TensorFlow op(s) {unconverted} of {path.name} at opset {opset}"
+        )
+    onnx.checker.check_model(model_proto)
+    onnx.save(model_proto, str(path))
+
+
+def _quantize_int8(path):
+    """ONNX Runtime dynamic quantization of `path`, in place.
+
+    Weights int8 (per tensor), activations quantized at run time from their
+    observed range: MatMuls become MatMulInteger, and the embedding Gather
+    reads 8-bit weights through a DequantizeLinear. Without the
+    `quant_pre_process` that ONNX Runtime suggests in a warning: its
+    symbolic shape inference cannot follow these graphs' shape arithmetic.
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    float_path = path.with_name(path.stem + ".float32.onnx")
+    os.replace(path, float_path)
+    quantize_dynamic(str(float_path), str(path), weight_type=QuantType.QInt8)
+    float_path.unlink()
+
+
+def _versions():
+    import keras
+    import onnx
+    import tensorflow as tf
+    import tf2onnx
+
+    import keras_transformer
+
+    versions = {
+        "keras_transformer": keras_transformer.__version__,
+        "keras": keras.__version__,
+        "tensorflow": tf.__version__,
+        "tf2onnx": tf2onnx.__version__,
+        "onnx": onnx.__version__,
+    }
+    try:
+        import onnxruntime
+
+        versions["onnxruntime"] = onnxruntime.__version__
+    except ImportError:  # Only needed to quantize and validate.
+        pass
+    return versions
+
+
+def _config(model, opset, quantize):
+    return {
+        "format_version": FORMAT_VERSION,
+        "graphs": {name: f"{name}.onnx" for name in GRAPHS},
+        "opset": opset,
+        "quantization": quantize,
+        "vocabulary_size": model.vocabulary_size,
+        "pad_id": model.pad_id,
+        "unk_id": model.unk_id,
+        "start_id": model.start_id,
+        "end_id": model.end_id,
+        "hidden_dim": model.hidden_dim,
+        "num_decoder_layers": len(model.decoder_layers),
+        "num_heads": model.num_heads,
+        "head_key_dim": model.head_key_dim,
+        "head_value_dim": model.head_value_dim,
+        "max_sequence_length": model.max_sequence_length,
+        "cache_dtype": model.compute_dtype,
+        "versions": _versions(),
+        "model_config": _jsonable(model.get_config()),
+    }
+
+
+def _jsonable(config):
+    from keras_transformer.model import _jsonable as preset_jsonable
+
+    return json.loads(json.dumps(preset_jsonable(config), default=str))
+
+
+def _load_model(preset):
+    import keras
+
+    from keras_transformer.model import TransformerModel
+
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            "ONNX export runs on the TensorFlow backend (tf2onnx converts "
+            f"TensorFlow graphs); KERAS_BACKEND is {keras.backend.backend()!r}. "
+            "Run with KERAS_BACKEND=tensorflow."
+        )
+    if isinstance(preset, TransformerModel):
+        return preset
+    # Dropout is inactive at inference; 0.0 keeps it out of the traced graphs.
+    return TransformerModel.from_preset(preset, dropout=0.0)
+
+
+def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=False, atol=1e-4):
+    """Exports a TransformerModel to an ONNX Runtime directory and validates it.
+
+    Args:
+        preset: a built-in preset name, a preset directory (from
+            `save_to_preset`), or a `TransformerModel`.
+        output: directory to create.
+        opset: int, ONNX opset in `[14, 18]`. Defaults to 15 (see
+            `DEFAULT_OPSET`).
+        quantize: `None` (float32) or `"int8"` (ONNX Runtime dynamic
+            quantization of the weights; checked for names and shapes, its
+            accuracy is measured with BLEU, not a tolerance).
+        overwrite: bool, replace an existing `output`.
+        atol: float, tolerance of the float32 graphs against Keras.
+
+    Returns:
+        `pathlib.Path` of the exported directory.
+
+    Raises:
+        FileExistsError: `output` exists and `overwrite` is False.
+        export.validate.ValidationError: the graphs differ from the model.
+    """
+    if opset is None:
+        opset = DEFAULT_OPSET
+    if not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ValueError(f"opset={opset!r} must be an int in [{MIN_OPSET}, {MAX_OPSET}]")
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"quantize={quantize!r} must be one of {QUANTIZATIONS}")
+    output = pathlib.Path(output)
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
+
+    # The same staging-and-rename as save_to_preset.
+    from keras_transformer.model import _replace_directory as replace_directory
+
+    model = _load_model(preset)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex}"
+    staging.mkdir()
+    try:
+        for name, (function, signature) in _graph_functions(model).items():
+            path = staging / f"{name}.onnx"
+            logger.info("Converting %s (opset %d)", path.name, opset)
+            _convert(function, signature, opset, path)
+            if quantize == "int8":
+                logger.info("Quantizing %s to int8", path.name)
+                _quantize_int8(path)
+        config = _config(model, opset, quantize)
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if model.tokenizer is not None:
+            model.tokenizer.save(staging)
+        logger.info("Validating %s against the Keras model", output)
+        validate_onnx(staging, model, atol=atol)
+        replace_directory(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("Exported %s", output)
+    return output
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m export.onnx",
+        description="Export a TransformerModel to ONNX (encoder, init_cache and cached decoder step) "
+        "and validate it against Keras.",
+    )
+    parser.add_argument("--preset", required=True, help="built-in preset name or preset directory")
+    parser.add_argument("--output", required=True, help="directory to create")
+    parser.add_argument(
+        "--opset", type=int, default=DEFAULT_OPSET,
+        help=f"ONNX opset, {MIN_OPSET}-{MAX_OPSET} (default {DEFAULT_OPSET})",
+    )
+    parser.add_argument("--quantize", choices=[q for q in QUANTIZATIONS if q], default=None,
+                        help="dynamic int8 quantization of the weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    args = parser.parse_args(argv)
+    # Our progress at INFO; tf2onnx's and the quantizer's INFO lines are noise here.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("export").setLevel(logging.INFO)
+    if os.path.exists(args.output) and not args.overwrite:
+        parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")
+    try:
+        export_onnx(args.preset, args.output, opset=args.opset, quantize=args.quantize, overwrite=args.overwrite)
+    except (FileNotFoundError, ValueError) as error:
+        parser.exit(1, f"error: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

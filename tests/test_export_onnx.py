@@ -1,0 +1,386 @@
+"""ONNX export (export/onnx.py), validation (export/validate.py) and ONNX Runtime (export/runtime.py)."""
+
+import io
+import itertools
+import json
+import logging
+import shutil
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import to_numpy
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="ONNX export runs on the TensorFlow backend"
+)
+
+onnxruntime = pytest.importorskip("onnxruntime")
+pytest.importorskip("tf2onnx")
+
+import keras_transformer as kt  # noqa: E402
+from export import onnx as onnx_export  # noqa: E402
+from export.runtime import OnnxSeq2Seq, OnnxTranslator, read_config  # noqa: E402
+from export.validate import GRAPHS, ValidationError, validate_onnx  # noqa: E402
+from keras_transformer.translator import Translator  # noqa: E402
+
+VOCABULARY_SIZE = 60
+START, END = 2, 3
+GRAPH_FILES = [f"{graph}.onnx" for graph in GRAPHS]
+
+SUBJECTS = ["the cat", "a dog", "my bird", "the old fish"]
+VERBS = ["sees", "likes", "eats"]
+OBJECTS = ["the cat.", "a dog.", "the big fish.", "a red ball."]
+CORPUS = [f"{s} {v} {o}" for s, v, o in itertools.product(SUBJECTS, VERBS, OBJECTS)]
+
+
+def small_model(seed=1234):
+    keras.utils.set_random_seed(seed)
+    return kt.TransformerModel(
+        vocabulary_size=VOCABULARY_SIZE, num_layers=2, num_heads=4, hidden_dim=16,
+        intermediate_dim=32, dropout=0.0, max_sequence_length=64,
+    )
+
+
+def sources(rng, lengths):
+    """Rows of `tokens + [end]` with the given lengths (end included), 0-padded."""
+    ids = np.zeros((len(lengths), max(lengths)), np.int32)
+    for row, n in enumerate(lengths):
+        ids[row, : n - 1] = rng.integers(4, VOCABULARY_SIZE, n - 1)
+        ids[row, n - 1] = END
+    return ids
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model()
+
+
+@pytest.fixture(scope="module")
+def preset_dir(tmp_path_factory, model):
+    directory = tmp_path_factory.mktemp("preset") / "tiny"
+    tokenizer = kt.train_tokenizer(CORPUS, vocabulary_size=VOCABULARY_SIZE)
+    model.save_to_preset(directory, tokenizer=tokenizer)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, preset_dir):
+    output = tmp_path_factory.mktemp("onnx") / "model"
+    return onnx_export.export_onnx(preset_dir, output)
+
+
+@pytest.fixture(scope="module")
+def onnx_model(exported):
+    return OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
+
+
+def copy_of(exported, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(exported, copy)
+    return copy
+
+
+# --------------------------------------------------------------------------- #
+# The exported directory
+# --------------------------------------------------------------------------- #
+def test_export_writes_a_self_contained_directory(exported, preset_dir):
+    assert sorted(p.name for p in exported.iterdir()) == sorted(GRAPH_FILES + ["config.json", "tokenizer.model"])
+    assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
+    config = json.loads((exported / "config.json").read_text())
+    assert config["format_version"] == 1
+    assert config["opset"] == onnx_export.DEFAULT_OPSET == 15
+    assert config["quantization"] is None
+    assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
+    assert (config["vocabulary_size"], config["hidden_dim"], config["num_decoder_layers"]) == (60, 16, 2)
+    assert (config["num_heads"], config["head_key_dim"], config["head_value_dim"]) == (4, 4, 4)
+    assert set(config["versions"]) >= {"keras_transformer", "keras", "tensorflow", "tf2onnx", "onnx"}
+    assert config["versions"]["keras_transformer"] == kt.__version__
+    # Written next to its place and renamed: no staging directory is left.
+    assert [p.name for p in exported.parent.iterdir()] == ["model"]
+
+
+def test_graphs_have_the_contract_names_and_dynamic_axes(exported):
+    import onnx
+
+    for graph, (inputs, outputs) in GRAPHS.items():
+        proto = onnx.load(str(exported / f"{graph}.onnx"))
+        assert proto.opset_import[0].version == 15
+        for values, expected in ((proto.graph.input, inputs), (proto.graph.output, outputs)):
+            assert sorted(v.name for v in values) == sorted(expected)
+            for value in values:
+                dims = value.type.tensor_type.shape.dim
+                for dim, axis in zip(dims, expected[value.name], strict=True):
+                    # Dynamic axes have a symbolic name, fixed ones a value.
+                    assert dim.HasField("dim_param") == (axis is not None), (graph, value.name, axis)
+
+
+def test_encoder_init_cache_and_decoder_steps_match_keras(model, onnx_model):
+    """Shapes other than validation's; the ORT cache is fed back for 5 steps."""
+    rng = np.random.default_rng(7)
+    for lengths, max_length in (([2], 6), ([9, 4, 13, 1], 5), ([30, 17], 9)):
+        src = sources(rng, lengths)
+        expected = to_numpy(model.encode(src))
+        outputs = onnx_model.encode(src)
+        assert outputs.shape == expected.shape == (len(lengths), max(lengths), 16)
+        np.testing.assert_allclose(outputs, expected, atol=1e-4, rtol=0)
+
+        keras_cache = model.init_cache(expected, src, max_length)
+        cache = onnx_model.init_cache(expected, src, max_length)
+        assert sorted(cache) == sorted(keras_cache)
+        for name in cache:
+            np.testing.assert_allclose(cache[name], to_numpy(keras_cache[name]), atol=1e-5, rtol=0)
+        tokens = np.full((len(lengths),), START, np.int32)
+        for step in range(5):
+            keras_logits, keras_cache = model.decode_step(tokens, step, keras_cache)
+            logits, cache = onnx_model.decode_step(tokens, step, cache)
+            assert logits.shape == (len(lengths), VOCABULARY_SIZE) and logits.dtype == np.float32
+            np.testing.assert_allclose(logits, to_numpy(keras_logits), atol=1e-4, rtol=0)
+            np.testing.assert_allclose(cache["self_key"], to_numpy(keras_cache["self_key"]), atol=1e-4, rtol=0)
+            tokens = rng.integers(4, VOCABULARY_SIZE, len(lengths)).astype(np.int32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_generate_gives_the_same_tokens_as_keras(model, onnx_model, beam_size):
+    src = sources(np.random.default_rng(3), [7, 2, 11, 5])
+    expected = model.generate(src, beam_size=beam_size, max_extra_length=6)
+    ids = onnx_model.generate(src, beam_size=beam_size, max_extra_length=6)
+    assert ids.dtype == np.int32
+    np.testing.assert_array_equal(ids, expected)
+
+
+@pytest.mark.slow
+def test_every_architecture_option_exports(tmp_path):
+    """Learned positions, pre-LN, restricted self-attention, d_k != d_v (the
+    unfused attention path) and more decoder than encoder layers."""
+    keras.utils.set_random_seed(5)
+    variant = kt.TransformerModel(
+        vocabulary_size=VOCABULARY_SIZE, num_layers=2, num_heads=4, hidden_dim=16, intermediate_dim=32,
+        dropout=0.0, key_dim=3, value_dim=5, position_encoding="learned", normalize_first=True,
+        attention_window=2, num_decoder_layers=3, max_sequence_length=24,
+    )
+    output = onnx_export.export_onnx(variant, tmp_path / "variant")  # Validated against Keras.
+    config = json.loads((output / "config.json").read_text())
+    assert (config["num_decoder_layers"], config["head_key_dim"], config["head_value_dim"]) == (3, 3, 5)
+    src = sources(np.random.default_rng(6), [5, 9])
+    np.testing.assert_array_equal(
+        OnnxSeq2Seq(output, providers=["CPUExecutionProvider"]).generate(src, beam_size=1),
+        variant.generate(src, beam_size=1),
+    )
+
+
+def test_io_binding_path_gives_the_same_tokens(exported, onnx_model):
+    """The CUDA path (I/O binding with device-resident cache reuse) run on the CPU."""
+    bound = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], use_io_binding=True)
+    src = sources(np.random.default_rng(4), [6, 3])
+    for beam_size in (1, 3):
+        np.testing.assert_array_equal(
+            bound.generate(src, beam_size=beam_size, max_extra_length=4),
+            onnx_model.generate(src, beam_size=beam_size, max_extra_length=4),
+        )
+    # Outputs handed to the search are read-only, so reuse by identity is safe.
+    cache = bound.init_cache(bound.encode(src), src, 4)
+    assert not cache["cross_key"].flags.writeable
+
+
+@pytest.mark.slow
+def test_translator_gives_the_same_text_as_the_keras_translator(exported, preset_dir):
+    texts = ["the cat sees a dog.", "", "a red ball.", "my bird eats the big fish.", "the old fish likes the cat."]
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    assert isinstance(translator, Translator) and isinstance(translator.model, OnnxSeq2Seq)
+    translations = translator.translate(texts, beam_size=2, max_extra_length=5, batch_size=3)
+    expected = Translator.from_preset(preset_dir).translate(texts, beam_size=2, max_extra_length=5, batch_size=3)
+    assert translations == expected and translations[1] == ""
+
+
+def test_runtime_cli_translates_stdin_line_by_line(exported, monkeypatch, capsys):
+    from export import runtime
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat sees a dog.\n\na red ball.\n"))
+    assert runtime.main(["--model", str(exported), "--beam-size", "1"]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
+
+
+# --------------------------------------------------------------------------- #
+# Validation
+# --------------------------------------------------------------------------- #
+def test_validation_reports_the_output_and_the_largest_difference(exported):
+    differences = validate_onnx(exported, small_model())
+    assert max(differences.values()) <= 1e-4
+    other = small_model(seed=99)
+    message = r"encoder\.onnx output encoder_outputs: largest difference .* exceeds atol=0\.0001"
+    with pytest.raises(ValidationError, match=message):
+        validate_onnx(exported, other)
+
+
+def test_validation_rejects_a_graph_with_other_names(exported, tmp_path):
+    copy = copy_of(exported, tmp_path)
+    shutil.copy(copy / "encoder.onnx", copy / "decoder_step.onnx")
+    with pytest.raises(ValidationError, match=r"decoder_step\.onnx has inputs \['encoder_token_ids'\]"):
+        validate_onnx(copy, small_model())
+
+
+def test_dynamic_update_slice_is_a_scatter_with_xla_clamping(tmp_path):
+    """The tf2onnx handler for keras.ops.slice_update, including out-of-range starts."""
+    import tensorflow as tf
+
+    def update(operand, updates, start):
+        return {"output": keras.ops.slice_update(operand, [0, start, 0], updates)}
+
+    signature = [
+        tf.TensorSpec([None, None, 3], tf.float32, name="operand"),
+        tf.TensorSpec([None, None, 3], tf.float32, name="updates"),
+        tf.TensorSpec([], tf.int32, name="start"),
+    ]
+    path = tmp_path / "update.onnx"
+    onnx_export._convert(update, signature, onnx_export.DEFAULT_OPSET, path)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    operand = rng.normal(size=(2, 7, 3)).astype(np.float32)
+    updates = rng.normal(size=(2, 2, 3)).astype(np.float32)
+    for start in (0, 3, 5, 6, 100, -4):  # XLA clamps the start into [0, 7 - 2].
+        (actual,) = session.run(None, {"operand": operand, "updates": updates, "start": np.array(start, np.int32)})
+        np.testing.assert_array_equal(actual, to_numpy(update(operand, updates, start)["output"]))
+
+
+def test_an_unconvertible_op_fails_the_export_and_leaves_nothing(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_export, "CUSTOM_OP_HANDLERS", {})
+    function, signature = onnx_export._graph_functions(model)["decoder_step"]
+    with pytest.raises(RuntimeError, match="XlaDynamicUpdateSlice"):
+        onnx_export._convert(function, signature, onnx_export.DEFAULT_OPSET, tmp_path / "decoder_step.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- #
+# Overwriting and atomicity
+# --------------------------------------------------------------------------- #
+def test_cli_refuses_to_overwrite(exported, capsys):
+    before = {p.name: p.stat().st_mtime_ns for p in exported.iterdir()}
+    with pytest.raises(SystemExit) as exit_info:
+        onnx_export.main(["--preset", "tiny", "--output", str(exported)])
+    assert exit_info.value.code == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in exported.iterdir()} == before
+    with pytest.raises(FileExistsError, match="already exists"):
+        onnx_export.export_onnx("tiny", exported)
+
+
+def test_bad_arguments_are_rejected_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"opset=11 must be an int in \[14, 18\]"):
+        onnx_export.export_onnx("tiny", tmp_path / "out", opset=11)
+    with pytest.raises(ValueError, match=r"quantize='int4' must be one of"):
+        onnx_export.export_onnx("tiny", tmp_path / "out", quantize="int4")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_failed_validation_leaves_no_directory(model, tmp_path, monkeypatch):
+    def failing_validation(directory, model, atol):
+        assert sorted(p.name for p in directory.iterdir()) == sorted(GRAPH_FILES + ["config.json"])
+        raise ValidationError("simulated mismatch")
+
+    monkeypatch.setattr(onnx_export, "validate_onnx", failing_validation)
+    with pytest.raises(ValidationError, match="simulated mismatch"):
+        onnx_export.export_onnx(model, tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_overwrite_keeps_the_old_directory(model, exported, tmp_path, monkeypatch):
+    old = copy_of(exported, tmp_path)
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+
+    def convert_then_fail(function, signature, opset, path):
+        path.write_bytes(b"partial")
+        if path.name == "init_cache.onnx":
+            raise RuntimeError("simulated failure mid-export")
+
+    monkeypatch.setattr(onnx_export, "_convert", convert_then_fail)
+    with pytest.raises(RuntimeError, match="simulated failure mid-export"):
+        onnx_export.export_onnx(model, old, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["copy"]
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+
+
+# --------------------------------------------------------------------------- #
+# Runtime errors
+# --------------------------------------------------------------------------- #
+def test_missing_files_are_named(exported, tmp_path):
+    with pytest.raises(FileNotFoundError, match="No ONNX model directory"):
+        OnnxSeq2Seq(tmp_path / "nowhere")
+    copy = copy_of(exported, tmp_path)
+    (copy / "decoder_step.onnx").unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing decoder_step\.onnx"):
+        OnnxSeq2Seq(copy)
+    (copy / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
+        read_config(copy)
+
+
+def test_a_directory_without_tokenizer_cannot_translate(exported, tmp_path):
+    copy = copy_of(exported, tmp_path)
+    (copy / "tokenizer.model").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no tokenizer\.model"):
+        OnnxTranslator(copy)
+
+
+def test_another_format_version_is_rejected(exported, tmp_path):
+    copy = copy_of(exported, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    config["format_version"] = 99
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="format_version=99; this version of export.runtime reads format 1"):
+        OnnxSeq2Seq(copy)
+
+
+def test_bad_ids_get_clear_errors(onnx_model):
+    with pytest.raises(ValueError, match=r"token id 60, outside \[0, 60\)"):
+        onnx_model.encode(np.array([[5, 60, 3]], np.int32))
+    with pytest.raises(ValueError, match=r"token id -1, outside \[0, 60\)"):
+        onnx_model.generate(np.array([[5, -1, 3]]))
+    with pytest.raises(ValueError, match="must be an integer array of token ids, received dtype float32"):
+        onnx_model.encode(np.array([[5.0, 6.0]], np.float32))
+    with pytest.raises(ValueError, match=r"must have rank 2 \[batch, length\], received shape \(3,\)"):
+        onnx_model.encode(np.array([5, 6, 3]))
+    with pytest.raises(ValueError, match="longer than max_sequence_length=64"):
+        onnx_model.encode(np.full((1, 65), 5))
+    src = np.array([[5, 6, 3]], np.int32)
+    cache = onnx_model.init_cache(onnx_model.encode(src), src, 4)
+    with pytest.raises(ValueError, match=r"token id 77, outside \[0, 60\)"):
+        onnx_model.decode_step(np.array([77]), 0, cache)
+    with pytest.raises(ValueError, match="index=4 is outside the cache of length 4"):
+        onnx_model.decode_step(np.array([START]), 4, cache)
+    with pytest.raises(ValueError, match=r"token_ids has batch 2 but the cache entries have batches"):
+        onnx_model.decode_step(np.array([START, START]), 0, cache)
+    # int64 ids are accepted (cast to the graphs' int32).
+    assert onnx_model.encode(src.astype(np.int64)).shape == (1, 3, 16)
+
+
+def test_providers_fall_back_to_the_cpu_with_a_warning(exported, caplog):
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("CUDA is available here")
+    with caplog.at_level(logging.WARNING, logger="export.runtime"):
+        model = OnnxSeq2Seq(exported)
+    assert model.providers == ["CPUExecutionProvider"] and not model.use_io_binding
+    assert "CUDAExecutionProvider is not available" in caplog.text
+    with pytest.raises(ValueError, match=r"Execution provider\(s\) \['CUDAExecutionProvider'\] are not available"):
+        OnnxSeq2Seq(exported, providers=["CUDAExecutionProvider"])
+
+
+# --------------------------------------------------------------------------- #
+# int8
+# --------------------------------------------------------------------------- #
+@pytest.mark.slow
+def test_int8_export_runs(preset_dir, tmp_path):
+    import onnx
+
+    output = onnx_export.export_onnx(preset_dir, tmp_path / "int8", quantize="int8")
+    assert json.loads((output / "config.json").read_text())["quantization"] == "int8"
+    decoder = onnx.load(str(output / "decoder_step.onnx"))
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= {node.op_type for node in decoder.graph.node}
+    model = OnnxSeq2Seq(output, providers=["CPUExecutionProvider"])
+    ids = model.generate(sources(np.random.default_rng(5), [6, 3]), beam_size=2, max_extra_length=4)
+    assert ids.dtype == np.int32 and (ids[:, 0] == START).all()
+    assert ((ids == END).sum(axis=1) == 1).all()
