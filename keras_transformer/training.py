@@ -452,6 +452,7 @@ def run_training(
         steps_per_epoch=interval,
         validation_data=valid_data,
         callbacks=callbacks,
+        shuffle=False,  # the tf.data pipeline shuffles
         verbose=verbose,
     )
     if nan_guard.bad_step is not None:
