@@ -498,17 +498,16 @@ def run_training(
 
 
 def _validation_bleu(model, tokenizer, sources, references, beam_size):
-    """sacreBLEU of the averaged model on the validation split (needs generation)."""
-    try:
-        from keras_transformer.translator import Translator
-    except ImportError:
-        logger.warning("Validation BLEU skipped: keras_transformer.translator is not available")
-        return {}
-    import sacrebleu
+    """sacreBLEU and chrF of the averaged model on the validation split."""
+    from keras_transformer.evaluate import evaluate
+    from keras_transformer.translator import Translator
 
-    hypotheses = Translator(model, tokenizer).translate(list(sources), beam_size=beam_size)
-    bleu = sacrebleu.corpus_bleu(hypotheses, [list(references)])
-    return {"valid_bleu": round(bleu.score, 2), "valid_bleu_signature": str(bleu.get_signature())}
+    result = evaluate(Translator(model, tokenizer), sources, references, beam_size=beam_size)
+    return {
+        "valid_bleu": round(result["bleu"], 2),
+        "valid_chrf": round(result["chrf"], 2),
+        "valid_bleu_signature": result["bleu_signature"],
+    }
 
 
 def _write_preset_files(model, output_dir, metadata):

@@ -301,3 +301,15 @@ def test_two_jax_processes_train_like_one(tmp_path):
         np.testing.assert_array_equal(p0[f"w{i}"], p1[f"w{i}"])
         if not name.endswith("key/bias"):
             np.testing.assert_allclose(p0[f"w{i}"], single[f"w{i}"], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_validation_bleu_reports_scores_and_signature():
+    from keras_transformer.datasets import load_bundled
+
+    english, german = load_bundled("valid")
+    tokenizer = kt.train_tokenizer(english[:200] + german[:200], vocabulary_size=300)
+    model = tiny_model(vocabulary_size=tokenizer.vocabulary_size)
+    result = training._validation_bleu(model, tokenizer, english[:4], german[:4], beam_size=2)
+    assert set(result) == {"valid_bleu", "valid_chrf", "valid_bleu_signature"}
+    assert 0.0 <= result["valid_bleu"] <= 100.0
+    assert result["valid_bleu_signature"].startswith("BLEU|")
