@@ -328,7 +328,7 @@ def run_training(
         vocabulary_size: shared subword vocabulary; default: the preset's.
         tokens_per_batch: token budget per side of a batch (paper: ~25000).
         steps, epochs: training length (exactly one may be given; default
-            10 epochs).
+            10 epochs), rounded up to a multiple of `checkpoint_every`.
         max_length: longest sequence in tokens; longer pairs are dropped.
         warmup_steps, learning_rate_scale: the paper's schedule.
         label_smoothing: epsilon_ls.
@@ -397,6 +397,9 @@ def run_training(
     total_steps = steps if steps is not None else (epochs or 10) * batches_per_epoch
     interval = max(1, min(checkpoint_every, total_steps))
     fit_epochs = -(-total_steps // interval)
+    # Keras runs whole "epochs" of `interval` steps (the resume points), so
+    # the total is rounded up to a multiple of the checkpoint interval.
+    total_steps = fit_epochs * interval
     train_data = data_lib.make_dataset(
         *train_ids, tokens_per_batch=tokens_per_batch, seed=seed, repeat=True, max_length=max_length
     )

@@ -7,7 +7,7 @@ set -euo pipefail
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/small}
-EPOCHS=${EPOCHS:-10}
+EPOCHS=${EPOCHS:-5}
 SENTENCE=${SENTENCE:-"Select the cells that you want to delete."}
 
 if [ ! -f "$OUT/config.json" ]; then
