@@ -362,8 +362,10 @@ class OnnxSeq2Seq:
     def generate(self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50):
         """Greedy (`beam_size=1`) or beam search with `keras_transformer.generation.generate`.
 
-        The same search as `TransformerModel.generate`, run eagerly
-        (`compile=False`: each step calls ONNX Runtime with NumPy arrays).
+        The same search as `TransformerModel.generate`: each step calls ONNX
+        Runtime with NumPy arrays, and the search's own per-step work runs as
+        one compiled call where the backend allows (the "hybrid" loop of
+        `generation.generate`).
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s.
@@ -377,7 +379,6 @@ class OnnxSeq2Seq:
             beam_size=beam_size,
             length_penalty=length_penalty,
             max_extra_length=max_extra_length,
-            compile=False,
         )
 
 

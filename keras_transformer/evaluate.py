@@ -16,8 +16,6 @@ import json
 import logging
 import sys
 
-logger = logging.getLogger(__name__)
-
 
 def evaluate(
     translator,

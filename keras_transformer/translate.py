@@ -16,8 +16,6 @@ import os
 import sys
 import tempfile
 
-logger = logging.getLogger(__name__)
-
 
 def read_lines(path=None):
     """Lines of a UTF-8 file (plain or `.gz`), or of stdin when `path` is None or "-".

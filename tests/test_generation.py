@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from conftest import BACKEND, random_ids, tiny_model, to_numpy
-from keras_transformer import generation
 from keras_transformer.generation import generate, length_penalty_factor
 
 START, END = 2, 3
@@ -424,5 +423,6 @@ def test_object_without_the_protocol_is_named():
         def encode(self, encoder_token_ids):
             return encoder_token_ids
 
-    with pytest.raises(TypeError, match=r"Half does not implement the decoding protocol: missing \['init_cache', 'decode_step'\]"):
+    match = r"Half does not implement the decoding protocol: missing \['init_cache', 'decode_step'\]"
+    with pytest.raises(TypeError, match=match):
         generate(Half(), np.array([[4, 3]], "int32"))
