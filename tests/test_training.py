@@ -36,7 +36,7 @@ def test_learns_to_reverse_sequences():
     model = kt.TransformerModel(vocabulary_size=20, num_layers=2, num_heads=4, hidden_dim=64,
                                 intermediate_dim=128, dropout=0.0, max_sequence_length=16)
     training.compile_model(model, warmup_steps=100, learning_rate_scale=1.0, label_smoothing=0.0)
-    model.fit(train, epochs=10, steps_per_epoch=100, verbose=0)
+    model.fit(train, epochs=16, steps_per_epoch=100, verbose=0)
     results = model.evaluate(valid, verbose=0, return_dict=True)
     assert results["masked_accuracy"] >= 0.99, results
 
