@@ -34,10 +34,10 @@ import logging
 import os
 import pathlib
 import platform
-import statistics
-import time
 
 import numpy as np
+
+from benchmarks.timing import median_seconds
 
 logger = logging.getLogger("benchmarks.generate")
 
@@ -104,16 +104,6 @@ class Recompute(_NoEnd):
         return self._mask_end(logits), dict(cache, prefix=prefix)
 
 
-def _median_seconds(function, repeats):
-    function()  # Warm-up (and compilation).
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def run_benchmark(presets=("tiny", "small"), lengths=(16, 32, 64, 128), beam_sizes=(1, 4), repeats=3,
                   compile=True, seed=0):
     """Times cached and recomputing generation; returns a JSON-serializable dict."""
@@ -160,7 +150,7 @@ def run_benchmark(presets=("tiny", "small"), lengths=(16, 32, 64, 128), beam_siz
                     generated = int(np.flatnonzero(ids[0] == model.end_id)[0])
                     if generated != length:
                         raise RuntimeError(f"{name}: generated {generated} tokens, expected {length}")
-                    seconds = _median_seconds(run, repeats)
+                    seconds = median_seconds(run, repeats)
                     case[f"{name}_ms_per_token"] = 1000 * seconds / length
                 case["speedup"] = case["recompute_ms_per_token"] / case["cached_ms_per_token"]
                 logger.info(

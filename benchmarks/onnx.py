@@ -30,25 +30,15 @@ import logging
 import os
 import pathlib
 import platform
-import statistics
 import tempfile
-import time
 
 import numpy as np
+
+from benchmarks.timing import median_seconds
 
 logger = logging.getLogger("benchmarks.onnx")
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-
-
-def _median_seconds(function, repeats):
-    function()  # Warm-up (and compilation).
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _sources(rng, batch, length, vocabulary_size, end_id):
@@ -100,10 +90,10 @@ def run_benchmark(preset="small", batch_sizes=(1, 8), source_length=20, max_extr
         for batch in batch_sizes:
             src = _sources(rng, batch, source_length, model.vocabulary_size, model.end_id)
             keras_times = {
-                "encoder": _median_seconds(lambda: keras_encode(src).numpy(), repeats),
+                "encoder": median_seconds(lambda: keras_encode(src).numpy(), repeats),
             }
             for beam_size in (1, 4):
-                keras_times[f"beam{beam_size}"] = _median_seconds(
+                keras_times[f"beam{beam_size}"] = median_seconds(
                     lambda: model.generate(src, beam_size=beam_size, max_extra_length=max_extra_length), repeats
                 )
             keras_tokens = {
@@ -112,11 +102,11 @@ def run_benchmark(preset="small", batch_sizes=(1, 8), source_length=20, max_extr
             for precision, runtime in runtimes.items():
                 for task in ("encoder", "beam1", "beam4"):
                     if task == "encoder":
-                        onnx_time = _median_seconds(lambda: runtime.encode(src), repeats)
+                        onnx_time = median_seconds(lambda: runtime.encode(src), repeats)
                         same = None
                     else:
                         beam = int(task[-1])
-                        onnx_time = _median_seconds(
+                        onnx_time = median_seconds(
                             lambda: runtime.generate(src, beam_size=beam, max_extra_length=max_extra_length),
                             repeats,
                         )
