@@ -16,10 +16,11 @@ import itertools
 import logging
 import os
 import random
-import tempfile
 
 import numpy as np
 import sentencepiece as spm
+
+from keras_transformer.utils import atomic_path
 from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
@@ -315,17 +316,10 @@ class Tokenizer:
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, TOKENIZER_FILENAME)
-        fd, tmp_path = tempfile.mkstemp(prefix=f".{TOKENIZER_FILENAME}.", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(self._proto)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_path, path)
-        except BaseException:
-            if os.path.exists(tmp_path):
-                os.remove(tmp_path)
-            raise
+        with atomic_path(path) as temporary, open(temporary, "wb") as f:
+            f.write(self._proto)
+            f.flush()
+            os.fsync(f.fileno())
         return path
 
     @classmethod

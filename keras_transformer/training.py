@@ -21,7 +21,6 @@ import os
 import pathlib
 import re
 import shutil
-import tempfile
 
 import h5py
 import keras
@@ -29,6 +28,7 @@ import numpy as np
 
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.schedules import WarmupSchedule
+from keras_transformer.utils import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -134,16 +134,8 @@ def compile_model(
 
 
 def _atomic_save_weights(model, path):
-    path = pathlib.Path(path)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".weights.h5", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path, suffix=".weights.h5") as temporary:
         model.save_weights(temporary, overwrite=True)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
 
 
 def list_checkpoints(directory):
@@ -235,19 +227,11 @@ def average_checkpoints(paths, output=None):
         else:
             averaged[name] = arrays[-1]
     if output is not None:
-        output = pathlib.Path(output)
-        fd, temporary = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".h5", dir=output.parent or ".")
-        os.close(fd)
-        try:
+        with atomic_path(output, suffix=".h5") as temporary:
             shutil.copyfile(paths[-1], temporary)
             with h5py.File(temporary, "r+") as handle:
                 for name, value in averaged.items():
                     handle[name][...] = value
-            os.replace(temporary, output)
-        except BaseException:
-            if os.path.exists(temporary):
-                os.remove(temporary)
-            raise
     return averaged
 
 

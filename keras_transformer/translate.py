@@ -14,7 +14,8 @@ import gzip
 import logging
 import os
 import sys
-import tempfile
+
+from keras_transformer.utils import atomic_path
 
 
 def read_lines(path=None):
@@ -44,20 +45,11 @@ def write_lines(path, lines, overwrite=False):
     path = os.fspath(path)
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            for line in lines:
-                f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+    with atomic_path(path, suffix=".tmp") as temporary, open(temporary, "w", encoding="utf-8", newline="\n") as f:
+        for line in lines:
+            f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def build_parser():
