@@ -52,6 +52,77 @@ def scaled_dot_product_attention(query, key, value, mask=None, dropout=None, tra
     return outputs, weights
 
 
+def local_attention(
+    query, key, value, window, key_padding_mask=None, causal=False, dropout=None, training=None
+):
+    """Equation (1) restricted to keys within distance `window`, in O(n * window).
+
+    The paper's Table 1 "self-attention (restricted)": query i only attends
+    to keys j with |i - j| <= r, which costs O(r * n * d) instead of
+    O(n^2 * d) when computed blockwise. The sequence is cut into blocks of
+    `w = max(r, 1)` positions; the queries of a block can only see keys in
+    the same block and its two neighbours, so each block attends over
+    `3 * w` keys (masked to the exact window) and the cost grows linearly
+    with n. It computes the same function as `scaled_dot_product_attention`
+    with `attention_masks(..., attention_window=r)` (tested), for every row
+    that has at least one visible key.
+
+    Args:
+        query: `[B, n, N, K]`, key: `[B, n, N, K]`, value: `[B, n, N, V]`
+            (self-attention: the same length n).
+        window: int r >= 0.
+        key_padding_mask: optional `[B, n]`, True (or 1) for real tokens.
+        causal: bool, query i only sees keys j <= i.
+        dropout, training: dropout on the attention weights.
+
+    Returns:
+        outputs `[B, n, N, V]`.
+    """
+    w = max(int(window), 1)
+    batch, length = ops.shape(query)[0], ops.shape(query)[1]
+    heads, key_size, value_size = query.shape[2], query.shape[3], value.shape[3]
+    blocks = (length + w - 1) // w
+    padded = blocks * w
+    extra = padded - length
+
+    def blocked(x, size):  # [B, padded, N, H] -> [B, blocks, w, N, H]
+        return ops.reshape(x, (batch, blocks, w, heads, size))
+
+    def neighbours(x, size):
+        # Keys of the previous, same and next block: [B, blocks, 3w, ...].
+        x = ops.pad(x, [[0, 0], [w, extra + w]] + [[0, 0]] * (len(x.shape) - 2))
+        parts = [ops.slice(x, [0, start] + [0] * (len(x.shape) - 2),
+                           [batch, padded] + list(x.shape[2:])) for start in (0, w, 2 * w)]
+        if size is None:  # the padding mask [B, padded] -> [B, blocks, w]
+            parts = [ops.reshape(part, (batch, blocks, w)) for part in parts]
+        else:
+            parts = [blocked(part, size) for part in parts]
+        return ops.concatenate(parts, axis=2)
+
+    q = blocked(ops.pad(query, [[0, 0], [0, extra], [0, 0], [0, 0]]), key_size)
+    k = neighbours(key, key_size)  # [B, blocks, 3w, N, K]
+    v = neighbours(value, value_size)  # [B, blocks, 3w, N, V]
+    valid = ops.ones((batch, length), "bool") if key_padding_mask is None else ops.cast(key_padding_mask, "bool")
+    valid = neighbours(valid, None)  # [B, blocks, 3w]; False outside [0, n)
+
+    # Query a and key s of a block are at distance i - j = a + w - s.
+    distance = ops.expand_dims(ops.arange(w) + w, 1) - ops.expand_dims(ops.arange(3 * w), 0)  # [w, 3w]
+    allowed = ops.abs(distance) <= window
+    if causal:
+        allowed = ops.logical_and(allowed, distance >= 0)
+    mask = ops.logical_and(allowed[None, None, None], valid[:, :, None, None, :])  # [B, blocks, 1, w, 3w]
+
+    scale = 1.0 / math.sqrt(key_size)
+    scores = ops.einsum("bcqnk,bcsnk->bcnqs", q, k) * ops.cast(scale, q.dtype)
+    scores = ops.where(mask, scores, ops.cast(masked_fill_value(scores.dtype), scores.dtype))
+    weights = ops.cast(ops.softmax(ops.cast(scores, "float32"), axis=-1), q.dtype)
+    if dropout is not None:
+        weights = dropout(weights, training=training)
+    outputs = ops.einsum("bcnqs,bcsnv->bcqnv", weights, v)
+    outputs = ops.reshape(outputs, (batch, padded, heads, value_size))
+    return ops.slice(outputs, [0, 0, 0, 0], [batch, length, heads, value_size])
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class MultiHeadAttention(keras.layers.Layer):
     """Multi-head attention with an incremental-decoding cache.
@@ -83,8 +154,11 @@ class MultiHeadAttention(keras.layers.Layer):
             use it (it drops sub-layer outputs instead), so 0.0 by default.
         attention_window: optional int r: each query only sees keys within
             distance r (the paper's Table 1 "self-attention (restricted)").
-            Applied by `attention_masks` in the encoder/decoder layers; stored
-            here for reference and serialization.
+            Self-attention called with `padding_mask=` / `use_causal_mask=`
+            (as the encoder and decoder layers do in training) computes it
+            blockwise in O(n * r) (`local_attention`); an explicit
+            `attention_mask` (built with `attention_masks`), a cache, or
+            `return_attention_scores=True` take the dense O(n^2) path.
         use_fused_attention: bool, use `keras.ops.dot_product_attention`
             (fused/flash kernels where the backend has them) when it computes
             the same function: key_dim == value_dim, no attention dropout in
@@ -179,9 +253,45 @@ class MultiHeadAttention(keras.layers.Layer):
         cache_update_index=None,
         return_attention_scores=False,
         training=None,
+        padding_mask=None,
+        use_causal_mask=False,
     ):
+        """Attention of `query` `[B, T, D]` over `value` `[B, S, D]` (default: `query`).
+
+        Masks: either `attention_mask` (boolean `[B, T, S]`, see
+        `attention_masks`) or, for self-attention, `padding_mask` (`[B, S]`,
+        True for real tokens) and `use_causal_mask`, combined here with the
+        layer's `attention_window`.
+        """
+        if (padding_mask is not None or use_causal_mask) and attention_mask is not None:
+            raise ValueError("Pass attention_mask, or padding_mask/use_causal_mask, not both")
+        self_attention = padding_mask is not None or use_causal_mask or value is None or value is query
+        local = (
+            self.attention_window is not None
+            and self_attention
+            and attention_mask is None
+            and cache is None
+            and not return_attention_scores
+        )
+        if not local and (padding_mask is not None or use_causal_mask):
+            length = ops.shape(query)[1]
+            key_length = length if cache is None else ops.shape(cache[0])[1]
+            offset = 0 if cache_update_index is None else cache_update_index
+            attention_mask = attention_masks(
+                length, key_length, key_padding_mask=padding_mask, causal=use_causal_mask,
+                attention_window=self.attention_window, query_offset=offset,
+            )
         value = query if value is None else value
         q = self._split_heads(self.query_dense(query), self.key_dim)  # [B, T, N, K]
+        if local:
+            k, v = self.compute_cache(value)
+            outputs = local_attention(
+                q, k, v, self.attention_window, key_padding_mask=padding_mask, causal=use_causal_mask,
+                dropout=self.weights_dropout if self.dropout > 0 else None, training=training,
+            )
+            shape = ops.shape(outputs)
+            outputs = ops.reshape(outputs, (shape[0], shape[1], self.num_heads * self.value_dim))
+            return self.output_dense(outputs)
         if cache is None:
             k, v = self.compute_cache(value)  # [B, S, N, K], [B, S, N, V]
         elif cache_update_index is None:

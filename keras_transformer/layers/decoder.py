@@ -76,7 +76,7 @@ class TransformerDecoderLayer(_SublayerMixin, keras.layers.Layer):
     def build(self, decoder_sequence_shape, encoder_sequence_shape=None):
         encoder_sequence_shape = encoder_sequence_shape or decoder_sequence_shape
         hidden_dim = decoder_sequence_shape[-1]
-        self.self_attention = self._attention(hidden_dim, "self_attention")
+        self.self_attention = self._attention(hidden_dim, "self_attention", self.attention_window)
         self.self_attention.build(decoder_sequence_shape, decoder_sequence_shape)
         self.self_attention_norm = self._norm("self_attention_layer_norm")
         self.self_attention_norm.build(decoder_sequence_shape)
@@ -111,14 +111,18 @@ class TransformerDecoderLayer(_SublayerMixin, keras.layers.Layer):
             query_offset = self_attention_cache_update_index
         else:
             key_length, query_offset = query_length, 0
-        self_mask = attention_masks(
-            query_length,
-            key_length,
-            key_padding_mask=decoder_padding_mask,
-            causal=True,
-            attention_window=self.attention_window,
-            query_offset=query_offset,
-        )
+        self_mask = None
+        if self_attention_cache is not None or return_attention_scores or self.attention_window is None:
+            self_mask = attention_masks(
+                query_length,
+                key_length,
+                key_padding_mask=decoder_padding_mask,
+                causal=True,
+                attention_window=self.attention_window,
+                query_offset=query_offset,
+            )
+        # else: training with a restricted window; the attention layer masks
+        # itself and computes the window blockwise (see `local_attention`).
         cross_mask = None
         if encoder_padding_mask is not None:
             source_length = ops.shape(encoder_padding_mask)[1]
@@ -129,6 +133,8 @@ class TransformerDecoderLayer(_SublayerMixin, keras.layers.Layer):
             lambda y: self.self_attention(
                 y, y,
                 attention_mask=self_mask,
+                padding_mask=None if self_mask is not None else decoder_padding_mask,
+                use_causal_mask=self_mask is None,
                 cache=self_attention_cache,
                 cache_update_index=self_attention_cache_update_index,
                 return_attention_scores=return_attention_scores,

@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_transformer.layers.attention import MultiHeadAttention, attention_masks, clone_initializer
+from keras_transformer.layers.attention import MultiHeadAttention, clone_initializer
 
 
 def check_layer_args(intermediate_dim, num_heads, dropout, key_dim, value_dim, attention_window):
@@ -64,14 +64,14 @@ class _SublayerMixin:
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
 
-    def _attention(self, hidden_dim, name):
+    def _attention(self, hidden_dim, name, attention_window=None):
         key_dim, value_dim = head_dims(hidden_dim, self.num_heads, self.key_dim, self.value_dim)
         return MultiHeadAttention(
             num_heads=self.num_heads,
             key_dim=key_dim,
             value_dim=value_dim,
             dropout=self.attention_dropout,
-            attention_window=self.attention_window,
+            attention_window=attention_window,
             use_fused_attention=self.use_fused_attention,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),
@@ -204,7 +204,7 @@ class TransformerEncoderLayer(_SublayerMixin, keras.layers.Layer):
         )
 
     def build(self, inputs_shape):
-        self.self_attention = self._attention(inputs_shape[-1], "self_attention")
+        self.self_attention = self._attention(inputs_shape[-1], "self_attention", self.attention_window)
         self.self_attention.build(inputs_shape, inputs_shape)
         self.self_attention_norm = self._norm("self_attention_layer_norm")
         self.self_attention_norm.build(inputs_shape)
@@ -212,14 +212,12 @@ class TransformerEncoderLayer(_SublayerMixin, keras.layers.Layer):
         self._build_feedforward(inputs_shape)
 
     def call(self, inputs, padding_mask=None, return_attention_scores=False, training=None):
-        length = keras.ops.shape(inputs)[1]
-        mask = attention_masks(
-            length, length, key_padding_mask=padding_mask, attention_window=self.attention_window
-        )
+        # The attention layer builds the padding and window masks itself (a
+        # restricted window is then computed blockwise, see `local_attention`).
         x, *scores = self._residual(
             inputs,
             lambda y: self.self_attention(
-                y, y, attention_mask=mask,
+                y, y, padding_mask=padding_mask,
                 return_attention_scores=return_attention_scores, training=training,
             ),
             self.self_attention_norm,

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import to_numpy
 from keras_transformer.layers import MultiHeadAttention
-from keras_transformer.layers.attention import attention_masks
+from keras_transformer.layers.attention import attention_masks, local_attention, scaled_dot_product_attention
 
 
 def numpy_multi_head_attention(query, value, weights, num_heads, key_dim, value_dim, mask=None):
@@ -127,3 +127,33 @@ def test_config_round_trip():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MultiHeadAttention(**kwargs)
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_local_attention_equals_dense_window_mask(window, causal):
+    """The blockwise O(n * r) restricted attention is equation (1) under the |i - j| <= r mask."""
+    rng = np.random.default_rng(window + 10 * causal)
+    batch, length, heads = 3, 11, 2  # 11 is not a multiple of any block size tested
+    q = rng.standard_normal((batch, length, heads, 4)).astype("float32")
+    k = rng.standard_normal((batch, length, heads, 4)).astype("float32")
+    v = rng.standard_normal((batch, length, heads, 5)).astype("float32")
+    lengths = np.array([11, 7, 1])
+    padding = np.arange(length)[None, :] < lengths[:, None]
+    local = to_numpy(local_attention(q, k, v, window, key_padding_mask=padding, causal=causal))
+    mask = attention_masks(length, length, key_padding_mask=padding, causal=causal, attention_window=window)
+    dense, _ = scaled_dot_product_attention(q, k, v, mask=keras.ops.expand_dims(mask, 1))
+    for row, n in enumerate(lengths):  # padding queries are never read
+        np.testing.assert_allclose(local[row, :n], to_numpy(dense)[row, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_layer_blockwise_matches_explicit_mask():
+    """The layer's blockwise path (padding_mask=) equals its dense path (attention_mask=)."""
+    layer = MultiHeadAttention(2, 4, attention_window=2)
+    x = np.random.default_rng(0).standard_normal((2, 9, 8)).astype("float32")
+    padding = np.arange(9)[None, :] < np.array([[9], [5]])
+    blockwise = to_numpy(layer(x, x, padding_mask=padding, use_causal_mask=True))
+    mask = attention_masks(9, 9, key_padding_mask=padding, causal=True, attention_window=2)
+    dense = to_numpy(layer(x, x, attention_mask=mask))
+    np.testing.assert_allclose(blockwise[0], dense[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(blockwise[1, :5], dense[1, :5], rtol=1e-5, atol=1e-5)
