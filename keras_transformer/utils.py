@@ -23,6 +23,12 @@ def atomic_path(path, suffix=""):
     os.close(fd)
     try:
         yield temporary
+        # mkstemp creates the file private (0600); give it the permissions a
+        # plain open() would, so that presets can be shared.
+        umask = os.umask(0)
+        os.umask(umask)
+        if os.path.exists(temporary):
+            os.chmod(temporary, 0o666 & ~umask)
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
