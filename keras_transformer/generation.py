@@ -12,7 +12,8 @@ The decoding protocol (duck typing; nothing else of the model is used):
 - `init_cache(encoder_outputs, encoder_token_ids, max_length) -> cache`: a
   dict of arrays that all have the batch on axis 0 (the search tiles and
   reorders every entry with one `ops.take(x, indices, axis=0)` and never
-  looks inside); `max_length` is a Python int;
+  looks inside); `max_length` is a Python int (a scalar int32 tensor under
+  `generate_in_graph`, which traces the search for a SavedModel);
 - `decode_step(token_ids [B] int32, index, cache) -> (logits [B, V], cache)`:
   feeds the token at position `index` (0 for the start id) and returns the
   logits of position `index + 1`. `index` is a Python int, except inside
@@ -179,15 +180,12 @@ def generate(
         empty = np.zeros((0, 0), "int32")
         return (empty, np.zeros((0,), "float32")) if return_scores else empty
 
-    limit = getattr(model, "max_sequence_length", None)
-    max_lengths = np.maximum((source != model.pad_id).sum(axis=1) + int(max_extra_length), 1)
-    if limit is not None:
-        max_lengths = np.minimum(max_lengths, int(limit) - 1)
-    max_lengths = max_lengths.astype("int32")  # [B]
-    length = _round_up(int(max_lengths.max()) + 1, LENGTH_BUCKET)  # L
-    padded_length = _round_up(max(source_length, 1), LENGTH_BUCKET)
-    if limit is not None:
-        padded_length = min(padded_length, max(source_length, int(limit)))
+    max_lengths, length, padded_length = _search_lengths(
+        source, max_extra_length, getattr(model, "max_sequence_length", None)
+    )
+    max_lengths = np.asarray(ops.convert_to_numpy(max_lengths)).astype("int32")  # [B]
+    length = int(ops.convert_to_numpy(length))  # L
+    padded_length = int(ops.convert_to_numpy(padded_length))
     source = np.pad(source, ((0, 0), (0, padded_length - source_length)))  # [B, S_bucket]
 
     search = _select_search(model, compile)
@@ -203,6 +201,82 @@ def generate(
     if return_scores:
         return sequences, np.asarray(ops.convert_to_numpy(scores)).astype("float32")
     return sequences
+
+
+def generate_in_graph(model, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50):
+    """`generate` inside a TensorFlow graph: symbolic ids in, symbolic ids out.
+
+    For exporting the search (`export/saved_model.py`): called while an
+    enclosing `tf.function` is traced, with ids of unknown batch and length.
+    The lengths (`max_length_b`, the buffer length L, the padded source
+    length) are computed as `generate` computes them, but as tensors, and
+    the search is the same compiled function that `generate` runs
+    (`tf.function(jit_compile=TF_JIT_COMPILE)`, cached per model); under XLA
+    the tensor L is a compile-time constant, so it is compiled once per
+    (batch, source bucket, L, beam size), as `generate` is.
+
+    Args:
+        model: a `TransformerModel` (or a protocol object exposing its Keras
+            `variables`).
+        encoder_token_ids: int `[B, S]` symbolic tensor, tokens + end id then
+            pad id 0; B >= 1.
+        beam_size, length_penalty, max_extra_length: as in `generate`
+            (Python numbers, fixed in the graph).
+
+    Returns:
+        `(sequences, scores)`: int32 `[B, L]`, each row the start id, the
+        generated tokens, the end id, then pad ids (not trimmed to the
+        longest row, as `generate` does); float32 `[B]`.
+    """
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            "generate_in_graph builds a TensorFlow graph; KERAS_BACKEND is "
+            f"{keras.backend.backend()!r}. Run with KERAS_BACKEND=tensorflow."
+        )
+    _check_protocol(model)
+    _check_search_args(beam_size, length_penalty, max_extra_length)
+    if not isinstance(getattr(model, "variables", None), (list, tuple)):
+        raise TypeError(
+            f"generate_in_graph needs a model exposing its Keras variables, received {type(model).__name__}"
+        )
+    if model.pad_id != 0:
+        raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
+    encoder_token_ids = ops.cast(encoder_token_ids, "int32")
+    max_lengths, length, padded_length = _search_lengths(
+        encoder_token_ids, max_extra_length, getattr(model, "max_sequence_length", None)
+    )
+    source_length = _dim(encoder_token_ids, 1)
+    source = ops.pad(encoder_token_ids, [[0, 0], [0, padded_length - source_length]])  # [B, S_bucket]
+    search = _compiled_search(model)
+    return search(
+        model, source, max_lengths, ops.convert_to_tensor(float(length_penalty), "float32"), int(beam_size), length
+    )
+
+
+def _search_lengths(encoder_token_ids, max_extra_length, limit):
+    """The lengths of a search over int `[B, S]` source ids (B >= 1).
+
+    `keras.ops` only: `generate` calls it on concrete ids, `generate_in_graph`
+    on symbolic ones, where the results are tensors.
+
+    Returns:
+        `(max_lengths, length, padded_length)`: int32 `[B]`, the most
+        tokens row b may generate (`n_b + max_extra_length`, at least 1, at
+        most `limit - 1`); the output buffer length L (the start id and the
+        longest row, rounded up to `LENGTH_BUCKET`); and the length S_bucket
+        to pad the source to (rounded up to `LENGTH_BUCKET`, not beyond
+        `limit` unless the source is already longer).
+    """
+    source_length = _dim(encoder_token_ids, 1)
+    source_lengths = ops.sum(ops.cast(ops.not_equal(encoder_token_ids, 0), "int32"), axis=1)  # n_b, [B]
+    max_lengths = ops.maximum(source_lengths + int(max_extra_length), 1)
+    if limit is not None:
+        max_lengths = ops.minimum(max_lengths, int(limit) - 1)
+    length = _round_up(ops.max(max_lengths) + 1, LENGTH_BUCKET)
+    padded_length = _round_up(ops.maximum(source_length, 1), LENGTH_BUCKET)
+    if limit is not None:
+        padded_length = ops.minimum(padded_length, ops.maximum(source_length, int(limit)))
+    return ops.cast(max_lengths, "int32"), length, padded_length
 
 
 # ---------------------------------------------------------------------- #
@@ -233,6 +307,12 @@ def _check_search_args(beam_size, length_penalty, max_extra_length):
         or max_extra_length < 0
     ):
         raise ValueError(f"max_extra_length={max_extra_length!r} must be an integer >= 0")
+
+
+def _dim(x, axis):
+    """`x.shape[axis]`, or a scalar tensor where it is unknown (a TensorFlow graph traced for any batch)."""
+    size = x.shape[axis]
+    return ops.shape(x)[axis] if size is None else size
 
 
 def _round_up(value, multiple):
@@ -279,7 +359,7 @@ def _initial_state(model, encoder_token_ids, beam_size, length, index):
     """Encodes the source; returns `(search, state, cache)`."""
     encoder_outputs = model.encode(encoder_token_ids)  # [B, S, D]
     cache = model.init_cache(encoder_outputs, encoder_token_ids, length)
-    batch = encoder_token_ids.shape[0]
+    batch = _dim(encoder_token_ids, 0)
     if beam_size == 1:
         return GREEDY, _greedy_initial_state(model, batch, length, index), cache
     return BEAM, _beam_initial_state(model, batch, beam_size, length, index), tile_cache(cache, beam_size)
@@ -376,7 +456,7 @@ def _token_log_probs(model, logits, generated_length, max_lengths):
 
 def _write_position(sequences, position, tokens):
     """`sequences[..., position] = tokens` for `[..., L]` ids and `[...]` tokens."""
-    length = sequences.shape[-1]
+    length = _dim(sequences, -1)
     here = ops.equal(ops.arange(length, dtype="int32"), position)  # [L]
     return ops.where(here, ops.expand_dims(tokens, -1), sequences)
 
@@ -453,15 +533,16 @@ def gather_beams(x, beam_indices):
     One `ops.take` on the flattened beams:
     `[B, K_old, ...] -> [B * K_old, ...] -> [B * K_new, ...] -> [B, K_new, ...]`.
     """
-    batch, old_beams = x.shape[0], x.shape[1]
-    flat = ops.reshape(x, (batch * old_beams,) + tuple(x.shape[2:]))
+    batch, old_beams, *rest = (_dim(x, axis) for axis in range(len(x.shape)))
+    flat = ops.reshape(x, (batch * old_beams, *rest))
     indices = ops.reshape(_flat_beam_indices(beam_indices, old_beams), (-1,))
-    return ops.reshape(ops.take(flat, indices, axis=0), (batch, -1) + tuple(x.shape[2:]))
+    # K_new rather than -1: the beam axis stays static when the batch is not.
+    return ops.reshape(ops.take(flat, indices, axis=0), (batch, _dim(beam_indices, 1), *rest))
 
 
 def _flat_beam_indices(beam_indices, beam_size):
     """`[B, K_new]` beam numbers -> `[B, K_new]` rows of the `[B * K, ...]` layout."""
-    batch = beam_indices.shape[0]
+    batch = _dim(beam_indices, 0)
     offsets = ops.expand_dims(ops.arange(batch, dtype="int32") * beam_size, 1)  # [B, 1]
     return ops.cast(beam_indices, "int32") + offsets
 
@@ -472,7 +553,7 @@ def tile_cache(cache, beam_size):
     Row b of the input becomes rows `b * K ... b * K + K - 1`; one
     `ops.take(x, indices, axis=0)` per entry.
     """
-    batch = next(iter(cache.values())).shape[0]
+    batch = _dim(next(iter(cache.values())), 0)
     indices = ops.repeat(ops.arange(batch, dtype="int32"), beam_size)  # [B * K]
     return {name: ops.take(value, indices, axis=0) for name, value in cache.items()}
 
@@ -505,13 +586,14 @@ def _beam_initial_state(model, batch, beam_size, length, index):
 
 def _beam_tokens(state):
     live = state["live_sequences"]
-    return ops.reshape(_read_position(live, state["index"]), (live.shape[0] * live.shape[1],))  # [B * K]
+    batch, beam_size = _dim(live, 0), _dim(live, 1)
+    return ops.reshape(_read_position(live, state["index"]), (batch * beam_size,))  # [B * K]
 
 
 def _beam_update(model, state, logits, max_lengths, alpha):
     index = state["index"]
     live = state["live_sequences"]
-    batch, beam_size, _ = live.shape
+    batch, beam_size = _dim(live, 0), _dim(live, 1)
     vocabulary_size = model.vocabulary_size
 
     # [B * K, V] -> [B, K, V]

@@ -1,0 +1,361 @@
+"""Export a TransformerModel to a TensorFlow SavedModel: `python -m export.saved_model`.
+
+Text in, text out, in one graph that TensorFlow Serving, `tf.saved_model.load`
+or any TensorFlow runtime can run without this package. Signatures:
+
+- `translate`: `text [B] string -> translation [B] string`. Tokenization
+  (TensorFlow Text's SentencePiece op, built from the tokenizer's proto), the
+  beam search of `keras_transformer.generation` (the same compiled search
+  `Translator` runs, with the export-time `beam_size`, `length_penalty` and
+  `max_extra_length`; `beam_size=1` is greedy) and detokenization. Sources
+  are encoded as `Translator` encodes them (tokens + end id, cut to
+  `max_sequence_length` with the end id kept), and empty or whitespace-only
+  strings give empty strings, so the outputs equal
+  `Translator.translate(texts, beam_size, ...)`; unlike `Translator`, a
+  request is one batch (not split into batches of 32).
+- `encode`: `encoder_token_ids [B, S] int32 -> encoder_outputs [B, S, D]`.
+- `init_cache`: `(encoder_outputs [B, S, D], encoder_token_ids [B, S] int32,
+  max_length [] int32) -> self_key, self_value, cross_key, cross_value,
+  encoder_padding_mask`, the layout of `TransformerModel.init_cache`.
+- `decode_step`: `(decoder_token_ids [B] int32, step [] int32, self_key,
+  self_value, cross_key, cross_value, encoder_padding_mask) -> logits [B, V],
+  updated_self_key, updated_self_value`, `TransformerModel.decode_step`.
+
+`encode`, `init_cache` and `decode_step` are the three graphs of the ONNX
+export (`export/onnx.py`, same functions, same input and output names; the
+ONNX encoder graph is called `encoder` and the step `decoder_step`), for
+callers that run their own search. Every axis named B, S or T is dynamic.
+
+The graph holds only TensorFlow and TensorFlow Text ops and the weights as
+plain variables: loading needs TensorFlow and the SentencePiece ops of
+TensorFlow Text, registered by `import tensorflow_text`, and neither Keras
+nor keras_transformer:
+
+```python
+import tensorflow as tf
+import tensorflow_text  # noqa: F401 - registers the SentencePiece ops
+
+translate = tf.saved_model.load("DIR").signatures["translate"]
+translate(text=tf.constant(["A sentence."]))["translation"]
+```
+
+The search is compiled with XLA (`generation.TF_JIT_COMPILE`), as in Keras:
+once per batch size, source length bucket and output length bucket, so a
+server pays a compilation (seconds on a CPU) for each new shape; send a few
+fixed batch sizes, or set `keras_transformer.generation.TF_JIT_COMPILE =
+False` before exporting for a plain graph (the same search, not bit-for-bit
+the numbers of the XLA-compiled one).
+
+The directory is self-contained: the SavedModel, `tokenizer.model` and
+`config.json` (ids, sizes, search settings, signatures, exporting versions).
+It is written next to its final place and renamed at the end, so a failed
+export leaves nothing behind.
+
+Example:
+
+```
+python -m export.saved_model --preset path/to/preset --output exported/saved_model
+python -m export.saved_model --preset path/to/preset --output exported/greedy --beam-size 1
+```
+"""
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import shutil
+import sys
+import uuid
+
+logger = logging.getLogger("export.saved_model")
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+# Signature -> (inputs, outputs); the contract that config.json records.
+# Shape legend: B batch, S source length, T_max cache length, D hidden_dim,
+# L decoder layers, N heads, K/Vh per-head key/value size, V vocabulary_size.
+_KEY_CACHE = "[B, L, T_max, N, K]"
+_VALUE_CACHE = "[B, L, T_max, N, Vh]"
+_CROSS_KEY = "[B, L, S, N, K]"
+_CROSS_VALUE = "[B, L, S, N, Vh]"
+SIGNATURES = {
+    "translate": ({"text": "[B] string"}, {"translation": "[B] string"}),
+    "encode": ({"encoder_token_ids": "[B, S] int32"}, {"encoder_outputs": "[B, S, D] float"}),
+    "init_cache": (
+        {"encoder_outputs": "[B, S, D] float", "encoder_token_ids": "[B, S] int32", "max_length": "[] int32"},
+        {
+            "self_key": _KEY_CACHE, "self_value": _VALUE_CACHE, "cross_key": _CROSS_KEY,
+            "cross_value": _CROSS_VALUE, "encoder_padding_mask": "[B, S] bool",
+        },
+    ),
+    "decode_step": (
+        {
+            "decoder_token_ids": "[B] int32", "step": "[] int32", "self_key": _KEY_CACHE,
+            "self_value": _VALUE_CACHE, "cross_key": _CROSS_KEY, "cross_value": _CROSS_VALUE,
+            "encoder_padding_mask": "[B, S] bool",
+        },
+        {"logits": "[B, V] float32", "updated_self_key": _KEY_CACHE, "updated_self_value": _VALUE_CACHE},
+    ),
+}
+# Signature -> the function of export/onnx.py's `_graph_functions` it exports.
+_PROTOCOL_GRAPHS = {"encode": "encoder", "init_cache": "init_cache", "decode_step": "decoder_step"}
+# Python's str.isspace() characters in RE2 syntax: Translator skips texts
+# for which `text.strip()` is empty.
+_BLANK = r"[\t-\r\x{1c}-\x{1f}\x{85}\p{Z}]*"
+
+
+def _check_search_args(beam_size, length_penalty, max_extra_length):
+    from keras_transformer.generation import _check_search_args as check
+
+    check(beam_size, length_penalty, max_extra_length)
+
+
+def _load(preset_or_model, tokenizer):
+    """`(model, tokenizer)`, checked against each other; a clear error when there is no tokenizer."""
+    import keras
+
+    from keras_transformer.model import TOKENIZER_FILE, TransformerModel
+    from keras_transformer.translator import Translator
+
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            "SavedModel export runs on the TensorFlow backend (it saves TensorFlow graphs); "
+            f"KERAS_BACKEND is {keras.backend.backend()!r}. Run with KERAS_BACKEND=tensorflow."
+        )
+    if isinstance(preset_or_model, TransformerModel):
+        model = preset_or_model
+        where = "the model has no tokenizer attached"
+    elif isinstance(preset_or_model, (str, os.PathLike)):
+        # Dropout is inactive at inference; 0.0 keeps it out of the traced graphs.
+        model = TransformerModel.from_preset(preset_or_model, dropout=0.0)
+        where = (
+            f"the directory {os.fspath(preset_or_model)!r} has no {TOKENIZER_FILE}"
+            if os.path.isdir(preset_or_model)
+            else f"{preset_or_model!r} is a built-in architecture preset (random weights, no tokenizer)"
+        )
+    else:
+        raise TypeError(
+            "preset_or_model must be a preset name, a preset directory or a TransformerModel, "
+            f"received {type(preset_or_model).__name__}"
+        )
+    tokenizer = tokenizer if tokenizer is not None else model.tokenizer
+    if tokenizer is None:
+        raise ValueError(
+            f"Cannot export a SavedModel without a tokenizer ({where}): the translate signature "
+            "tokenizes in the graph. Pass tokenizer=... (a keras_transformer Tokenizer), or a preset "
+            "directory written by save_to_preset(directory, tokenizer=...)."
+        )
+    Translator(model, tokenizer)  # Checks that vocabulary and special ids match.
+    return model, tokenizer
+
+
+def _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_length):
+    """A `tf.Module` holding the variables and the tokenizer; returns `(module, signatures)`."""
+    import tensorflow as tf
+
+    from export.onnx import _graph_functions
+    from keras_transformer.generation import generate_in_graph
+
+    module = tf.Module()
+    # Only what the graphs read is saved: the weights (Keras variables are
+    # tf.Variables on this backend) and the SentencePiece resource, so that
+    # loading builds no Keras object.
+    module.model_variables = list(model.variables)
+    # The end id is appended below, after cutting to max_sequence_length.
+    module.tokenizer = tokenizer.tf_text_tokenizer(add_start=False, add_end=False)
+    limit = model.max_sequence_length
+    pad_id, start_id, end_id = model.pad_id, model.start_id, model.end_id
+
+    def source_ids(text):
+        """`[B] string -> [B, None] int32` ragged: as `Translator.encode`, tokens + end id."""
+        pieces = module.tokenizer.tokenize(text)[:, : limit - 1]  # [B, (n)]
+        ends = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(text)[0], 1], tf.constant(end_id, tf.int32)))
+        return tf.concat([pieces, ends], axis=1)
+
+    def detokenize(sequences):
+        """`[B, L]` ids -> `[B]` strings, as `Tokenizer.decode`: cut at the first end id, drop pad and start."""
+        is_end = tf.equal(sequences, end_id)
+        before_end = tf.equal(tf.cumsum(tf.cast(is_end, tf.int32), axis=1), 0)
+        keep = before_end & tf.not_equal(sequences, pad_id) & tf.not_equal(sequences, start_id)
+        return module.tokenizer.detokenize(tf.ragged.boolean_mask(sequences, keep))
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    def translate(text):
+        sources = source_ids(text)  # [B, (n)]
+        # Empty or whitespace-only texts (nothing but the end id) give "" without running the model.
+        blank = tf.strings.regex_full_match(text, _BLANK)
+        todo = tf.where(tf.logical_and(sources.row_lengths() > 1, tf.logical_not(blank)))[:, 0]  # [B']
+        empty = tf.fill(tf.shape(text), "")
+
+        def search():
+            ids = tf.gather(sources, todo).to_tensor(default_value=pad_id)  # [B', S]
+            sequences, _ = generate_in_graph(
+                model, ids, beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length
+            )
+            return tf.tensor_scatter_nd_update(empty, todo[:, None], detokenize(sequences))
+
+        translation = tf.cond(tf.size(todo) > 0, search, lambda: empty)
+        return {"translation": tf.ensure_shape(translation, [None])}
+
+    signatures = {"translate": translate.get_concrete_function()}
+    graphs = _graph_functions(model)
+    for name, graph in _PROTOCOL_GRAPHS.items():
+        function, input_signature = graphs[graph]
+        signatures[name] = tf.function(function, input_signature=input_signature).get_concrete_function()
+    return module, signatures
+
+
+def _versions():
+    import keras
+    import tensorflow as tf
+    import tensorflow_text
+
+    import keras_transformer
+
+    return {
+        "keras_transformer": keras_transformer.__version__,
+        "keras": keras.__version__,
+        "tensorflow": tf.__version__,
+        "tensorflow_text": tensorflow_text.__version__,
+    }
+
+
+def _config(model, tokenizer, beam_size, length_penalty, max_extra_length):
+    from export.onnx import _jsonable
+    from keras_transformer.tokenizer import TOKENIZER_FILENAME
+
+    return {
+        "format_version": FORMAT_VERSION,
+        "signatures": {
+            name: {"inputs": inputs, "outputs": outputs} for name, (inputs, outputs) in SIGNATURES.items()
+        },
+        "load": "import tensorflow_text (registers the SentencePiece ops), then tf.saved_model.load(directory)",
+        "tokenizer": TOKENIZER_FILENAME,
+        "beam_size": beam_size,
+        "length_penalty": float(length_penalty),
+        "max_extra_length": max_extra_length,
+        "vocabulary_size": model.vocabulary_size,
+        "pad_id": model.pad_id,
+        "unk_id": tokenizer.unk_id,
+        "start_id": model.start_id,
+        "end_id": model.end_id,
+        "hidden_dim": model.hidden_dim,
+        "num_decoder_layers": len(model.decoder_layers),
+        "num_heads": model.num_heads,
+        "head_key_dim": model.head_key_dim,
+        "head_value_dim": model.head_value_dim,
+        "max_sequence_length": model.max_sequence_length,
+        "cache_dtype": model.compute_dtype,
+        "versions": _versions(),
+        "model_config": _jsonable(model.get_config()),
+    }
+
+
+def export_saved_model(
+    preset_or_model,
+    output,
+    *,
+    tokenizer=None,
+    beam_size=4,
+    length_penalty=0.6,
+    max_extra_length=50,
+    overwrite=False,
+):
+    """Exports a TransformerModel and its tokenizer as a TensorFlow SavedModel.
+
+    Args:
+        preset_or_model: a preset directory (from `save_to_preset`, with its
+            `tokenizer.model`), a built-in preset name (then `tokenizer` is
+            required), or a `TransformerModel`.
+        output: directory to create.
+        tokenizer: a `keras_transformer.Tokenizer`; defaults to the preset's
+            or the model's (`model.tokenizer`).
+        beam_size: int >= 1, the `translate` signature's beam size (1 is
+            greedy search). Defaults to 4 (the paper).
+        length_penalty: float alpha >= 0. Defaults to 0.6 (the paper).
+        max_extra_length: int >= 0, output tokens beyond the source length.
+            Defaults to 50 (the paper).
+        overwrite: bool, replace an existing `output`.
+
+    Returns:
+        `pathlib.Path` of the exported directory.
+
+    Raises:
+        FileExistsError: `output` exists and `overwrite` is False.
+        ValueError: no tokenizer, or one that does not match the model.
+        RuntimeError: the Keras backend is not TensorFlow.
+
+    Example:
+
+    ```python
+    export_saved_model("path/to/preset", "exported/saved_model", overwrite=True)
+    ```
+    """
+    _check_search_args(beam_size, length_penalty, max_extra_length)
+    output = pathlib.Path(output)
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
+    model, tokenizer = _load(preset_or_model, tokenizer)
+
+    import tensorflow as tf
+
+    # The same staging-and-rename as save_to_preset.
+    from keras_transformer.model import _replace_directory as replace_directory
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex}"
+    staging.mkdir()
+    try:
+        logger.info("Tracing the signatures %s", ", ".join(SIGNATURES))
+        module, signatures = _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_length)
+        logger.info("Writing the SavedModel")
+        tf.saved_model.save(module, str(staging), signatures=signatures)
+        tokenizer.save(staging)
+        config = _config(model, tokenizer, beam_size, length_penalty, max_extra_length)
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        replace_directory(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("Exported %s", output)
+    return output
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m export.saved_model",
+        description="Export a TransformerModel and its tokenizer as a TensorFlow SavedModel "
+        "(signatures translate, encode, init_cache, decode_step).",
+    )
+    parser.add_argument("--preset", required=True, help="preset directory with a tokenizer (from save_to_preset)")
+    parser.add_argument("--output", required=True, help="directory to create")
+    parser.add_argument(
+        "--beam-size", type=int, default=4, help="beam size of the translate signature; 1 is greedy (default 4)"
+    )
+    parser.add_argument("--length-penalty", type=float, default=0.6, help="length penalty alpha (default 0.6)")
+    parser.add_argument(
+        "--max-extra-length", type=int, default=50, help="output tokens allowed beyond the source length (default 50)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("export").setLevel(logging.INFO)
+    if os.path.exists(args.output) and not args.overwrite:
+        parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")
+    try:
+        export_saved_model(
+            args.preset,
+            args.output,
+            beam_size=args.beam_size,
+            length_penalty=args.length_penalty,
+            max_extra_length=args.max_extra_length,
+            overwrite=args.overwrite,
+        )
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        parser.exit(1, f"error: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
