@@ -146,16 +146,20 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
             y_true = ops.squeeze(y_true, axis=-1)  # [B, T, 1] -> [B, T]
         y_true = ops.cast(y_true, "int32")
 
-        log_probs = ops.log_softmax(y_pred, axis=-1)  # [B, T, V]
+        # -(1 - eps) log p(gold) - eps * mean_v log p(v), with
+        # log p(v) = z_v - logsumexp(z), is
+        # logsumexp(z) - (1 - eps) z_gold - eps * mean_v z_v: the same value
+        # without materialising log_softmax, a second [B, T, V] tensor (and
+        # its gradient) beside the logits.
+        log_normalizer = ops.logsumexp(y_pred, axis=-1)  # [B, T]
         gold = ops.take_along_axis(
-            log_probs, ops.expand_dims(y_true, -1), axis=-1
+            y_pred, ops.expand_dims(y_true, -1), axis=-1
         )  # [B, T, 1]
         gold = ops.squeeze(gold, axis=-1)  # [B, T]
         eps = self.label_smoothing
-        # -(1 - eps) log p(gold) - eps * mean over all V classes of log p(v).
-        losses = -(1.0 - eps) * gold
+        losses = log_normalizer - (1.0 - eps) * gold
         if eps > 0.0:
-            losses = losses - eps * ops.mean(log_probs, axis=-1)  # [B, T]
+            losses = losses - eps * ops.mean(y_pred, axis=-1)  # [B, T]
         return ops.where(self._token_mask(y_true), losses, 0.0)
 
     def _token_mask(self, y_true):
