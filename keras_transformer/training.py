@@ -399,89 +399,103 @@ def run_training(
     }
     (work / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
-    # Model.
-    if mixed_precision:
-        keras.mixed_precision.set_global_policy(mixed_precision)
-    keras.utils.set_random_seed(seed)
-    strategy_name, scope = resolve_strategy(strategy)
-    overrides = dict(model_overrides or {})
-    overrides.setdefault("vocabulary_size", tokenizer.vocabulary_size)
-    overrides.setdefault("max_sequence_length", max(max_length, 8))
-    with scope:
-        model = TransformerModel.from_preset(preset, **overrides)
-        compile_model(
-            model,
-            warmup_steps=warmup_steps,
-            learning_rate_scale=learning_rate_scale,
-            label_smoothing=label_smoothing,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            jit_compile=jit_compile,
-            strategy_name=strategy_name,
+    # Model. A mixed-precision policy is global in Keras: it is set for this
+    # run only, and the written preset is float32 (the compute dtype is the
+    # user's choice when loading it, not a leftover of how it was trained).
+    previous_policy = keras.mixed_precision.global_policy()
+    try:
+        if mixed_precision:
+            keras.mixed_precision.set_global_policy(mixed_precision)
+        keras.utils.set_random_seed(seed)
+        strategy_name, scope = resolve_strategy(strategy)
+        overrides = dict(model_overrides or {})
+        overrides.setdefault("vocabulary_size", tokenizer.vocabulary_size)
+        overrides.setdefault("max_sequence_length", max(max_length, 8))
+        with scope:
+            model = TransformerModel.from_preset(preset, **overrides)
+            compile_model(
+                model,
+                warmup_steps=warmup_steps,
+                learning_rate_scale=learning_rate_scale,
+                label_smoothing=label_smoothing,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                jit_compile=jit_compile,
+                strategy_name=strategy_name,
+            )
+        nan_guard = StopOnNaN()
+        callbacks = [
+            keras.callbacks.BackupAndRestore(str(work / "backup"), save_freq="epoch", delete_checkpoint=False),
+            PeriodicCheckpoint(work / "checkpoints", every_steps=interval, keep=max(keep_checkpoints, average_last)),
+            nan_guard,
+            keras.callbacks.CSVLogger(str(work / "log.csv"), append=True),
+        ]
+        logger.info(
+            "Training %s (%d parameters) for %d steps (%d batches per pass over the data), strategy=%s",
+            preset, model.count_params(), total_steps, batches_per_epoch, strategy_name,
         )
-    nan_guard = StopOnNaN()
-    callbacks = [
-        keras.callbacks.BackupAndRestore(str(work / "backup"), save_freq="epoch", delete_checkpoint=False),
-        PeriodicCheckpoint(work / "checkpoints", every_steps=interval, keep=max(keep_checkpoints, average_last)),
-        nan_guard,
-        keras.callbacks.CSVLogger(str(work / "log.csv"), append=True),
-    ]
-    logger.info(
-        "Training %s (%d parameters) for %d steps (%d batches per pass over the data), strategy=%s",
-        preset, model.count_params(), total_steps, batches_per_epoch, strategy_name,
-    )
-    if verbose is None:
-        import sys
+        if verbose is None:
+            import sys
 
-        verbose = 1 if sys.stderr.isatty() else 2
-    history = model.fit(
-        train_data,
-        epochs=fit_epochs,
-        steps_per_epoch=interval,
-        validation_data=valid_data,
-        callbacks=callbacks,
-        shuffle=False,  # the tf.data pipeline shuffles
-        verbose=verbose,
-    )
-    if nan_guard.bad_step is not None:
-        raise FloatingPointError(
-            f"The training loss became NaN or infinite at step {nan_guard.bad_step}. Lower the "
-            "learning rate (--learning-rate-scale), use float32, or check the data. "
-            f"Checkpoints before that step are in {work / 'checkpoints'}."
+            verbose = 1 if sys.stderr.isatty() else 2
+        history = model.fit(
+            train_data,
+            epochs=fit_epochs,
+            steps_per_epoch=interval,
+            validation_data=valid_data,
+            callbacks=callbacks,
+            shuffle=False,  # the tf.data pipeline shuffles
+            verbose=verbose,
         )
+        if nan_guard.bad_step is not None:
+            raise FloatingPointError(
+                f"The training loss became NaN or infinite at step {nan_guard.bad_step}. Lower the "
+                "learning rate (--learning-rate-scale), use float32, or check the data. "
+                f"Checkpoints before that step are in {work / 'checkpoints'}."
+            )
 
-    # Average the last checkpoints (paper section 6.1) into a fresh, uncompiled model.
-    checkpoints = list_checkpoints(work / "checkpoints")[-average_last:]
-    final = TransformerModel.from_config(model.get_config())
-    if checkpoints:
-        averaged_path = work / "averaged.weights.h5"
-        average_checkpoints(checkpoints, averaged_path)
-        model.load_weights(str(averaged_path))
-    final.set_weights(model.get_weights())
-    final.tokenizer = tokenizer
+        # Average the last checkpoints (paper section 6.1) into a fresh, uncompiled model.
+        checkpoints = list_checkpoints(work / "checkpoints")[-average_last:]
+        config = model.get_config()
+        config["dtype"] = "float32"
+        final = TransformerModel.from_config(config)
+        if checkpoints:
+            averaged_path = work / "averaged.weights.h5"
+            average_checkpoints(checkpoints, averaged_path)
+            model.load_weights(str(averaged_path))
+        final.set_weights(model.get_weights())
+        final.tokenizer = tokenizer
 
-    metadata = {
-        "preset": str(preset),
-        "data": {"train": [str(train_src), str(train_tgt)], "valid": [str(valid_src), str(valid_tgt)],
-                 "train_pairs": len(train_ids[0])},
-        "steps": total_steps,
-        "tokens_per_batch": tokens_per_batch,
-        "averaged_checkpoints": [p.name for p in checkpoints],
-        "backend": keras.backend.backend(),
-        "strategy": strategy_name,
-        "mixed_precision": mixed_precision,
-        "train_seconds_this_run": round(time.time() - started, 1),
-        "final_train_loss": float(history.history["loss"][-1]) if history.history.get("loss") else None,
-    }
-    if valid_data is not None:
-        results = model.evaluate(valid_data, verbose=0, return_dict=True)
-        metadata["valid_loss"] = float(results["loss"])
-        metadata["valid_token_accuracy"] = float(results["masked_accuracy"])
-        metadata.update(_validation_bleu(final, tokenizer, valid_sources, valid_targets, bleu_beam_size))
-    _write_preset_files(final, output_dir, metadata)
-    state["finished"] = True
-    (work / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-    logger.info("Wrote %s: %s", output_dir, {k: v for k, v in metadata.items() if k.startswith("valid")})
-    return metadata
+        metadata = {
+            "preset": str(preset),
+            "data": {"train": [str(train_src), str(train_tgt)], "valid": [str(valid_src), str(valid_tgt)],
+                     "train_pairs": len(train_ids[0])},
+            "steps": total_steps,
+            "tokens_per_batch": tokens_per_batch,
+            "hyperparameters": {
+                "warmup_steps": warmup_steps, "learning_rate_scale": learning_rate_scale,
+                "label_smoothing": label_smoothing, "gradient_accumulation_steps": gradient_accumulation_steps,
+                "checkpoint_every": interval, "average_last": average_last, "max_length": max_length,
+                "seed": seed,
+            },
+            "averaged_checkpoints": [p.name for p in checkpoints],
+            "backend": keras.backend.backend(),
+            "strategy": strategy_name,
+            "mixed_precision": mixed_precision,
+            "train_seconds_this_run": round(time.time() - started, 1),
+            "final_train_loss": float(history.history["loss"][-1]) if history.history.get("loss") else None,
+        }
+        if valid_data is not None:
+            results = model.evaluate(valid_data, verbose=0, return_dict=True)
+            metadata["valid_loss"] = float(results["loss"])
+            metadata["valid_token_accuracy"] = float(results["masked_accuracy"])
+            metadata.update(_validation_bleu(final, tokenizer, valid_sources, valid_targets, bleu_beam_size))
+        _write_preset_files(final, output_dir, metadata)
+        state["finished"] = True
+        (work / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        logger.info("Wrote %s: %s", output_dir, {k: v for k, v in metadata.items() if k.startswith("valid")})
+        return metadata
+    finally:
+        keras.mixed_precision.set_global_policy(previous_policy)
 
 
 def _validation_bleu(model, tokenizer, sources, references, beam_size):

@@ -316,3 +316,27 @@ def test_validation_bleu_reports_scores_and_signature():
     assert set(result) == {"valid_bleu", "valid_chrf", "valid_bleu_signature"}
     assert 0.0 <= result["valid_bleu"] <= 100.0
     assert result["valid_bleu_signature"].startswith("BLEU|")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BACKEND == "torch", reason="bfloat16 CPU matmuls are very slow in torch eager")
+def test_mixed_precision_with_gradient_accumulation_trains_and_writes_a_float32_preset(tmp_path):
+    src, tgt = _small_corpus(tmp_path, n=200)
+    out = tmp_path / "run"
+    before = keras.mixed_precision.global_policy().name
+    metadata = training.run_training(
+        out, preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300, tokens_per_batch=512,
+        steps=20, checkpoint_every=10, warmup_steps=5, max_length=48, mixed_precision="mixed_bfloat16",
+        gradient_accumulation_steps=2, verbose=0, model_overrides={"max_sequence_length": 64},
+    )
+    # The global policy is restored, and the preset does not carry the training policy.
+    assert keras.mixed_precision.global_policy().name == before
+    assert metadata["mixed_precision"] == "mixed_bfloat16"
+    assert metadata["hyperparameters"]["gradient_accumulation_steps"] == 2
+    assert np.isfinite(metadata["final_train_loss"])
+    log = (out / "training" / "log.csv").read_text().splitlines()
+    losses = [float(line.split(",")[1]) for line in log[1:]]
+    assert losses[-1] < losses[0], f"the loss did not go down: {losses}"
+    loaded = kt.TransformerModel.from_preset(str(out))
+    assert loaded.dtype_policy.name == "float32"
+    assert loaded.compute_dtype == "float32"
