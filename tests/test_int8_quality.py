@@ -1,0 +1,79 @@
+"""int8 ONNX export quality: sacreBLEU on the bundled test split, float32 vs int8.
+
+Dynamic int8 quantization changes the numbers, so it is judged by translation
+quality rather than by atol. Two modes:
+
+- default (CI): the `tiny` preset trained here for a few hundred steps on the
+  bundled corpus, scored on the first 300 test sentences. Such a model
+  translates badly (chrF about 10), so this run only guards against a broken
+  quantization (int8 much worse than float32);
+- `KT_INT8_PRESET=DIR` (e.g. the Quick start's `runs/small`): a trained model
+  on the whole test split; this is the measurement reported in the README:
+
+    KT_INT8_PRESET=runs/small KERAS_BACKEND=tensorflow python -m pytest -s tests/test_int8_quality.py
+
+The scores and the drop are printed (`-s`) and attached to the test report
+(`record_property`).
+"""
+
+import os
+
+import keras
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="ONNX export runs on the TensorFlow backend"),
+]
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("tf2onnx")
+
+from export.onnx import export_onnx  # noqa: E402
+from export.runtime import OnnxTranslator  # noqa: E402
+from keras_transformer import datasets  # noqa: E402
+from keras_transformer.evaluate import evaluate  # noqa: E402
+from keras_transformer.training import run_training  # noqa: E402
+
+TRAIN_STEPS = 400
+CI_SENTENCES = 300
+# A quantized model may lose a little; losing more than this means it is broken.
+MAX_BLEU_DROP = 2.0
+MAX_CHRF_DROP = 3.0
+
+
+@pytest.fixture(scope="module")
+def trained_preset(tmp_path_factory):
+    preset = os.environ.get("KT_INT8_PRESET")
+    if preset:
+        return preset
+    output = tmp_path_factory.mktemp("int8") / "tiny"
+    run_training(
+        output, preset="tiny", steps=TRAIN_STEPS, tokens_per_batch=2048, warmup_steps=200,
+        learning_rate_scale=2.0, checkpoint_every=TRAIN_STEPS, average_last=1, bleu_beam_size=1, verbose=0,
+    )
+    return str(output)
+
+
+def test_int8_bleu_drop_on_bundled_test_split(trained_preset, tmp_path, record_property):
+    sources, references = datasets.load_bundled("test")
+    real_model = bool(os.environ.get("KT_INT8_PRESET"))
+    if not real_model:
+        sources, references = sources[:CI_SENTENCES], references[:CI_SENTENCES]
+    scores = {}
+    for quantize in (None, "int8"):
+        directory = export_onnx(trained_preset, tmp_path / str(quantize), quantize=quantize)
+        result = evaluate(OnnxTranslator(directory), sources, references, beam_size=4)
+        scores[quantize or "float32"] = (result["bleu"], result["chrf"])
+    (bleu32, chrf32), (bleu8, chrf8) = scores["float32"], scores["int8"]
+    report = (
+        f"{trained_preset}: float32 BLEU {bleu32:.2f} chrF {chrf32:.2f}; int8 BLEU {bleu8:.2f} "
+        f"chrF {chrf8:.2f}; drop {bleu32 - bleu8:+.2f} BLEU, {chrf32 - chrf8:+.2f} chrF "
+        f"({len(sources)} sentences, beam 4)"
+    )
+    print(report)
+    record_property("int8_quality", report)
+    if real_model:  # a trained model must have learned something, or the comparison says nothing
+        assert chrf32 > 15.0, report
+    assert bleu32 - bleu8 <= MAX_BLEU_DROP, report
+    assert chrf32 - chrf8 <= MAX_CHRF_DROP, report
