@@ -22,6 +22,8 @@ def build_parser():
     parser.add_argument("--valid-src", help="validation source file")
     parser.add_argument("--valid-tgt", help="validation target file")
     parser.add_argument("--vocabulary-size", type=int, help="shared subword vocabulary (default: the preset's)")
+    parser.add_argument("--tokenizer-max-sentences", type=int,
+                        help="train the vocabulary on a sample of this many sentences (default: all)")
     parser.add_argument("--tokens-per-batch", type=int, default=25000, help="token budget per batch side (paper: 25000)")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="training steps")
@@ -52,6 +54,7 @@ def main(argv=None):
         valid_src=args.valid_src,
         valid_tgt=args.valid_tgt,
         vocabulary_size=args.vocabulary_size,
+        tokenizer_max_sentences=args.tokenizer_max_sentences,
         tokens_per_batch=args.tokens_per_batch,
         steps=args.steps,
         epochs=args.epochs,

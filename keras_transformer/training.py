@@ -295,6 +295,7 @@ def run_training(
     overwrite=False,
     verbose=None,
     model_overrides=None,
+    tokenizer_max_sentences=None,
 ):
     """Trains a Transformer on parallel text and writes a preset directory.
 
@@ -331,6 +332,10 @@ def run_training(
         verbose: passed to `model.fit`; default: a progress bar on a
             terminal, one line per interval otherwise.
         model_overrides: optional dict of TransformerModel arguments.
+        tokenizer_max_sentences: optional int: train the shared vocabulary on
+            a reproducible sample of this many sentences (source and target
+            lines together) instead of all of them; a few million are plenty
+            for WMT-sized corpora.
 
     Returns:
         dict: the metadata written to `metadata.json`.
@@ -373,7 +378,9 @@ def run_training(
         logger.info("Resuming in %s", output_dir)
     else:
         logger.info("Training a %s-token shared vocabulary on %d sentence pairs", vocabulary_size, len(train_sources))
-        tokenizer = train_tokenizer(train_sources + train_targets, vocabulary_size=vocabulary_size)
+        tokenizer = train_tokenizer(
+            train_sources + train_targets, vocabulary_size=vocabulary_size, max_sentences=tokenizer_max_sentences
+        )
         tokenizer.save(work)
     train_ids = data_lib.encode_pairs(tokenizer, train_sources, train_targets, max_length)
     train_data = data_lib.make_dataset(*train_ids, tokens_per_batch=tokens_per_batch, seed=seed, max_length=max_length)
