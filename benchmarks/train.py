@@ -348,12 +348,12 @@ def _encoder_layer_step(layer, x):
         import tensorflow as tf
 
         @tf.function(jit_compile=False, reduce_retracing=True)
-        def step(x):
+        def tf_step(x):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(layer(x, training=True))
             return tape.gradient(loss, layer.trainable_variables)
 
-        return lambda: [g.numpy() for g in step(x)][:1]
+        return lambda: [g.numpy() for g in tf_step(x)][:1]
     if backend == "jax":
         import jax
 
@@ -364,16 +364,10 @@ def _encoder_layer_step(layer, x):
         grad = jax.jit(jax.grad(loss_fn))
         values = [v.value for v in layer.trainable_variables]
         return lambda: jax.block_until_ready(grad(values, x))
-    import torch
+    def torch_step():
+        layer(x, training=True).sum().backward()
 
-    def step():
-        layer.zero_grad() if hasattr(layer, "zero_grad") else None
-        y = layer(x, training=True)
-        y.sum().backward()
-        return None
-
-    x = x.detach().requires_grad_(False) if isinstance(x, torch.Tensor) else x
-    return step
+    return torch_step
 
 
 # --------------------------------------------------------------------- #
