@@ -46,9 +46,7 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import sys
-import uuid
 
 import numpy as np
 
@@ -59,6 +57,7 @@ from export.validate import (
     QUANTIZATIONS,
     validate_onnx,
 )
+from keras_transformer.utils import atomic_directory
 
 # Named, not __name__, so that `python -m export.onnx` logs under the same name.
 logger = logging.getLogger("export.onnx")
@@ -381,14 +380,8 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
 
-    # The same staging-and-rename as save_to_preset.
-    from keras_transformer.model import _replace_directory as replace_directory
-
     model = _load_model(preset)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex}"
-    staging.mkdir()
-    try:
+    with atomic_directory(output) as staging:
         for name, (function, signature) in _graph_functions(model).items():
             path = staging / f"{name}.onnx"
             logger.info("Converting %s (opset %d)", path.name, opset)
@@ -402,10 +395,6 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
             model.tokenizer.save(staging)
         logger.info("Validating %s against the Keras model", output)
         validate_onnx(staging, model, atol=atol)
-        replace_directory(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     logger.info("Exported %s", output)
     return output
 

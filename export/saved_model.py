@@ -64,9 +64,9 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import sys
-import uuid
+
+from keras_transformer.utils import atomic_directory
 
 logger = logging.getLogger("export.saved_model")
 
@@ -300,13 +300,7 @@ def export_saved_model(
 
     import tensorflow as tf
 
-    # The same staging-and-rename as save_to_preset.
-    from keras_transformer.model import _replace_directory as replace_directory
-
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex}"
-    staging.mkdir()
-    try:
+    with atomic_directory(output) as staging:
         logger.info("Tracing the signatures %s", ", ".join(SIGNATURES))
         module, signatures = _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_length)
         logger.info("Writing the SavedModel")
@@ -314,10 +308,6 @@ def export_saved_model(
         tokenizer.save(staging)
         config = _config(model, tokenizer, beam_size, length_penalty, max_extra_length)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        replace_directory(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     logger.info("Exported %s", output)
     return output
 

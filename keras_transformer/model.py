@@ -9,8 +9,6 @@ import json
 import math
 import os
 import pathlib
-import shutil
-import uuid
 
 import keras
 import numpy as np
@@ -20,6 +18,7 @@ from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer, check_layer_args, head_dims
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 from keras_transformer.presets import PRESETS
+from keras_transformer.utils import atomic_directory
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
@@ -564,10 +563,7 @@ class TransformerModel(keras.Model):
         if directory.exists() and not overwrite:
             raise FileExistsError(f"{directory} already exists; pass overwrite=True to replace it")
         tokenizer = tokenizer if tokenizer is not None else self.tokenizer
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex}"
-        staging.mkdir()
-        try:
+        with atomic_directory(directory) as staging:
             from keras_transformer import __version__
 
             config = {
@@ -583,10 +579,6 @@ class TransformerModel(keras.Model):
             if tokenizer is not None:
                 tokenizer.save(staging)
             (staging / METADATA_FILE).write_text(json.dumps(metadata or {}, indent=2, sort_keys=True) + "\n")
-            _replace_directory(staging, directory)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
 
 
 def _constructor_args():
@@ -606,16 +598,6 @@ def _jsonable(config):
     if isinstance(policy, dict):
         config["dtype"] = policy.get("config", {}).get("name", None)
     return config
-
-
-def _replace_directory(staging, directory):
-    if directory.exists():
-        trash = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex}"
-        os.replace(directory, trash)
-        os.replace(staging, directory)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staging, directory)
 
 
 def _load_preset_directory(cls, directory, overrides):

@@ -2,7 +2,10 @@
 
 import contextlib
 import os
+import pathlib
+import shutil
 import tempfile
+import uuid
 
 
 @contextlib.contextmanager
@@ -33,4 +36,30 @@ def atomic_path(path, suffix=""):
     except BaseException:
         if os.path.exists(temporary):
             os.remove(temporary)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_directory(directory):
+    """Yields an empty staging directory beside `directory`; moves it into place on success.
+
+    An existing `directory` is replaced only once the new one is complete; on
+    any error the staging directory is removed and `directory` is left as it
+    was. Callers check `overwrite` themselves.
+    """
+    directory = pathlib.Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex}"
+    staging.mkdir()
+    try:
+        yield staging
+        if directory.exists():
+            trash = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex}"
+            os.replace(directory, trash)
+            os.replace(staging, directory)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         raise
