@@ -6,7 +6,7 @@ to float32 and int8 ONNX, then times, in the same process and run:
 - the encoder: `TransformerModel.encode` in a `tf.function` vs the
   `encoder.onnx` session;
 - generation: `TransformerModel.generate` (the compiled XLA search) vs
-  `OnnxSeq2Seq.generate` (the same search, run eagerly around ONNX Runtime),
+  `OnnxSeq2Seq.generate` (the same search, exported and run by ONNX Runtime),
   greedy and beam 4;
 
 at batch 1 and 8. Each time is the median of `--repeats` runs after a

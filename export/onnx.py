@@ -1,8 +1,8 @@
 """Export a TransformerModel to ONNX: `python -m export.onnx`.
 
 Three graphs, one per method of the generation protocol
-(`keras_transformer.generation`), so that ONNX Runtime runs the same search
-as Keras (`export/runtime.py`):
+(`keras_transformer.generation`), and two for the search itself, so that
+ONNX Runtime runs the same search as Keras (`export/runtime.py`):
 
 - `encoder.onnx`: `TransformerModel.encode`,
   `encoder_token_ids [batch, source_length] int32 -> encoder_outputs
@@ -13,7 +13,14 @@ as Keras (`export/runtime.py`):
 - `decoder_step.onnx`: `TransformerModel.decode_step`, `(decoder_token_ids
   [batch], step [], self_key, self_value, cross_key, cross_value,
   encoder_padding_mask) -> logits [batch, V], updated_self_key,
-  updated_self_value`.
+  updated_self_value`. Caches are heads first: `[batch, L, N, T_max, K]`.
+- `greedy_update.onnx` and `beam_update.onnx`: `generation.search_step`,
+  the search's work between two decoder steps (log-softmax, top-k, the
+  finished and live hypotheses, the stopping test and, for beams, the
+  reordering of the self-attention cache), with the search state as named
+  inputs and `updated_*` outputs, `tokens` and `keep_going`. No weights; the
+  beam size comes from the state's shape. Exported from the search's own
+  code rather than re-implemented, so the runtime's tokens are Keras'.
 
 Why `init_cache` is its own graph rather than extra outputs of the encoder:
 in the protocol, `init_cache` is a function of `encoder_outputs` and the
@@ -54,9 +61,11 @@ from export.validate import (
     CONFIG_FILE,
     FORMAT_VERSION,
     GRAPHS,
+    MODEL_GRAPHS,
     QUANTIZATIONS,
     validate_onnx,
 )
+from keras_transformer.generation import SEARCH_STATE_KEYS, search_step
 from keras_transformer.utils import atomic_directory
 
 # Named, not __name__, so that `python -m export.onnx` logs under the same name.
@@ -83,13 +92,20 @@ def _dynamic_update_slice_handler(ctx, node, name, args):
     XLA semantics exactly: `updates` is copied into `operand` at
     `start_indices`, each start clamped to `[0, operand_dim - update_dim]`.
     ScatterND copies values, so the exported step computes the same numbers
-    as Keras (no export-only model code path is needed):
+    as Keras (no export-only model code path is needed).
 
-        indices[i_0, ..., i_{r-1}] = (start_0 + i_0, ..., start_{r-1} + i_{r-1})
+    The scatter indexes only the leading axes that need it: trailing axes
+    where `updates` statically spans the whole operand (the heads and the
+    per-head size of a cache update) have their start clamped to 0 anyway,
+    so they are copied as whole slices. For a cache update `[B, 1, N, K]`
+    into `[B, T, N, K]` the indices are `[B, 1, 2]`:
+
+        indices[i_0, i_1] = (start_0 + i_0, start_1 + i_1)
         output = ScatterND(operand, indices, updates)
 
-    `indices` has the shape of `updates` plus a last axis of size r, so the
-    cost is proportional to the update (one position), not to the cache.
+    which keeps the graph small (ONNX Runtime's time per decoder step on a
+    CPU is mostly per-node overhead at small batch sizes) and the cost
+    proportional to the update, not to the cache.
     """
     from onnx import TensorProto
     from tf2onnx import utils
@@ -97,31 +113,42 @@ def _dynamic_update_slice_handler(ctx, node, name, args):
     operand, updates, start_indices = node.input
     rank = ctx.get_rank(operand)
     utils.make_sure(rank is not None, "XlaDynamicUpdateSlice %s needs an operand of known rank", name)
+    operand_dims = ctx.get_shape(operand) or [-1] * rank
+    update_dims = ctx.get_shape(updates) or [-1] * rank
+    # Axes 0 .. depth - 1 get coordinates; the rest are whole slices.
+    depth = 1
+    for axis in range(rank):
+        if not (operand_dims[axis] == update_dims[axis] and operand_dims[axis] not in (-1, None)):
+            depth = axis + 1
 
     def const(value, label):
         return ctx.make_const(utils.make_name(f"{name}_{label}"), np.array(value, np.int64)).output[0]
 
-    operand_shape = ctx.make_node("Shape", [operand]).output[0]
-    updates_shape = ctx.make_node("Shape", [updates]).output[0]
+    def leading(shape, label):
+        return ctx.make_node("Slice", [shape, const([0], f"{label}_from"), const([depth], f"{label}_to")]).output[0]
+
+    operand_shape = leading(ctx.make_node("Shape", [operand]).output[0], "operand")
+    updates_shape = leading(ctx.make_node("Shape", [updates]).output[0], "updates")
     start = ctx.make_node("Cast", [start_indices], attr={"to": TensorProto.INT64}).output[0]
+    start = ctx.make_node("Slice", [start, const([0], "start_from"), const([depth], "start_to")]).output[0]
     # XLA clamps the start so that the update lies inside the operand.
     room = ctx.make_node("Sub", [operand_shape, updates_shape]).output[0]
     start = ctx.make_node("Min", [start, room]).output[0]
-    start = ctx.make_node("Max", [start, const([0] * rank, "zeros")]).output[0]
+    start = ctx.make_node("Max", [start, const([0] * depth, "zeros")]).output[0]
     index_shape = ctx.make_node("Concat", [updates_shape, const([1], "one")], attr={"axis": 0}).output[0]
     coordinates = []
-    for axis in range(rank):
+    for axis in range(depth):
         axis_const = const(axis, f"axis{axis}")
         first = ctx.make_node("Gather", [start, axis_const]).output[0]  # scalar
         size = ctx.make_node("Gather", [updates_shape, axis_const]).output[0]  # scalar
         stop = ctx.make_node("Add", [first, size]).output[0]
         positions = ctx.make_node("Range", [first, stop, const(1, "step")]).output[0]  # [size]
-        # [size] -> [1, .., size, .., 1, 1] -> updates.shape + [1]
-        broadcast_shape = [1] * (rank + 1)
+        # [size] -> [1, .., size, .., 1, 1] -> updates.shape[:depth] + [1]
+        broadcast_shape = [1] * (depth + 1)
         broadcast_shape[axis] = -1
         positions = ctx.make_node("Reshape", [positions, const(broadcast_shape, f"shape{axis}")]).output[0]
         coordinates.append(ctx.make_node("Expand", [positions, index_shape]).output[0])
-    indices = ctx.make_node("Concat", coordinates, attr={"axis": -1}).output[0]  # updates.shape + [rank]
+    indices = coordinates[0] if depth == 1 else ctx.make_node("Concat", coordinates, attr={"axis": -1}).output[0]
     node.type = "ScatterND"
     ctx.replace_inputs(node, [operand, indices, updates])
 
@@ -163,9 +190,59 @@ def _graph_functions(model):
             "updated_self_value": cache["self_value"],
         }
 
-    key_cache = [None, layers, None, heads, key_dim]  # [B, L, T_max or S, N, K]
-    value_cache = [None, layers, None, heads, value_dim]
+    key_cache = [None, layers, heads, None, key_dim]  # [B, L, N, T_max or S, K]
+    value_cache = [None, layers, heads, None, value_dim]
+
+    def search_update(search_name, cache_keys):
+        # generation.search_step, the search's own code, with its state and
+        # the cache entries it reorders as named inputs and outputs.
+        step = search_step(search_name, model)
+        state_keys = SEARCH_STATE_KEYS[search_name]
+
+        def update(*args):
+            named = dict(zip(state_keys + ("logits", "max_lengths", "alpha", "length") + cache_keys, args))
+            state = {key: named[key] for key in state_keys}
+            cache = {key: named[key] for key in cache_keys}
+            state, cache, tokens, keep_going = step(
+                state, named["logits"], named["max_lengths"], named["alpha"], named["length"], cache
+            )
+            outputs = {f"updated_{key}": value for key, value in {**state, **cache}.items()}
+            return dict(outputs, tokens=tokens, keep_going=keep_going)
+
+        return update
+
+    vocabulary = model.vocabulary_size
+    search_inputs = [
+        spec([None, vocabulary], tf.float32, "logits"),
+        spec([None], tf.int32, "max_lengths"),
+        spec([], tf.float32, "alpha"),
+        spec([], tf.int32, "length"),
+    ]
     return {
+        "greedy_update": (
+            search_update("greedy", ()),
+            [
+                spec([], tf.int32, "index"),
+                spec([None, None], tf.int32, "sequences"),
+                spec([None], tf.float32, "log_probs"),
+                spec([None], tf.float32, "scores"),
+                spec([None], tf.bool, "finished"),
+                *search_inputs,
+            ],
+        ),
+        "beam_update": (
+            search_update("beam", ("self_key", "self_value")),
+            [
+                spec([], tf.int32, "index"),
+                spec([None, None, None], tf.int32, "live_sequences"),
+                spec([None, None], tf.float32, "live_log_probs"),
+                spec([None, None, None], tf.int32, "finished_sequences"),
+                spec([None, None], tf.float32, "finished_scores"),
+                *search_inputs,
+                spec(key_cache, dtype, "self_key"),
+                spec(value_cache, dtype, "self_value"),
+            ],
+        ),
         "encoder": (encoder, [spec([None, None], tf.int32, "encoder_token_ids")]),
         "init_cache": (
             init_cache,
@@ -216,9 +293,10 @@ def _optimizers():
 def _convert(function, input_signature, opset, path):
     """Converts one tf.function with tf2onnx and writes it to `path`.
 
-    The steps of `tf2onnx.convert.from_function`, with two changes: an
+    The steps of `tf2onnx.convert.from_function`, with three changes: an
     op tf2onnx cannot convert is an error (tf2onnx logs it and leaves it in
-    the graph), and the optimizer list of `_optimizers()`.
+    the graph), the optimizer list of `_optimizers()`, and
+    `_fold_tensordot_reshapes` afterwards.
     """
     import onnx
     import tensorflow as tf
@@ -248,6 +326,7 @@ def _convert(function, input_signature, opset, path):
             raise RuntimeError(f"tf2onnx could not convert {path.name} at opset {opset}: {error}") from error
         graph = optimizer.optimize_graph(graph, catch_errors=True, optimizers=_optimizers())
         model_proto = graph.make_model(f"keras_transformer {path.stem}")
+    _fold_tensordot_reshapes(model_proto.graph)
     # tf2onnx logs the TensorFlow ops it has no handler for and leaves them in
     # the graph; fail here, naming them, rather than when a runtime loads it.
     unconverted = sorted(
@@ -259,6 +338,64 @@ def _convert(function, input_signature, opset, path):
         )
     onnx.checker.check_model(model_proto)
     onnx.save(model_proto, str(path))
+
+
+def _fold_tensordot_reshapes(graph):
+    """Rewrites Keras' `Dense` on `[B, T, D]` inputs as one broadcasting ONNX MatMul.
+
+    Keras' TensorFlow `matmul` of a rank-3 input and a rank-2 kernel is
+    `tf.tensordot`: reshape to `[B * T, D]` (with the shape computed from
+    `tf.shape` at run time), MatMul, reshape back to `[B, T, E]`. ONNX MatMul
+    broadcasts `[B, T, D] x [D, E]` itself, so `Reshape -> MatMul -> Reshape`
+    becomes the MatMul alone, and the shape arithmetic around it (about ten
+    nodes per projection) is dropped. At batch 1 ONNX Runtime's decoder step
+    is mostly per-node overhead, and this removes about a third of the nodes;
+    the values are the same products (validation compares them with Keras).
+
+    Matches tf2onnx's names for the three ops of a `tf.tensordot` whose
+    product is only reshaped back; anything else is left alone.
+    """
+    producers = {output: node for node in graph.node for output in node.output}
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    outputs = {output.name for output in graph.output}
+    removed = []
+    for node in graph.node:
+        if node.op_type != "MatMul" or not node.output[0].endswith("/Tensordot/MatMul:0"):
+            continue
+        flatten = producers.get(node.input[0])
+        after = consumers.get(node.output[0], [])
+        if (
+            flatten is None
+            or flatten.op_type != "Reshape"
+            or not flatten.output[0].endswith("/Tensordot/Reshape:0")
+            or len(after) != 1
+            or after[0].op_type != "Reshape"
+            or not after[0].output[0].endswith("/Tensordot:0")
+            or node.output[0] in outputs
+        ):
+            continue
+        node.input[0] = flatten.input[0]
+        node.output[0] = after[0].output[0]
+        removed.append(after[0])
+    for node in removed:
+        graph.node.remove(node)
+    _remove_dead_nodes(graph)
+    return len(removed)
+
+
+def _remove_dead_nodes(graph):
+    """Drops nodes none of whose outputs is used (no subgraphs in these graphs)."""
+    while True:
+        used = {output.name for output in graph.output}
+        used.update(name for node in graph.node for name in node.input)
+        dead = [node for node in graph.node if not any(output in used for output in node.output)]
+        if not dead:
+            return
+        for node in dead:
+            graph.node.remove(node)
 
 
 def _quantize_int8(path):
@@ -386,7 +523,7 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
             path = staging / f"{name}.onnx"
             logger.info("Converting %s (opset %d)", path.name, opset)
             _convert(function, signature, opset, path)
-            if quantize == "int8":
+            if quantize == "int8" and name in MODEL_GRAPHS:
                 logger.info("Quantizing %s to int8", path.name)
                 _quantize_int8(path)
         config = _config(model, opset, quantize)

@@ -34,6 +34,7 @@ from keras_transformer.translate import read_lines
 from keras_transformer.translator import Translator
 
 from export.validate import (
+    BEAM_REORDERED_KEYS,
     CACHE_KEYS,
     CONFIG_FILE,
     FORMAT_VERSION,
@@ -109,10 +110,12 @@ def resolve_providers(providers=None):
 def _session_options():
     """ONNX Runtime session options for step-by-step decoding.
 
-    The search runs Python and Keras ops between two decoder steps; ONNX
-    Runtime's intra-op threads spin-wait for work by default and then
-    compete with it for the cores. Without spinning, generation with the
-    `small` preset ran about twice as fast on a 2-core CPU (see
+    Python runs between two graph calls of the search; ONNX Runtime's
+    intra-op threads spin-wait for work by default and then compete with it
+    for the cores. Without spinning, generation with the `small` preset ran
+    about twice as fast on a 2-core CPU (measured with the earlier search
+    loop, which ran TensorFlow between the steps; with the search in ONNX
+    Runtime, spinning on two threads was still 2x slower, see
     benchmarks/README.md); it does not change the CUDA execution provider.
     """
     import onnxruntime as ort
@@ -167,8 +170,8 @@ class OnnxSeq2Seq:
             entry passed back unchanged (the cross-attention cache every
             step, and the self-attention cache in greedy search) is not
             copied to the device again. `None`: only under CUDA.
-        session_options: optional `onnxruntime.SessionOptions` for the three
-            sessions; the default turns off the CPU thread pool's spinning
+        session_options: optional `onnxruntime.SessionOptions` for the
+            graphs' sessions; the default turns off the CPU thread pool's spinning
             (see `_session_options`).
 
     Attributes: `vocabulary_size`, `pad_id`, `unk_id`, `start_id`, `end_id`,
@@ -291,9 +294,9 @@ class OnnxSeq2Seq:
         """The decoding cache for `max_length` target positions (as `TransformerModel.init_cache`).
 
         Returns:
-            dict of NumPy arrays: `self_key [B, L, T_max, N, K]`,
-            `self_value [B, L, T_max, N, Vh]`, `cross_key [B, L, S, N, K]`,
-            `cross_value [B, L, S, N, Vh]`, `encoder_padding_mask [B, S]` bool.
+            dict of NumPy arrays: `self_key [B, L, N, T_max, K]`,
+            `self_value [B, L, N, T_max, Vh]`, `cross_key [B, L, N, S, K]`,
+            `cross_value [B, L, N, S, Vh]`, `encoder_padding_mask [B, S]` bool.
         """
         ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
         outputs = _to_numpy(encoder_outputs)
@@ -343,7 +346,7 @@ class OnnxSeq2Seq:
         batches = {name: value.shape[0] for name, value in feeds.items()}
         if any(batch != ids.shape[0] for batch in batches.values()):
             raise ValueError(f"token_ids has batch {ids.shape[0]} but the cache entries have batches {batches}")
-        cache_length = feeds["self_key"].shape[2]
+        cache_length = feeds["self_key"].shape[3]
         if not 0 <= index < cache_length:
             raise ValueError(
                 f"index={index} is outside the cache of length {cache_length} (init_cache max_length)"
@@ -359,13 +362,62 @@ class OnnxSeq2Seq:
         )
         return logits, dict(cache, self_key=self_key, self_value=self_value)
 
+    def run_search(self, encoder_token_ids, max_lengths, alpha, beam_size, length):
+        """The search loop of `generation.generate`, every step in ONNX Runtime.
+
+        Per step, two graphs: `decoder_step` (the model) and `greedy_update`
+        or `beam_update`, which is `generation.search_step` exported (the
+        search's log-softmax, top-k, bookkeeping and stopping test, and for
+        beams the reordering of the self-attention cache), so the tokens are
+        those of the Keras search. NumPy arrays (or device values under I/O
+        binding) pass from one graph to the next; no TensorFlow, JAX or
+        Python work per step beyond the two calls. Called by `generate`
+        (`generation.generate`) with the padded source and the lengths.
+
+        Returns:
+            `(sequences [B, L] int32, scores [B] float32)`, NumPy.
+        """
+        from keras_transformer import generation
+
+        source = _to_numpy(encoder_token_ids).astype(np.int32, copy=False)
+        name, state, cache = generation.initial_search_state(self, source, int(beam_size), int(length))
+        state = {key: _to_numpy(value) for key, value in state.items()}
+        state["index"] = state["index"].astype(np.int32)
+        cache = {key: _to_numpy(value) for key, value in cache.items()}
+        tokens = _to_numpy(generation.search_tokens(name, state)).astype(np.int32, copy=False)
+        constants = {
+            "max_lengths": _to_numpy(max_lengths).astype(np.int32, copy=False),
+            "alpha": np.array(_to_numpy(alpha), np.float32),
+            "length": np.array(int(length), np.int32),
+        }
+        graph = f"{name}_update"
+        state_keys = generation.SEARCH_STATE_KEYS[name]
+        reordered = BEAM_REORDERED_KEYS if name == "beam" else ()
+        outputs = [f"updated_{key}" for key in state_keys + reordered] + ["tokens", "keep_going"]
+        # Cache entries go from one graph to the next under their input names.
+        step_kept = {"updated_self_key": "self_key", "updated_self_value": "self_value"}
+        update_kept = {f"updated_{key}": key for key in reordered}
+        keep_going = True
+        while keep_going:
+            logits, cache["self_key"], cache["self_value"] = self._run(
+                "decoder_step",
+                {"decoder_token_ids": tokens, "step": state["index"], **cache},
+                ["logits", "updated_self_key", "updated_self_value"],
+                keep_on_device=step_kept,
+            )
+            feeds = {**state, "logits": logits, **constants, **{key: cache[key] for key in reordered}}
+            results = dict(zip(outputs, self._run(graph, feeds, outputs, keep_on_device=update_kept)))
+            state = {key: results[f"updated_{key}"] for key in state_keys}
+            cache.update({key: results[f"updated_{key}"] for key in reordered})
+            tokens, keep_going = results["tokens"], bool(results["keep_going"])
+        sequences, scores = generation.search_result(name, state)
+        return _to_numpy(sequences), _to_numpy(scores)
+
     def generate(self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50):
         """Greedy (`beam_size=1`) or beam search with `keras_transformer.generation.generate`.
 
-        The same search as `TransformerModel.generate`: each step calls ONNX
-        Runtime with NumPy arrays, and the search's own per-step work runs as
-        one compiled call where the backend allows (the "hybrid" loop of
-        `generation.generate`).
+        The same search as `TransformerModel.generate`, run by ONNX Runtime
+        step by step (`run_search`).
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s.
@@ -387,7 +439,7 @@ class OnnxTranslator(Translator):
 
     The Keras `Translator` (same tokenization, length-sorted batches,
     truncation, empty lines, progress bar) over an `OnnxSeq2Seq`; the search
-    runs eagerly around ONNX Runtime.
+    runs in ONNX Runtime (`OnnxSeq2Seq.run_search`).
 
     Args:
         directory: written by `python -m export.onnx` from a preset with a

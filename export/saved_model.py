@@ -70,15 +70,16 @@ from keras_transformer.utils import atomic_directory
 
 logger = logging.getLogger("export.saved_model")
 
-FORMAT_VERSION = 1
+# 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
+FORMAT_VERSION = 2
 CONFIG_FILE = "config.json"
 # Signature -> (inputs, outputs); the contract that config.json records.
 # Shape legend: B batch, S source length, T_max cache length, D hidden_dim,
 # L decoder layers, N heads, K/Vh per-head key/value size, V vocabulary_size.
-_KEY_CACHE = "[B, L, T_max, N, K]"
-_VALUE_CACHE = "[B, L, T_max, N, Vh]"
-_CROSS_KEY = "[B, L, S, N, K]"
-_CROSS_VALUE = "[B, L, S, N, Vh]"
+_KEY_CACHE = "[B, L, N, T_max, K]"
+_VALUE_CACHE = "[B, L, N, T_max, Vh]"
+_CROSS_KEY = "[B, L, N, S, K]"
+_CROSS_VALUE = "[B, L, N, S, Vh]"
 SIGNATURES = {
     "translate": ({"text": "[B] string"}, {"translation": "[B] string"}),
     "encode": ({"encoder_token_ids": "[B, S] int32"}, {"encoder_outputs": "[B, S, D] float"}),

@@ -20,7 +20,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
+FORMAT_VERSION = 2
 CONFIG_FILE = "config.json"
 QUANTIZATIONS = (None, "int8")
 
@@ -28,8 +29,8 @@ QUANTIZATIONS = (None, "int8")
 # a dynamic axis and None for a fixed one. Shape legend: B batch, S source
 # length, T_max cache length, D hidden_dim, L decoder layers, N heads,
 # K/Vh per-head key/value size, V vocabulary_size.
-_KEY_CACHE = ("batch", None, "cache_length", None, None)  # [B, L, T_max, N, K]
-_CROSS_CACHE = ("batch", None, "source_length", None, None)  # [B, L, S, N, K]
+_KEY_CACHE = ("batch", None, None, "cache_length", None)  # [B, L, N, T_max, K]
+_CROSS_CACHE = ("batch", None, None, "source_length", None)  # [B, L, N, S, K]
 GRAPHS = {
     "encoder": (
         {"encoder_token_ids": ("batch", "source_length")},
@@ -66,6 +67,49 @@ GRAPHS = {
         },
     ),
 }
+# The search between two decoder steps (`generation.search_step`), exported
+# so that ONNX Runtime runs the whole loop; no weights. R = B * K rows, Lb the
+# output buffer length.
+_SEARCH_INPUTS = {
+    "logits": ("rows", None),
+    "max_lengths": ("batch",),
+    "alpha": (),
+    "length": (),
+}
+_GREEDY_STATE = {
+    "index": (),
+    "sequences": ("batch", "buffer_length"),
+    "log_probs": ("batch",),
+    "scores": ("batch",),
+    "finished": ("batch",),
+}
+_BEAM_STATE = {
+    "index": (),
+    "live_sequences": ("batch", "beam", "buffer_length"),
+    "live_log_probs": ("batch", "beam"),
+    "finished_sequences": ("batch", "beam", "buffer_length"),
+    "finished_scores": ("batch", "beam"),
+}
+_BEAM_CACHE = {"self_key": ("rows",) + _KEY_CACHE[1:], "self_value": ("rows",) + _KEY_CACHE[1:]}
+GRAPHS["greedy_update"] = (
+    {**_GREEDY_STATE, **_SEARCH_INPUTS},
+    {**{f"updated_{k}": v for k, v in _GREEDY_STATE.items()}, "tokens": ("rows",), "keep_going": ()},
+)
+GRAPHS["beam_update"] = (
+    {**_BEAM_STATE, **_SEARCH_INPUTS, **_BEAM_CACHE},
+    {
+        **{f"updated_{k}": v for k, v in {**_BEAM_STATE, **_BEAM_CACHE}.items()},
+        "tokens": ("rows",),
+        "keep_going": (),
+    },
+)
+# Graphs holding weights (quantized by --quantize int8); the others are the search.
+MODEL_GRAPHS = ("encoder", "init_cache", "decoder_step")
+SEARCH_GRAPHS = ("greedy_update", "beam_update")
+# The cache entries beam_update reorders. The others (cross-attention keys and
+# values, the source padding mask) are the same for every beam of a source
+# row (tiled once), so reordering beams within a row leaves them unchanged.
+BEAM_REORDERED_KEYS = tuple(_BEAM_CACHE)
 CACHE_KEYS = ("self_key", "self_value", "cross_key", "cross_value", "encoder_padding_mask")
 
 # (batch, source length, cache length) at which values are compared: none
@@ -194,10 +238,14 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     rng = np.random.default_rng(seed)
     differences = {}
 
-    def record(graph, name, actual, expected):
+    def record(graph, name, actual, expected, compare=None):
         key = f"{graph}/{name}"
-        difference = _compare(graph, name, actual, expected, atol)
+        difference = (compare or _compare)(graph, name, actual, expected, atol)
         differences[key] = max(difference, differences.get(key, 0.0))
+
+    def record_search(graph, name, actual, expected):
+        # No weights, never quantized: exact ids at any quantization.
+        record(graph, name, actual, expected, lambda *args: _compare_search(*args[:4]))
 
     for batch, source_length, cache_length in shapes:
         ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
@@ -241,5 +289,92 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
             # over steps as they would in generation.
             onnx_cache = dict(onnx_cache, self_key=self_key, self_value=self_value)
             tokens = rng.integers(4, model.vocabulary_size, size=(batch,)).astype(np.int32)
+    _validate_search_graphs(sessions, model, rng, record_search)
     logger.info("Validated %s: %s", directory, differences)
     return differences
+
+
+def _validate_search_graphs(sessions, model, rng, record):
+    """`greedy_update` and `beam_update` against `generation.search_step` run by Keras.
+
+    On made-up states (random logits, some rows finished or at their
+    maximum length, beams with -inf scores, a step that reaches the buffer
+    length), at beam sizes 1 and 3; ids must be equal, scores within the
+    tolerance.
+    """
+    from keras import ops
+
+    from keras_transformer.generation import SEARCH_STATE_KEYS, search_step
+
+    vocabulary = model.vocabulary_size
+    # The last case ends at the buffer length (keep_going False).
+    for graph, beam_size, length in (
+        ("greedy_update", 1, 9), ("greedy_update", 1, 4), ("beam_update", 3, 9), ("beam_update", 1, 4)
+    ):
+        name = graph.split("_")[0]
+        batch, index = 3, 2
+        rows = batch * beam_size
+        # Row 0 reaches its maximum length at this step (only the end id is allowed).
+        max_lengths = np.array([index + 1, 6, 8], np.int32)
+        sequences = rng.integers(4, vocabulary, size=(batch, beam_size, length)).astype(np.int32)
+        sequences[..., 0] = model.start_id
+        if name == "greedy":
+            state = {
+                "sequences": sequences[:, 0],
+                "log_probs": -rng.uniform(0, 5, size=batch).astype(np.float32),
+                "scores": -rng.uniform(0, 5, size=batch).astype(np.float32),
+                "finished": np.array([False, True, False]),
+            }
+            cache = {}
+        else:
+            live = -np.sort(rng.uniform(0, 5, size=(batch, beam_size)), axis=1).astype(np.float32)
+            live[1, 1:] = -np.inf  # a row whose other beams are not live yet
+            finished = -np.sort(rng.uniform(0, 5, size=(batch, beam_size)), axis=1).astype(np.float32)
+            finished[2] = -np.inf  # a row with nothing finished
+            state = {
+                "live_sequences": sequences,
+                "live_log_probs": live,
+                "finished_sequences": sequences[:, ::-1].copy(),
+                "finished_scores": finished,
+            }
+            layers, heads = len(model.decoder_layers), model.num_heads
+            cache = {
+                key: rng.normal(size=(rows, layers, heads, length, size)).astype(np.float32)
+                for key, size in (("self_key", model.head_key_dim), ("self_value", model.head_value_dim))
+            }
+        state["index"] = np.array(index, np.int32)
+        logits = (3 * rng.normal(size=(rows, vocabulary))).astype(np.float32)
+        alpha = np.array(0.6, np.float32)
+        feeds = {**state, "logits": logits, "max_lengths": max_lengths, "alpha": alpha,
+                 "length": np.array(length, np.int32), **cache}
+        outputs = [output.name for output in sessions[graph].get_outputs()]
+        actual = dict(zip(outputs, sessions[graph].run(outputs, feeds)))
+        expected_state, expected_cache, tokens, keep_going = search_step(name, model)(
+            {key: ops.convert_to_tensor(state[key]) for key in SEARCH_STATE_KEYS[name]},
+            ops.convert_to_tensor(logits), ops.convert_to_tensor(max_lengths), ops.convert_to_tensor(alpha),
+            length, {key: ops.convert_to_tensor(value) for key, value in cache.items()},
+        )
+        expected = {f"updated_{key}": value for key, value in {**expected_state, **expected_cache}.items()}
+        expected.update(tokens=tokens, keep_going=keep_going)
+        for output in outputs:
+            record(graph, output, actual[output], ops.convert_to_numpy(expected[output]))
+
+
+def _compare_search(graph, name, actual, expected, atol=1e-4):
+    """Search outputs: ids and flags equal, scores within `atol` (-inf where Keras has -inf)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape:
+        raise ValidationError(f"{graph}.onnx output {name} has shape {actual.shape}; Keras gives {expected.shape}")
+    if actual.dtype.kind != "f":
+        if not np.array_equal(actual, expected):
+            raise ValidationError(f"{graph}.onnx output {name} differs from Keras: {actual} vs {expected}")
+        return 0.0
+    finite = np.isfinite(expected)
+    if not np.array_equal(np.isfinite(actual), finite) or not np.array_equal(actual[~finite], expected[~finite]):
+        raise ValidationError(f"{graph}.onnx output {name} has infinities where Keras does not")
+    difference = float(np.max(np.abs(actual[finite].astype(np.float64) - expected[finite]), initial=0.0))
+    if not difference <= atol:
+        raise ValidationError(
+            f"{graph}.onnx output {name}: largest difference from Keras {difference:.3g} exceeds atol={atol:g}"
+        )
+    return difference

@@ -18,6 +18,12 @@ The decoding protocol (duck typing; nothing else of the model is used):
   feeds the token at position `index` (0 for the start id) and returns the
   logits of position `index + 1`. `index` is a Python int, except inside
   the compiled loop used for Keras models (a scalar int32 tensor there).
+- optionally `run_search(encoder_token_ids, max_lengths, alpha, beam_size,
+  length) -> (sequences, scores)`: a model that runs the search loop
+  itself, from this module's pieces (`initial_search_state`,
+  `search_step`, `search_tokens`, `search_result`), as the ONNX Runtime
+  wrapper does with `search_step` exported to ONNX. `generate` then does
+  the rest (checks, lengths, padding, trimming); `compile=False` ignores it.
 
 Arguments handed to the protocol methods are backend tensors (or, for the
 very first calls, NumPy arrays); a NumPy-based implementation such as ONNX
@@ -128,14 +134,17 @@ def generate(
     probability 0). The pad and start ids are never generated.
 
     Compilation (`compile=True`), per backend and model:
+    - a model with a `run_search` method (the ONNX Runtime wrapper, which
+      runs this module's search exported as ONNX graphs): that method, on
+      every backend;
     - TensorFlow and JAX, a model exposing its Keras `variables` (a
       `TransformerModel`, or a wrapper forwarding them): the whole search
       (encoder, cache and a `keras.ops.while_loop` over the decoder step) is
       compiled, with `tf.function(jit_compile=True)` (XLA) or `jax.jit`,
       once per (batch size, source length bucket, output length bucket,
       beam size) and cached per model;
-    - TensorFlow and JAX, any other model (the ONNX Runtime wrapper, whose
-      `decode_step` calls ONNX Runtime with NumPy arrays): a Python loop
+    - TensorFlow and JAX, any other model (e.g. one whose `decode_step`
+      calls another runtime with NumPy arrays): a Python loop
       calls `decode_step` eagerly and the search's own per-step work
       (log-softmax, top-k, gathers, stopping test) as one compiled function;
     - PyTorch: a Python loop under `torch.no_grad()` (`ops.while_loop` is a
@@ -349,11 +358,13 @@ def _finish_rows(sequences, end_id, pad_id):
 # decoder cache is kept beside it): `tokens(state)` -> the ids to feed,
 # `update(model, state, logits, ...)` -> the next state and, for beams, the
 # parent of each new beam (by which the driver reorders the cache),
-# `keep_going(state, ...)` and `result(state)`. Three drivers run them:
+# `keep_going(state, ...)` and `result(state)`. Three drivers run them here:
 # - compiled: the whole search in a `keras.ops.while_loop` (jax.jit / XLA);
-# - hybrid: a Python loop calling the model's `decode_step` eagerly (ONNX
-#   Runtime) and a compiled `update` (TensorFlow, JAX);
-# - eager: a Python loop (compile=False, PyTorch).
+# - hybrid: a Python loop calling the model's `decode_step` eagerly (a model
+#   that cannot be traced) and a compiled `update` (TensorFlow, JAX);
+# - eager: a Python loop (compile=False, PyTorch);
+# and a model may drive them itself (`run_search`, `search_step`): the ONNX
+# Runtime wrapper runs `search_step` exported as ONNX graphs.
 # ---------------------------------------------------------------------- #
 def _initial_state(model, encoder_token_ids, beam_size, length, index):
     """Encodes the source; returns `(search, state, cache)`."""
@@ -363,6 +374,28 @@ def _initial_state(model, encoder_token_ids, beam_size, length, index):
     if beam_size == 1:
         return GREEDY, _greedy_initial_state(model, batch, length, index), cache
     return BEAM, _beam_initial_state(model, batch, beam_size, length, index), tile_cache(cache, beam_size)
+
+
+def initial_search_state(model, encoder_token_ids, beam_size, length):
+    """Encodes the source and starts a search, for a driver outside this module.
+
+    Returns:
+        `(search_name, state, cache)`: "greedy" or "beam"; the state (keys
+        `SEARCH_STATE_KEYS[search_name]`, index 0); the cache from
+        `model.init_cache`, tiled per beam for beam search.
+    """
+    search, state, cache = _initial_state(model, encoder_token_ids, beam_size, length, 0)
+    return search.name, dict(state, index=ops.convert_to_tensor(0, "int32")), cache
+
+
+def search_tokens(search_name, state):
+    """The ids to feed at the state's index (`[B * K]`)."""
+    return {"greedy": GREEDY, "beam": BEAM}[search_name].tokens(state)
+
+
+def search_result(search_name, state):
+    """`(sequences [B, L], scores [B])` of a finished search's state."""
+    return {"greedy": GREEDY, "beam": BEAM}[search_name].result(state)
 
 
 def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled):
@@ -405,8 +438,7 @@ def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, com
 def _hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
     """Python loop around an eager `decode_step` and a compiled search update.
 
-    For models whose step cannot be traced (ONNX Runtime): the model runs as
-    it is; the search's own work per step (log-softmax, top-k, gathers,
+    For models whose step cannot be traced: the model runs as it is; the search's own work per step (log-softmax, top-k, gathers,
     stopping test), dozens of small ops, is one compiled call instead of
     dozens of eager dispatches.
     """
@@ -498,11 +530,15 @@ def _greedy_tokens(state):
 def _greedy_update(model, state, logits, max_lengths, alpha):
     index = state["index"]
     log_probs = _token_log_probs(model, logits, index + 1, max_lengths)  # [B, V]
-    next_tokens = ops.cast(ops.argmax(log_probs, axis=-1), "int32")  # [B]
+    # top_k rather than argmax: the same token (the first of equal maxima),
+    # and it exports to ONNX (Keras' TensorFlow argmax tests the sign bit of
+    # zeros with a Bitcast, which tf2onnx cannot convert).
+    best_log_probs, next_tokens = ops.top_k(log_probs, 1)
+    best_log_probs, next_tokens = best_log_probs[:, 0], ops.cast(next_tokens[:, 0], "int32")  # [B]
     finished = state["finished"]
     # Rows that already ended are fed pad ids from now on (never read).
     next_tokens = ops.where(finished, model.pad_id, next_tokens)
-    total = ops.where(finished, state["log_probs"], state["log_probs"] + ops.max(log_probs, axis=-1))
+    total = ops.where(finished, state["log_probs"], state["log_probs"] + best_log_probs)
     ended = ops.logical_and(ops.logical_not(finished), ops.equal(next_tokens, model.end_id))
     scores = ops.where(ended, total / length_penalty_factor(index + 1, alpha), state["scores"])
     state = {
@@ -566,8 +602,7 @@ def reorder_cache(cache, beam_indices):
         beam_indices: int `[B, K]`, the parent beam (in `0..K-1`) of each
             new beam.
     """
-    beam_size = beam_indices.shape[1]
-    indices = ops.reshape(_flat_beam_indices(beam_indices, beam_size), (-1,))  # [B * K]
+    indices = ops.reshape(_flat_beam_indices(beam_indices, _dim(beam_indices, 1)), (-1,))  # [B * K]
     return {name: ops.take(value, indices, axis=0) for name, value in cache.items()}
 
 
@@ -656,13 +691,19 @@ BEAM = _Search("beam", _beam_tokens, _beam_update, _beam_keep_going, _beam_resul
 # Drivers: which one runs, and compilation
 # ---------------------------------------------------------------------- #
 def _select_search(model, compile):
-    """The driver for `model`: compiled, hybrid or eager (see `generate`)."""
+    """The driver for `model`: its own, compiled, hybrid or eager (see `generate`)."""
     backend = keras.backend.backend()
+    if compile and callable(getattr(model, "run_search", None)):
+        return _model_search
     if not compile or backend not in ("jax", "tensorflow"):
         return _eager_search
     if isinstance(getattr(model, "variables", None), (list, tuple)):
         return _compiled_search(model)
     return _hybrid_search
+
+
+def _model_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    return model.run_search(encoder_token_ids, max_lengths, alpha, beam_size, length)
 
 
 def _eager_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
@@ -728,6 +769,46 @@ def _compiled_search(model):
 
     backend = keras.backend.backend()
     return _cache_for(model, "search", build_jax if backend == "jax" else build_tensorflow)
+
+
+# The state of each search, in the order `search_step` documents it.
+SEARCH_STATE_KEYS = {
+    "greedy": ("index", "sequences", "log_probs", "scores", "finished"),
+    "beam": ("index", "live_sequences", "live_log_probs", "finished_sequences", "finished_scores"),
+}
+
+
+def search_step(search_name, model):
+    """The search's own work between two decoder steps, as one function.
+
+    For drivers that run the decoder step elsewhere: the hybrid driver
+    compiles it, and `export/onnx.py` exports it as a graph that ONNX Runtime
+    runs between two `decoder_step` calls, so the exported search is this
+    module's code.
+
+    Args:
+        search_name: "greedy" or "beam".
+        model: read for its ids and vocabulary size only.
+
+    Returns:
+        A function `(state, logits, max_lengths, alpha, length, cache) ->
+        (state, cache, tokens, keep_going)`: `state` a dict with the keys
+        `SEARCH_STATE_KEYS[search_name]`, `logits` `[B * K, V]` of the step,
+        `cache` a dict of `[B * K, ...]` entries to reorder with the beams
+        (beam search; returned as is by greedy search), `tokens` the ids to
+        feed next, `keep_going` a scalar bool. The beam size is taken from
+        the state's shapes, so a traced graph serves every beam size.
+    """
+    search = {"greedy": GREEDY, "beam": BEAM}[search_name]
+    constants = _ModelConstants(model)
+
+    def step(state, logits, max_lengths, alpha, length, cache):
+        state, parents = search.update(constants, state, logits, max_lengths, alpha)
+        if parents is not None:
+            cache = reorder_cache(cache, parents)
+        return state, cache, search.tokens(state), search.keep_going(state, max_lengths, alpha, length)
+
+    return step
 
 
 def _compiled_update(search, model):

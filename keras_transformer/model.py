@@ -355,9 +355,10 @@ class TransformerModel(keras.Model):
         can reorder or tile the whole cache with one gather.
 
         Returns:
-            dict with `self_key [B, L, T_max, N, K]`, `self_value
-            [B, L, T_max, N, Vh]`, `cross_key [B, L, S, N, K]`, `cross_value
-            [B, L, S, N, Vh]` and `encoder_padding_mask [B, S]` (bool).
+            dict with `self_key [B, L, N, T_max, K]`, `self_value
+            [B, L, N, T_max, Vh]`, `cross_key [B, L, N, S, K]`, `cross_value
+            [B, L, N, S, Vh]` and `encoder_padding_mask [B, S]` (bool); heads
+            before positions (see `layers.MultiHeadAttention`).
         """
         encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
         batch = ops.shape(encoder_outputs)[0]
@@ -365,8 +366,8 @@ class TransformerModel(keras.Model):
         dtype = self.compute_dtype
         cross = [layer.compute_cross_attention_cache(encoder_outputs) for layer in self.decoder_layers]
         return {
-            "self_key": ops.zeros((batch, layers, max_length, self.num_heads, self.head_key_dim), dtype),
-            "self_value": ops.zeros((batch, layers, max_length, self.num_heads, self.head_value_dim), dtype),
+            "self_key": ops.zeros((batch, layers, self.num_heads, max_length, self.head_key_dim), dtype),
+            "self_value": ops.zeros((batch, layers, self.num_heads, max_length, self.head_value_dim), dtype),
             "cross_key": ops.stack([k for k, _ in cross], axis=1),
             "cross_value": ops.stack([v for _, v in cross], axis=1),
             "encoder_padding_mask": ops.not_equal(encoder_token_ids, self.pad_id),

@@ -89,7 +89,7 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir):
     assert sorted(p.name for p in exported.iterdir()) == sorted(GRAPH_FILES + ["config.json", "tokenizer.model"])
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
-    assert config["format_version"] == 1
+    assert config["format_version"] == 2
     assert config["opset"] == onnx_export.DEFAULT_OPSET == 15
     assert config["quantization"] is None
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
@@ -142,13 +142,44 @@ def test_encoder_init_cache_and_decoder_steps_match_keras(model, onnx_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("beam_size", [1, 4])
-def test_generate_gives_the_same_tokens_as_keras(model, onnx_model, beam_size):
+@pytest.mark.parametrize("beam_size", [1, 3, 4])
+def test_generate_gives_the_same_tokens_as_keras(model, onnx_model, beam_size, monkeypatch):
+    """The whole search in ONNX Runtime (one beam_update graph for every beam size)."""
+    from keras_transformer import generation
+
     src = sources(np.random.default_rng(3), [7, 2, 11, 5])
-    expected = model.generate(src, beam_size=beam_size, max_extra_length=6)
-    ids = onnx_model.generate(src, beam_size=beam_size, max_extra_length=6)
+    expected, expected_scores = generation.generate(
+        model, src, beam_size=beam_size, max_extra_length=6, return_scores=True
+    )
+
+    def no_tensorflow_search(*args, **kwargs):
+        raise AssertionError("the ONNX Runtime search must not compile a TensorFlow update")
+
+    monkeypatch.setattr(generation, "_compiled_update", no_tensorflow_search)
+    ids, scores = generation.generate(onnx_model, src, beam_size=beam_size, max_extra_length=6, return_scores=True)
     assert ids.dtype == np.int32
     np.testing.assert_array_equal(ids, expected)
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(onnx_model.generate(src, beam_size=beam_size, max_extra_length=6), expected)
+
+
+def test_validation_checks_the_exported_search(model, tmp_path, monkeypatch):
+    """A search graph that differs from generation.search_step fails the export, named."""
+    from keras_transformer import generation
+
+    def never_stops(search_name, model):
+        step = generation.search_step(search_name, model)
+
+        def wrong(*args):
+            state, cache, tokens, _ = step(*args)
+            return state, cache, tokens, keras.ops.convert_to_tensor(True)
+
+        return wrong
+
+    monkeypatch.setattr(onnx_export, "search_step", never_stops)
+    with pytest.raises(ValidationError, match=r"greedy_update\.onnx output keep_going differs from Keras"):
+        onnx_export.export_onnx(model, tmp_path / "wrong")
+    assert not (tmp_path / "wrong").exists()
 
 
 @pytest.mark.slow
@@ -331,7 +362,7 @@ def test_another_format_version_is_rejected(exported, tmp_path):
     config = json.loads((copy / "config.json").read_text())
     config["format_version"] = 99
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="format_version=99; this version of export.runtime reads format 1"):
+    with pytest.raises(ValueError, match="format_version=99; this version of export.runtime reads format 2"):
         OnnxSeq2Seq(copy)
 
 

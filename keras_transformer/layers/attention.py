@@ -52,6 +52,36 @@ def scaled_dot_product_attention(query, key, value, mask=None, dropout=None, tra
     return outputs, weights
 
 
+def heads_first_attention(query, key, value, mask=None, dropout=None, training=None):
+    """Equation (1) over keys and values stored heads first (the decoding caches).
+
+    The same function as `scaled_dot_product_attention`, written as two
+    batched matrix products over `[B, N, S, H]` keys and values, so that
+    nothing of the size of the cache is transposed or copied.
+
+    Args:
+        query: `[B, T, N, K]`.
+        key: `[B, N, S, K]`.
+        value: `[B, N, S, V]`.
+        mask: optional boolean, broadcastable to `[B, N, T, S]`; True = attend.
+        dropout: optional dropout layer applied to the attention weights.
+        training: passed to `dropout`.
+
+    Returns:
+        `(outputs [B, T, N, V], weights [B, N, T, S])`.
+    """
+    scale = 1.0 / math.sqrt(ops.shape(query)[-1])
+    q = ops.transpose(query, (0, 2, 1, 3))  # [B, N, T, K]
+    scores = ops.matmul(q, ops.swapaxes(key, -1, -2)) * ops.cast(scale, query.dtype)  # [B, N, T, S]
+    if mask is not None:
+        scores = ops.where(mask, scores, ops.cast(masked_fill_value(scores.dtype), scores.dtype))
+    weights = ops.cast(ops.softmax(ops.cast(scores, "float32"), axis=-1), query.dtype)
+    if dropout is not None:
+        weights = dropout(weights, training=training)
+    outputs = ops.matmul(weights, value)  # [B, N, T, V]
+    return ops.transpose(outputs, (0, 2, 1, 3)), weights
+
+
 def local_attention(
     query, key, value, window, key_padding_mask=None, causal=False, dropout=None, training=None
 ):
@@ -136,15 +166,22 @@ class MultiHeadAttention(keras.layers.Layer):
     `[B, N, T, S]`). Padding, causal and restricted-window masks are combined
     by the caller (see `attention_masks`).
 
-    Incremental decoding (as keras-hub's `CachedMultiHeadAttention`):
+    Incremental decoding (as keras-hub's `CachedMultiHeadAttention`, with
+    the caches heads first, `[B, N, S, H]`, as fairseq and Hugging Face
+    keep them):
     - `cache=(key_cache, value_cache)` with `cache_update_index=i`: the
       keys/values of `value` are written into the fixed-size caches
-      `[B, S_max, N, K]` / `[B, S_max, N, V]` at position `i`, attention runs
+      `[B, N, S_max, K]` / `[B, N, S_max, V]` at position `i`, attention runs
       over the whole cache (the mask hides positions not yet written) and the
       updated cache is returned. This is decoder self-attention.
     - `cache=(key_cache, value_cache)` without an index: the cache is used as
       the keys/values and `value` is ignored. This is cross-attention, whose
       keys/values are computed once per source with `compute_cache`.
+    Heads first, a step's attention is two batched matrix products straight
+    on the cache (`Q K^T` with the transpose folded into the product); with
+    the time axis second, exported graphs transposed the whole cache of every
+    layer at every step (ONNX Runtime spent about 40% of a beam-search step
+    on it, see benchmarks/README.md).
 
     Args:
         num_heads: int, h in the paper.
@@ -235,14 +272,22 @@ class MultiHeadAttention(keras.layers.Layer):
         shape = ops.shape(x)
         return ops.reshape(x, (shape[0], shape[1], self.num_heads, head_dim))
 
-    def compute_cache(self, value):
-        """Keys and values of `value` `[B, S, D]` for a cross-attention cache.
-
-        Returns `(keys [B, S, N, K], values [B, S, N, V])`.
-        """
+    def _keys_values(self, value):
+        """Keys `[B, S, N, K]` and values `[B, S, N, V]` of `value` `[B, S, D]`."""
         keys = self._split_heads(self.key_dense(value), self.key_dim)
         values = self._split_heads(self.value_dense(value), self.value_dim)
         return keys, values
+
+    def compute_cache(self, value):
+        """Keys and values of `value` `[B, S, D]` in the cache layout (heads first).
+
+        For a cross-attention cache, or the rows that a decoding step writes
+        into the self-attention cache.
+
+        Returns `(keys [B, N, S, K], values [B, N, S, V])`.
+        """
+        keys, values = self._keys_values(value)
+        return ops.transpose(keys, (0, 2, 1, 3)), ops.transpose(values, (0, 2, 1, 3))
 
     def call(
         self,
@@ -275,7 +320,7 @@ class MultiHeadAttention(keras.layers.Layer):
         )
         if not local and (padding_mask is not None or use_causal_mask):
             length = ops.shape(query)[1]
-            key_length = length if cache is None else ops.shape(cache[0])[1]
+            key_length = length if cache is None else ops.shape(cache[0])[2]
             offset = 0 if cache_update_index is None else cache_update_index
             attention_mask = attention_masks(
                 length, key_length, key_padding_mask=padding_mask, causal=use_causal_mask,
@@ -284,7 +329,7 @@ class MultiHeadAttention(keras.layers.Layer):
         value = query if value is None else value
         q = self._split_heads(self.query_dense(query), self.key_dim)  # [B, T, N, K]
         if local:
-            k, v = self.compute_cache(value)
+            k, v = self._keys_values(value)
             outputs = local_attention(
                 q, k, v, self.attention_window, key_padding_mask=padding_mask, causal=use_causal_mask,
                 dropout=self.weights_dropout if self.dropout > 0 else None, training=training,
@@ -292,39 +337,40 @@ class MultiHeadAttention(keras.layers.Layer):
             shape = ops.shape(outputs)
             outputs = ops.reshape(outputs, (shape[0], shape[1], self.num_heads * self.value_dim))
             return self.output_dense(outputs)
-        if cache is None:
-            k, v = self.compute_cache(value)  # [B, S, N, K], [B, S, N, V]
-        elif cache_update_index is None:
-            k, v = cache
-        else:
-            key_cache, value_cache = cache
-            new_k, new_v = self.compute_cache(value)  # [B, T, N, K], [B, T, N, V]
-            start = [0, cache_update_index, 0, 0]
-            k = ops.slice_update(key_cache, start, ops.cast(new_k, key_cache.dtype))
-            v = ops.slice_update(value_cache, start, ops.cast(new_v, value_cache.dtype))
-            cache = (k, v)
-
         mask = None
         if attention_mask is not None:
             mask = ops.cast(attention_mask, "bool")
             if len(mask.shape) == 3:
                 mask = ops.expand_dims(mask, 1)  # [B, T, S] -> [B, 1, T, S]
 
-        fused = (
-            self.use_fused_attention
-            and not return_attention_scores
-            and self.key_dim == self.value_dim
-            and not (training and self.dropout > 0)
-        )
-        if fused:
-            scores = None
-            outputs = ops.dot_product_attention(
-                q, k, v, mask=mask, scale=1.0 / math.sqrt(self.key_dim)
-            )
-        else:
-            outputs, scores = scaled_dot_product_attention(
+        if cache is not None:
+            if cache_update_index is None:
+                k, v = cache  # [B, N, S, K], [B, N, S, V]
+            else:
+                key_cache, value_cache = cache
+                new_k, new_v = self.compute_cache(value)  # [B, N, T, K], [B, N, T, V]
+                start = [0, 0, cache_update_index, 0]
+                k = ops.slice_update(key_cache, start, ops.cast(new_k, key_cache.dtype))
+                v = ops.slice_update(value_cache, start, ops.cast(new_v, value_cache.dtype))
+                cache = (k, v)
+            outputs, scores = heads_first_attention(
                 q, k, v, mask=mask, dropout=self.weights_dropout, training=training
             )
+        else:
+            k, v = self._keys_values(value)  # [B, S, N, K], [B, S, N, V]
+            fused = (
+                self.use_fused_attention
+                and not return_attention_scores
+                and self.key_dim == self.value_dim
+                and not (training and self.dropout > 0)
+            )
+            if fused:
+                scores = None
+                outputs = ops.dot_product_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(self.key_dim))
+            else:
+                outputs, scores = scaled_dot_product_attention(
+                    q, k, v, mask=mask, dropout=self.weights_dropout, training=training
+                )
         shape = ops.shape(outputs)
         outputs = ops.reshape(outputs, (shape[0], shape[1], self.num_heads * self.value_dim))
         outputs = self.output_dense(outputs)  # [B, T, D]

@@ -28,12 +28,12 @@ class TransformerDecoderLayer(_SublayerMixin, keras.layers.Layer):
             is given.
         decoder_padding_mask: optional `[B, T]`, True for real tokens.
         encoder_padding_mask: optional `[B, S]`, True for real tokens.
-        self_attention_cache: optional `(keys [B, T_max, N, K], values
-            [B, T_max, N, V])` for incremental decoding; then
+        self_attention_cache: optional `(keys [B, N, T_max, K], values
+            [B, N, T_max, V])` (heads first) for incremental decoding; then
             `self_attention_cache_update_index` is the position of the first
             token of `decoder_sequence` and the updated cache is returned.
         self_attention_cache_update_index: int or scalar tensor.
-        cross_attention_cache: optional `(keys [B, S, N, K], values [B, S, N, V])`
+        cross_attention_cache: optional `(keys [B, N, S, K], values [B, N, S, V])`
             computed once per source by `compute_cross_attention_cache`.
         return_attention_scores: also return the self- and cross-attention
             weights `[B, N, T, T]` and `[B, N, T, S]`.
@@ -89,7 +89,7 @@ class TransformerDecoderLayer(_SublayerMixin, keras.layers.Layer):
         self._build_feedforward(decoder_sequence_shape)
 
     def compute_cross_attention_cache(self, encoder_sequence):
-        """Cross-attention keys/values `([B, S, N, K], [B, S, N, V])`, once per source."""
+        """Cross-attention keys/values `([B, N, S, K], [B, N, S, V])`, once per source."""
         return self.cross_attention.compute_cache(encoder_sequence)
 
     def call(
@@ -107,7 +107,7 @@ class TransformerDecoderLayer(_SublayerMixin, keras.layers.Layer):
         query_length = ops.shape(decoder_sequence)[1]
         if self_attention_cache is not None:
             # Keys are the fixed-size cache; queries start at the update index.
-            key_length = ops.shape(self_attention_cache[0])[1]
+            key_length = ops.shape(self_attention_cache[0])[2]
             query_offset = self_attention_cache_update_index
         else:
             key_length, query_offset = query_length, 0

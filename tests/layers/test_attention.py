@@ -94,7 +94,7 @@ def test_cache_update_matches_full_attention(rng):
     layer, _ = hand_set_layer(rng, 8, 2, 4, 4)
     x = rng.normal(size=(2, 6, 8)).astype("float32")
     full = to_numpy(layer(x, x, attention_mask=attention_masks(6, 6, causal=True)))
-    cache = (np.zeros((2, 6, 2, 4), "float32"), np.zeros((2, 6, 2, 4), "float32"))
+    cache = (np.zeros((2, 2, 6, 4), "float32"), np.zeros((2, 2, 6, 4), "float32"))  # [B, N, T_max, H]
     for t in range(6):
         mask = attention_masks(1, 6, causal=True, query_offset=t)
         out, cache = layer(x[:, t:t + 1], x[:, t:t + 1], attention_mask=mask, cache=cache, cache_update_index=t)

@@ -66,7 +66,7 @@ def test_decoder_cached_steps_match_full_pass(rng):
     x = rng.normal(size=(2, 5, 8)).astype("float32")
     enc = rng.normal(size=(2, 6, 8)).astype("float32")
     full = to_numpy(layer(x, enc))
-    cache = (np.zeros((2, 5, 2, 3), "float32"), np.zeros((2, 5, 2, 5), "float32"))
+    cache = (np.zeros((2, 2, 5, 3), "float32"), np.zeros((2, 2, 5, 5), "float32"))  # [B, N, T_max, H]
     cross = layer.compute_cross_attention_cache(enc)
     for t in range(5):
         out, cache = layer(
