@@ -42,6 +42,8 @@ blockwise), and plots time against n.
 python -m benchmarks.train                   # all backends, each in a subprocess
 python -m benchmarks.train --backends tensorflow --rounds 3 --steps 5
 python -m benchmarks.train --scaling         # sequence-length scaling (TensorFlow)
+python -m benchmarks.train --big --mixed-precision mixed_bfloat16   # the big preset (for GPUs)
+bash benchmarks/gpu.sh                       # all of it on one GPU
 ```
 
 Writes `benchmarks/results/train.json` (+ `train_<backend>.json` parts),
@@ -317,6 +319,80 @@ def variants_for(backend):
 
 
 # --------------------------------------------------------------------- #
+# The paper's big preset (benchmarks/gpu.sh)
+# --------------------------------------------------------------------- #
+# The paper (section 5.2): the big model trained on 8 P100 GPUs at 1.0 s per
+# step, with batches of about 25,000 target tokens: about 25,000 target
+# tokens per second in all, about 3,100 per GPU.
+PAPER_BIG_TARGET_TOKENS_PER_SECOND = 25_000
+PAPER_BIG_GPUS = 8
+
+
+def bench_big(batch_size, sequence_length, steps, mixed_precision):
+    """Training throughput of `TransformerModel.from_preset("big")` on random batches."""
+    import keras
+
+    import keras_transformer as kt
+
+    if mixed_precision:
+        keras.mixed_precision.set_global_policy(mixed_precision)
+    config = dict(BENCH_SMALL, batch_size=batch_size, sequence_length=sequence_length, vocabulary_size=37000)
+    x, y = make_batch(config)
+    target_tokens = int((y != 0).sum())
+    keras.utils.set_random_seed(0)
+    model = kt.TransformerModel.from_preset("big")
+    compile_for_bench(model, "auto")
+    start = time.perf_counter()
+    _sync(model.train_on_batch(x, y))
+    first = time.perf_counter() - start
+    _sync(model.train_on_batch(x, y))
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = model.train_on_batch(x, y)
+    _sync(loss)
+    step = (time.perf_counter() - start) / steps
+    per_gpu = PAPER_BIG_TARGET_TOKENS_PER_SECOND / PAPER_BIG_GPUS
+    result = {
+        "backend": keras.backend.backend(),
+        "devices": [str(d) for d in _devices()],
+        "preset": "big",
+        "parameters": int(model.count_params()),
+        "batch_size": batch_size,
+        "sequence_length": sequence_length,
+        "mixed_precision": mixed_precision or "float32",
+        "target_tokens_per_step": target_tokens,
+        "seconds_per_step": step,
+        "first_step_seconds": first,
+        "target_tokens_per_second": target_tokens / step,
+        "paper_target_tokens_per_second": PAPER_BIG_TARGET_TOKENS_PER_SECOND,
+        "paper_gpus": f"{PAPER_BIG_GPUS} x P100",
+        "ratio_to_paper_per_gpu": target_tokens / step / per_gpu,
+    }
+    logger.info(
+        "big: %.0f target tokens/s (%s, batch %d x %d, %.3f s/step); the paper: about %d on %d P100s (%d per GPU)",
+        result["target_tokens_per_second"], result["mixed_precision"], batch_size, sequence_length, step,
+        PAPER_BIG_TARGET_TOKENS_PER_SECOND, PAPER_BIG_GPUS, per_gpu,
+    )
+    return result
+
+
+def _devices():
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.config.list_logical_devices()
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.devices()
+    import torch
+
+    return ["cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+# --------------------------------------------------------------------- #
 # Sequence-length scaling (Table 1)
 # --------------------------------------------------------------------- #
 def bench_scaling(lengths, window, repeats):
@@ -376,11 +452,13 @@ def _encoder_layer_step(layer, x):
 # --------------------------------------------------------------------- #
 # Driver
 # --------------------------------------------------------------------- #
-def _run_child(backend, args):
+def _run_child(backend, args, results):
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-    part = RESULTS / f"train_{backend}.json"
+    part = results / f"train_{backend}.json"
     command = [sys.executable, "-m", "benchmarks.train", "--child", "--output", str(part),
                "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    if args.variants:
+        command += ["--variants", args.variants]
     logger.info("running %s", " ".join(command))
     subprocess.run(command, env=env, check=True, cwd=pathlib.Path(__file__).parent.parent)
     return json.loads(part.read_text())
@@ -450,16 +528,28 @@ def main(argv=None):
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", help="comma-separated subset, e.g. ours,keras_hub")
+    parser.add_argument("--big", action="store_true",
+                        help="time the paper's big preset on the KERAS_BACKEND backend instead (big.json)")
+    parser.add_argument("--batch-size", type=int, default=128, help="--big: sentences per batch (default 128)")
+    parser.add_argument("--sequence-length", type=int, default=64, help="--big: tokens per sentence (default 64)")
+    parser.add_argument("--mixed-precision", default=None,
+                        help="--big: a Keras dtype policy, e.g. mixed_bfloat16 (default float32)")
+    parser.add_argument("--results", default=str(RESULTS), help="directory for the JSON and plots")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    RESULTS.mkdir(exist_ok=True)
+    results_dir = pathlib.Path(args.results)
+    results_dir.mkdir(parents=True, exist_ok=True)
     if args.scaling:
         result = bench_scaling([int(n) for n in args.lengths.split(",")], args.window, repeats=3)
         result["machine"] = platform.processor() or platform.machine()
-        (RESULTS / "scaling.json").write_text(json.dumps(result, indent=2))
-        plot_scaling(result, RESULTS / "scaling.png")
+        (results_dir / "scaling.json").write_text(json.dumps(result, indent=2))
+        plot_scaling(result, results_dir / "scaling.png")
+        return
+    if args.big:
+        result = bench_big(args.batch_size, args.sequence_length, args.steps, args.mixed_precision)
+        (results_dir / "big.json").write_text(json.dumps(result, indent=2))
         return
     if args.child:
         import keras
@@ -470,14 +560,14 @@ def main(argv=None):
         result = bench_backend(BENCH_SMALL, args.rounds, args.steps, variants)
         pathlib.Path(args.output).write_text(json.dumps(result, indent=2))
         return
-    results = [_run_child(backend, args) for backend in args.backends.split(",")]
+    results = [_run_child(backend, args, results_dir) for backend in args.backends.split(",")]
     summary = {
         "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "results": results,
     }
-    (RESULTS / "train.json").write_text(json.dumps(summary, indent=2))
-    plot(results, RESULTS / "train.png")
+    (results_dir / "train.json").write_text(json.dumps(summary, indent=2))
+    plot(results, results_dir / "train.png")
     print(write_table(results))
 
 
