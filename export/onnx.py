@@ -219,6 +219,27 @@ def _graph_functions(model):
         spec([], tf.int32, "length"),
     ]
     return {
+        "encoder": (encoder, [spec([None, None], tf.int32, "encoder_token_ids")]),
+        "init_cache": (
+            init_cache,
+            [
+                spec([None, None, model.hidden_dim], dtype, "encoder_outputs"),
+                spec([None, None], tf.int32, "encoder_token_ids"),
+                spec([], tf.int32, "max_length"),
+            ],
+        ),
+        "decoder_step": (
+            decoder_step,
+            [
+                spec([None], tf.int32, "decoder_token_ids"),
+                spec([], tf.int32, "step"),
+                spec(key_cache, dtype, "self_key"),
+                spec(value_cache, dtype, "self_value"),
+                spec(key_cache, dtype, "cross_key"),
+                spec(value_cache, dtype, "cross_value"),
+                spec([None, None], tf.bool, "encoder_padding_mask"),
+            ],
+        ),
         "greedy_update": (
             search_update("greedy", ()),
             [
@@ -241,27 +262,6 @@ def _graph_functions(model):
                 *search_inputs,
                 spec(key_cache, dtype, "self_key"),
                 spec(value_cache, dtype, "self_value"),
-            ],
-        ),
-        "encoder": (encoder, [spec([None, None], tf.int32, "encoder_token_ids")]),
-        "init_cache": (
-            init_cache,
-            [
-                spec([None, None, model.hidden_dim], dtype, "encoder_outputs"),
-                spec([None, None], tf.int32, "encoder_token_ids"),
-                spec([], tf.int32, "max_length"),
-            ],
-        ),
-        "decoder_step": (
-            decoder_step,
-            [
-                spec([None], tf.int32, "decoder_token_ids"),
-                spec([], tf.int32, "step"),
-                spec(key_cache, dtype, "self_key"),
-                spec(value_cache, dtype, "self_value"),
-                spec(key_cache, dtype, "cross_key"),
-                spec(value_cache, dtype, "cross_value"),
-                spec([None, None], tf.bool, "encoder_padding_mask"),
             ],
         ),
     }
