@@ -373,7 +373,8 @@ def _fold_tensordot_reshapes(graph):
             or not flatten.output[0].endswith("/Tensordot/Reshape:0")
             or len(after) != 1
             or after[0].op_type != "Reshape"
-            or not after[0].output[0].endswith("/Tensordot:0")
+            # Its shape is the tensordot's (its output may be renamed, as a graph output).
+            or "/Tensordot" not in after[0].input[1]
             or node.output[0] in outputs
         ):
             continue

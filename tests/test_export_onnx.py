@@ -277,6 +277,28 @@ def test_dynamic_update_slice_is_a_scatter_with_xla_clamping(tmp_path):
         np.testing.assert_array_equal(actual, to_numpy(update(operand, updates, start)["output"]))
 
 
+def test_dense_on_3d_inputs_exports_as_one_matmul(tmp_path):
+    """`_fold_tensordot_reshapes`: no tensordot reshapes left, same values at other shapes."""
+    import onnx
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(5)
+    layer.build((None, None, 3))
+
+    def dense(x):
+        return {"y": layer(x)}
+
+    path = tmp_path / "dense.onnx"
+    onnx_export._convert(dense, [tf.TensorSpec([None, None, 3], tf.float32, name="x")], 15, path)
+    nodes = onnx.load(str(path)).graph.node
+    assert [node.op_type for node in nodes if node.op_type != "Add"] == ["MatMul"]
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for shape in ((2, 7, 3), (1, 1, 3)):
+        x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], to_numpy(layer(x)), atol=1e-6)
+
+
 def test_an_unconvertible_op_fails_the_export_and_leaves_nothing(model, tmp_path, monkeypatch):
     monkeypatch.setattr(onnx_export, "CUSTOM_OP_HANDLERS", {})
     function, signature = onnx_export._graph_functions(model)["decoder_step"]

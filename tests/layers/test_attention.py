@@ -6,7 +6,12 @@ import pytest
 
 from conftest import to_numpy
 from keras_transformer.layers import MultiHeadAttention
-from keras_transformer.layers.attention import attention_masks, local_attention, scaled_dot_product_attention
+from keras_transformer.layers.attention import (
+    attention_masks,
+    heads_first_attention,
+    local_attention,
+    scaled_dot_product_attention,
+)
 
 
 def numpy_multi_head_attention(query, value, weights, num_heads, key_dim, value_dim, mask=None):
@@ -99,6 +104,21 @@ def test_cache_update_matches_full_attention(rng):
         mask = attention_masks(1, 6, causal=True, query_offset=t)
         out, cache = layer(x[:, t:t + 1], x[:, t:t + 1], attention_mask=mask, cache=cache, cache_update_index=t)
         np.testing.assert_allclose(to_numpy(out)[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+
+
+def test_heads_first_attention_equals_equation_1(rng):
+    """The cache layout [B, N, S, H] computes the same attention as [B, S, N, H]."""
+    query = rng.normal(size=(2, 3, 4, 5)).astype("float32")  # [B, T, N, K]
+    key = rng.normal(size=(2, 7, 4, 5)).astype("float32")  # [B, S, N, K]
+    value = rng.normal(size=(2, 7, 4, 6)).astype("float32")  # [B, S, N, V]
+    mask = attention_masks(3, 7, key_padding_mask=np.array([[1] * 7, [1] * 4 + [0] * 3]), causal=True, query_offset=4)
+    mask = keras.ops.expand_dims(mask, 1)  # [B, 1, T, S]
+    expected, expected_weights = scaled_dot_product_attention(query, key, value, mask=mask)
+    outputs, weights = heads_first_attention(
+        query, np.transpose(key, (0, 2, 1, 3)), np.transpose(value, (0, 2, 1, 3)), mask=mask
+    )
+    np.testing.assert_allclose(to_numpy(outputs), to_numpy(expected), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(weights), to_numpy(expected_weights), rtol=1e-5, atol=1e-6)
 
 
 def test_restricted_window_mask():
