@@ -290,7 +290,15 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
             onnx_cache = dict(onnx_cache, self_key=self_key, self_value=self_value)
             tokens = rng.integers(4, model.vocabulary_size, size=(batch,)).astype(np.int32)
     _validate_search_graphs(sessions, model, rng, record_search)
-    logger.info("Validated %s: %s", directory, differences)
+    per_graph = {}
+    for key, difference in differences.items():
+        graph = key.split("/")[0]
+        per_graph[graph] = max(difference, per_graph.get(graph, 0.0))
+    logger.info(
+        "Validated %s; largest difference from Keras per graph: %s",
+        directory, ", ".join(f"{graph} {difference:.1e}" for graph, difference in per_graph.items()),
+    )
+    logger.debug("Differences per output: %s", differences)
     return differences
 
 
