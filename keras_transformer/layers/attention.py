@@ -42,14 +42,20 @@ def scaled_dot_product_attention(query, key, value, mask=None, dropout=None, tra
     """
     scale = 1.0 / math.sqrt(ops.shape(query)[-1])
     scores = ops.einsum("btnk,bsnk->bnts", query, key) * ops.cast(scale, query.dtype)
+    weights = _attention_weights(scores, mask, query.dtype, dropout, training)
+    outputs = ops.einsum("bnts,bsnv->btnv", weights, value)
+    return outputs, weights
+
+
+def _attention_weights(scores, mask, dtype, dropout, training):
+    """Masked softmax of the scaled scores `[B, N, T, S]`, then dropout; in `dtype`."""
     if mask is not None:
         scores = ops.where(mask, scores, ops.cast(masked_fill_value(scores.dtype), scores.dtype))
     # The softmax runs in float32 even under mixed precision.
-    weights = ops.cast(ops.softmax(ops.cast(scores, "float32"), axis=-1), query.dtype)
+    weights = ops.cast(ops.softmax(ops.cast(scores, "float32"), axis=-1), dtype)
     if dropout is not None:
         weights = dropout(weights, training=training)
-    outputs = ops.einsum("bnts,bsnv->btnv", weights, value)
-    return outputs, weights
+    return weights
 
 
 def heads_first_attention(query, key, value, mask=None, dropout=None, training=None):
@@ -73,11 +79,7 @@ def heads_first_attention(query, key, value, mask=None, dropout=None, training=N
     scale = 1.0 / math.sqrt(ops.shape(query)[-1])
     q = ops.transpose(query, (0, 2, 1, 3))  # [B, N, T, K]
     scores = ops.matmul(q, ops.swapaxes(key, -1, -2)) * ops.cast(scale, query.dtype)  # [B, N, T, S]
-    if mask is not None:
-        scores = ops.where(mask, scores, ops.cast(masked_fill_value(scores.dtype), scores.dtype))
-    weights = ops.cast(ops.softmax(ops.cast(scores, "float32"), axis=-1), query.dtype)
-    if dropout is not None:
-        weights = dropout(weights, training=training)
+    weights = _attention_weights(scores, mask, query.dtype, dropout, training)
     outputs = ops.matmul(weights, value)  # [B, N, T, V]
     return ops.transpose(outputs, (0, 2, 1, 3)), weights
 
