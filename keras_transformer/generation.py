@@ -361,7 +361,7 @@ def _finish_rows(sequences, end_id, pad_id):
 # `keep_going(state, ...)` and `result(state)`. Three drivers run them here:
 # - compiled: the whole search in a `keras.ops.while_loop` (jax.jit / XLA);
 # - hybrid: a Python loop calling the model's `decode_step` eagerly (a model
-#   that cannot be traced) and a compiled `update` (TensorFlow, JAX);
+#   that cannot be traced) and a compiled `search_step` (TensorFlow, JAX);
 # - eager: a Python loop (compile=False, PyTorch);
 # and a model may drive them itself (`run_search`, `search_step`): the ONNX
 # Runtime wrapper runs `search_step` exported as ONNX graphs.
@@ -390,12 +390,12 @@ def initial_search_state(model, encoder_token_ids, beam_size, length):
 
 def search_tokens(search_name, state):
     """The ids to feed at the state's index (`[B * K]`)."""
-    return {"greedy": GREEDY, "beam": BEAM}[search_name].tokens(state)
+    return _SEARCHES[search_name].tokens(state)
 
 
 def search_result(search_name, state):
     """`(sequences [B, L], scores [B])` of a finished search's state."""
-    return {"greedy": GREEDY, "beam": BEAM}[search_name].result(state)
+    return _SEARCHES[search_name].result(state)
 
 
 def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled):
@@ -438,9 +438,10 @@ def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, com
 def _hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
     """Python loop around an eager `decode_step` and a compiled search update.
 
-    For models whose step cannot be traced: the model runs as it is; the search's own work per step (log-softmax, top-k, gathers,
-    stopping test), dozens of small ops, is one compiled call instead of
-    dozens of eager dispatches.
+    For models whose step cannot be traced: the model runs as it is; the
+    search's own work per step (log-softmax, top-k, gathers, stopping test,
+    the beam reordering of the cache), dozens of small ops, is one compiled
+    `search_step` call instead of dozens of eager dispatches.
     """
     search, state, cache = _initial_state(model, encoder_token_ids, beam_size, length, 0)
     update = _compiled_update(search, model)
@@ -448,11 +449,13 @@ def _hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, leng
     while keep_going:
         logits, cache = model.decode_step(tokens, index, cache)
         state = dict(state, index=ops.convert_to_tensor(index, "int32"))
-        state, parents, tokens, keep_going = update(
-            state, ops.convert_to_tensor(logits), max_lengths, alpha, length
+        # Greedy search reorders nothing: the cache stays out of the call.
+        reordered = cache if search is BEAM else {}
+        state, reordered, tokens, keep_going = update(
+            state, ops.convert_to_tensor(logits), max_lengths, alpha, length, reordered
         )
-        if parents is not None:
-            cache = reorder_cache(cache, parents)
+        if search is BEAM:
+            cache = reordered
         index += 1
         keep_going = bool(ops.convert_to_numpy(keep_going))
     return search.result(state)
@@ -685,6 +688,7 @@ def _beam_result(state):
 
 
 BEAM = _Search("beam", _beam_tokens, _beam_update, _beam_keep_going, _beam_result)
+_SEARCHES = {search.name: search for search in (GREEDY, BEAM)}
 
 
 # ---------------------------------------------------------------------- #
@@ -799,7 +803,7 @@ def search_step(search_name, model):
         feed next, `keep_going` a scalar bool. The beam size is taken from
         the state's shapes, so a traced graph serves every beam size.
     """
-    search = {"greedy": GREEDY, "beam": BEAM}[search_name]
+    search = _SEARCHES[search_name]
     constants = _ModelConstants(model)
 
     def step(state, logits, max_lengths, alpha, length, cache):
@@ -812,27 +816,22 @@ def search_step(search_name, model):
 
 
 def _compiled_update(search, model):
-    """`search.update` fused with `tokens` and `keep_going`, compiled (hybrid driver).
+    """`search_step` compiled (hybrid driver), shared by models with the same ids.
 
-    Returns a function `(state, logits, max_lengths, alpha, length) ->
-    (state, parents, tokens, keep_going)`. Only the model's ids and
-    vocabulary size are read from `model`, so models that share them share
-    the compiled function (traced once per shape).
+    Only the model's ids and vocabulary size are read from `model`, so models
+    that share them share the compiled function (traced once per shape).
     """
     constants = _ModelConstants(model)
 
-    def fused(state, logits, max_lengths, alpha, length):
-        state, parents = search.update(constants, state, logits, max_lengths, alpha)
-        return state, parents, search.tokens(state), search.keep_going(state, max_lengths, alpha, length)
-
     def build():
+        step = search_step(search.name, constants)
         if keras.backend.backend() == "jax":
             import jax
 
-            return jax.jit(fused, static_argnames=("length",))
+            return jax.jit(step, static_argnames=("length",))
         import tensorflow as tf
 
-        return tf.function(fused, jit_compile=TF_JIT_COMPILE)
+        return tf.function(step, jit_compile=TF_JIT_COMPILE)
 
     key = (keras.backend.backend(), search.name, constants.key())
     if key not in _COMPILED_UPDATES:
