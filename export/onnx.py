@@ -59,13 +59,13 @@ import numpy as np
 
 from export.validate import (
     CONFIG_FILE,
+    FORMAT,
     FORMAT_VERSION,
     GRAPHS,
-    MODEL_GRAPHS,
     QUANTIZATIONS,
     validate_onnx,
 )
-from keras_transformer.generation import SEARCH_STATE_KEYS, search_step
+from keras_transformer.generation import search_graph
 from keras_transformer.utils import atomic_directory
 
 # Named, not __name__, so that `python -m export.onnx` logs under the same name.
@@ -193,30 +193,21 @@ def _graph_functions(model):
     key_cache = [None, layers, heads, None, key_dim]  # [B, L, N, T_max or S, K]
     value_cache = [None, layers, heads, None, value_dim]
 
-    def search_update(search_name, cache_keys):
-        # generation.search_step, the search's own code, with its state and
-        # the cache entries it reorders as named inputs and outputs.
-        step = search_step(search_name, model)
-        state_keys = SEARCH_STATE_KEYS[search_name]
-
-        def update(*args):
-            named = dict(zip(state_keys + ("logits", "max_lengths", "alpha", "length") + cache_keys, args))
-            state = {key: named[key] for key in state_keys}
-            cache = {key: named[key] for key in cache_keys}
-            state, cache, tokens, keep_going = step(
-                state, named["logits"], named["max_lengths"], named["alpha"], named["length"], cache
+    def search(search_name):
+        # generation.search_graph, the search's own code: one graph per search.
+        function = search_graph(model, search_name)
+        if search_name == "beam":
+            return lambda encoder_token_ids, beam_size, alpha, max_extra_length: dict(
+                zip(("sequences", "scores"), function(encoder_token_ids, beam_size, alpha, max_extra_length))
             )
-            outputs = {f"updated_{key}": value for key, value in {**state, **cache}.items()}
-            return dict(outputs, tokens=tokens, keep_going=keep_going)
+        return lambda encoder_token_ids, alpha, max_extra_length: dict(
+            zip(("sequences", "scores"), function(encoder_token_ids, 1, alpha, max_extra_length))
+        )
 
-        return update
-
-    vocabulary = model.vocabulary_size
     search_inputs = [
-        spec([None, vocabulary], tf.float32, "logits"),
-        spec([None], tf.int32, "max_lengths"),
+        spec([None, None], tf.int32, "encoder_token_ids"),
         spec([], tf.float32, "alpha"),
-        spec([], tf.int32, "length"),
+        spec([], tf.int32, "max_extra_length"),
     ]
     return {
         "encoder": (encoder, [spec([None, None], tf.int32, "encoder_token_ids")]),
@@ -240,29 +231,10 @@ def _graph_functions(model):
                 spec([None, None], tf.bool, "encoder_padding_mask"),
             ],
         ),
-        "greedy_update": (
-            search_update("greedy", ()),
-            [
-                spec([], tf.int32, "index"),
-                spec([None, None], tf.int32, "sequences"),
-                spec([None], tf.float32, "log_probs"),
-                spec([None], tf.float32, "scores"),
-                spec([None], tf.bool, "finished"),
-                *search_inputs,
-            ],
-        ),
-        "beam_update": (
-            search_update("beam", ("self_key", "self_value")),
-            [
-                spec([], tf.int32, "index"),
-                spec([None, None, None], tf.int32, "live_sequences"),
-                spec([None, None], tf.float32, "live_log_probs"),
-                spec([None, None, None], tf.int32, "finished_sequences"),
-                spec([None, None], tf.float32, "finished_scores"),
-                *search_inputs,
-                spec(key_cache, dtype, "self_key"),
-                spec(value_cache, dtype, "self_value"),
-            ],
+        "greedy_search": (search("greedy"), search_inputs),
+        "beam_search": (
+            search("beam"),
+            [search_inputs[0], spec([], tf.int32, "beam_size"), *search_inputs[1:]],
         ),
     }
 
@@ -326,7 +298,10 @@ def _convert(function, input_signature, opset, path):
             raise RuntimeError(f"tf2onnx could not convert {path.name} at opset {opset}: {error}") from error
         graph = optimizer.optimize_graph(graph, catch_errors=True, optimizers=_optimizers())
         model_proto = graph.make_model(f"keras_transformer {path.stem}")
-    _fold_tensordot_reshapes(model_proto.graph)
+    _hoist_loop_invariants(model_proto.graph)
+    for subgraph in _graphs(model_proto.graph):
+        _fold_tensordot_reshapes(subgraph)
+    _remove_dead_nodes(model_proto.graph)
     # tf2onnx logs the TensorFlow ops it has no handler for and leaves them in
     # the graph; fail here, naming them, rather than when a runtime loads it.
     unconverted = sorted(
@@ -384,20 +359,98 @@ def _fold_tensordot_reshapes(graph):
         removed.append(after[0])
     for node in removed:
         graph.node.remove(node)
-    _remove_dead_nodes(graph)
     return len(removed)
 
 
+def _copy(message):
+    copied = type(message)()
+    copied.CopyFrom(message)
+    return copied
+
+
+def _graphs(graph):
+    """`graph` and, depth first, every subgraph of its nodes (a Loop's body)."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == attribute.GRAPH:
+                yield from _graphs(attribute.g)
+
+
 def _remove_dead_nodes(graph):
-    """Drops nodes none of whose outputs is used (no subgraphs in these graphs)."""
+    """Drops nodes none of whose outputs is used, in `graph` and its subgraphs.
+
+    A value is used when it is an output of its graph or an input of a node
+    in that graph or in any subgraph below it (subgraphs read outer values
+    by name).
+    """
+    for subgraph in _graphs(graph):
+        if subgraph is not graph:
+            _remove_dead_nodes(subgraph)
     while True:
         used = {output.name for output in graph.output}
-        used.update(name for node in graph.node for name in node.input)
+        used.update(name for inner in _graphs(graph) for node in inner.node for name in node.input)
         dead = [node for node in graph.node if not any(output in used for output in node.output)]
         if not dead:
             return
         for node in dead:
             graph.node.remove(node)
+
+
+def _hoist_loop_invariants(graph):
+    """Turns the values a `Loop` only carries along into outer-scope references.
+
+    tf2onnx converts every value a TensorFlow while loop reads (the model's
+    weights, the search's lengths and alpha) into a loop-carried variable
+    that the body passes through unchanged. ONNX lets a body read outer
+    values by name instead; then the weights are initializers, which ONNX
+    Runtime pre-packs for its matrix products and the int8 quantizer can
+    quantize, and nothing is handed from one iteration to the next (the
+    `small` preset's beam search ran about 10-20% faster with this alone).
+
+    Returns:
+        int, the number of loop-carried variables removed.
+    """
+    removed = 0
+    for node in graph.node:
+        if node.op_type != "Loop":
+            continue
+        body = next(attribute.g for attribute in node.attribute if attribute.name == "body")
+        carried = len(node.input) - 2  # Loop inputs: trip count, condition, carried values.
+        invariant = {}  # body input name -> outer value name
+        for j in range(carried):
+            inner, outer = body.input[2 + j].name, node.input[2 + j]
+            if outer and body.output[1 + j].name == inner:
+                invariant[j] = (inner, outer)
+        if not invariant:
+            continue
+        # After the loop, its final value of an invariant is the initial one.
+        finals = {node.output[j]: outer for j, (_, outer) in invariant.items()}
+        if any(output.name in finals for output in graph.output):
+            continue
+        for other in graph.node:
+            for i, name in enumerate(other.input):
+                if name in finals:
+                    other.input[i] = finals[name]
+        inner_to_outer = dict(invariant.values())
+        for subgraph in _graphs(body):
+            for inner_node in subgraph.node:
+                for i, name in enumerate(inner_node.input):
+                    if name in inner_to_outer:
+                        inner_node.input[i] = inner_to_outer[name]
+        kept = [j for j in range(carried) if j not in invariant]
+        body_inputs = list(body.input[:2]) + [body.input[2 + j] for j in kept]
+        body_outputs = [body.output[0]] + [body.output[1 + j] for j in kept] + list(body.output[1 + carried:])
+        loop_inputs = list(node.input[:2]) + [node.input[2 + j] for j in kept]
+        loop_outputs = [node.output[j] for j in kept] + list(node.output[carried:])
+        for container, values in (
+            (body.input, body_inputs), (body.output, body_outputs), (node.input, loop_inputs), (node.output, loop_outputs)
+        ):
+            values = [value if isinstance(value, str) else _copy(value) for value in values]
+            del container[:]
+            container.extend(values)
+        removed += len(invariant)
+    return removed
 
 
 def _quantize_int8(path):
@@ -443,6 +496,7 @@ def _versions():
 
 def _config(model, opset, quantize):
     return {
+        "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "graphs": {name: f"{name}.onnx" for name in GRAPHS},
         "opset": opset,
@@ -525,7 +579,7 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
             path = staging / f"{name}.onnx"
             logger.info("Converting %s (opset %d)", path.name, opset)
             _convert(function, signature, opset, path)
-            if quantize == "int8" and name in MODEL_GRAPHS:
+            if quantize == "int8":
                 logger.info("Quantizing %s to int8", path.name)
                 _quantize_int8(path)
         config = _config(model, opset, quantize)

@@ -1,18 +1,27 @@
 """ONNX Runtime inference for a directory written by `python -m export.onnx`.
 
-`OnnxSeq2Seq` implements the decoding protocol of
-`keras_transformer.generation` (`encode`, `init_cache`, `decode_step` and the
-id attributes) with ONNX Runtime sessions, so the one search that drives the
-Keras model drives these graphs too and gives the same tokens.
-`OnnxTranslator` adds the tokenizer stored in the directory: text in, text
-out, without TensorFlow graphs or Keras weights.
+A serving process needs no training framework: this module imports
+onnxruntime, NumPy, SentencePiece and the framework-free parts of this
+package (`keras_transformer.decoding`, `.tokenizer`, `.translator`,
+`.textio`), never Keras, TensorFlow, JAX or PyTorch (a test runs it where
+importing them fails). `pip install "keras-aiayn[serve]"` installs just that
+(`[serve-gpu]` for CUDA).
+
+`OnnxSeq2Seq.generate` translates a batch with one ONNX Runtime call: the
+exported `greedy_search` / `beam_search` graph holds the encoder, the cache
+and an ONNX `Loop` over the decoder step and the search update, converted
+from the Keras search itself (`keras_transformer.generation.search_graph`),
+so it gives the tokens of `TransformerModel.generate`. `encode`,
+`init_cache` and `decode_step` run the protocol graphs for callers with a
+search of their own. `OnnxTranslator` adds the tokenizer stored in the
+directory: text in, text out.
 
 Example:
 
 ```python
 from export.runtime import OnnxSeq2Seq, OnnxTranslator
 
-model = OnnxSeq2Seq("exported/onnx")        # CUDA when available, else CPU (logged)
+model = OnnxSeq2Seq("exported/onnx")        # CUDA when it works, else CPU
 ids = model.generate(src_ids, beam_size=4)  # same tokens as TransformerModel.generate
 OnnxTranslator("exported/onnx").translate(["A sentence."])
 ```
@@ -25,23 +34,25 @@ echo "A sentence." | python -m export.runtime --model exported/onnx --beam-size 
 import argparse
 import json
 import logging
+import os
 import pathlib
 import sys
 
 import numpy as np
 
-from keras_transformer.translate import read_lines
-from keras_transformer.translator import Translator
-
 from export.validate import (
-    BEAM_REORDERED_KEYS,
     CACHE_KEYS,
     CONFIG_FILE,
+    FORMAT,
     FORMAT_VERSION,
     GRAPHS,
     ValidationError,
     check_graph_signature,
 )
+from keras_transformer.decoding import check_search_args, finish_rows
+from keras_transformer.textio import read_lines
+from keras_transformer.tokenizer import TOKENIZER_FILENAME, Tokenizer
+from keras_transformer.translator import Translator
 
 # Named, not __name__, so that `python -m export.runtime` logs under the same name.
 logger = logging.getLogger("export.runtime")
@@ -55,35 +66,79 @@ def read_config(directory):
 
     Raises:
         FileNotFoundError: the directory, its config or a graph is missing.
-        ValueError: the directory is from another format version.
+        ValueError: the directory is another kind of export, or from another
+            format version.
     """
     directory = pathlib.Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"No ONNX model directory at {str(directory)!r}")
+    if (directory / "saved_model.pb").is_file():
+        raise ValueError(
+            f"{directory} is a TensorFlow SavedModel (python -m export.saved_model), not an ONNX export; "
+            "serve it with TensorFlow, or export ONNX with `python -m export.onnx`"
+        )
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(
             f"{directory} has no {CONFIG_FILE}; expected a directory written by `python -m export.onnx`"
         )
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_path} is not valid JSON: {error}") from None
-    version = config.get("format_version") if isinstance(config, dict) else None
-    if version != FORMAT_VERSION:
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config_path} is not valid UTF-8 JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, found {type(config).__name__}")
+    kind, version = config.get("format"), config.get("format_version")
+    if kind not in (FORMAT, None) or version != FORMAT_VERSION:
         raise ValueError(
-            f"{config_path} has format_version={version!r}; this version of export.runtime reads "
-            f"format {FORMAT_VERSION}. Export the model again with this version of export.onnx."
+            f"{config_path} is format {kind or FORMAT!r} version {version!r}; this version of export.runtime "
+            f"reads {FORMAT!r} version {FORMAT_VERSION}. Export the model again with this version of export.onnx."
         )
+    graphs = config.get("graphs")
+    if not isinstance(graphs, dict) or set(GRAPHS) - set(graphs):
+        raise ValueError(f"{config_path} must name the graphs {sorted(GRAPHS)}; export the model again")
     for graph in GRAPHS:
-        path = directory / config["graphs"][graph]
-        if not path.is_file():
-            raise FileNotFoundError(f"{directory} is missing {path.name} (the {graph} graph)")
+        path = directory / graphs[graph]
+        if path.parent != directory or not path.is_file():
+            raise FileNotFoundError(f"{directory} is missing {graphs[graph]} (the {graph} graph)")
     return config
 
 
-def resolve_providers(providers=None):
-    """ONNX Runtime execution providers: CUDA first when available, else CPU (with a warning)."""
+# Providers whose use has been tried in this process: name -> whether it works.
+_PROVIDER_WORKS = {}
+
+
+def _provider_works(ort, provider, path):
+    """Whether a session on `provider` can be created, tried once per process, quietly.
+
+    onnxruntime-gpu lists CUDAExecutionProvider as available on machines
+    where it cannot start (no GPU, or CUDA/cuDNN libraries of another
+    version), and then logs a red error for every session it falls back on.
+    The probe silences ONNX Runtime's logger for one attempt.
+    """
+    if provider not in _PROVIDER_WORKS:
+        ort.set_default_logger_severity(4)
+        try:
+            options = ort.SessionOptions()
+            options.log_severity_level = 4
+            session = ort.InferenceSession(str(path), options, providers=[provider, CPU])
+            _PROVIDER_WORKS[provider] = session.get_providers()[0] == provider
+        except Exception:  # noqa: BLE001 - any failure means: not usable here
+            _PROVIDER_WORKS[provider] = False
+        finally:
+            ort.set_default_logger_severity(2)
+    return _PROVIDER_WORKS[provider]
+
+
+def resolve_providers(providers=None, probe_path=None):
+    """ONNX Runtime execution providers: CUDA first when it works, else CPU (said once).
+
+    Args:
+        providers: explicit providers (checked against the installed ones),
+            or None to choose.
+        probe_path: a small graph to try CUDA on (the choice is made once
+            per process).
+    """
     import onnxruntime as ort
 
     available = ort.get_available_providers()
@@ -97,44 +152,40 @@ def resolve_providers(providers=None):
             )
         return providers
     if CUDA in available:
-        return [CUDA, CPU]
-    logger.warning(
-        "CUDAExecutionProvider is not available (onnxruntime %s has %s); running on the CPU. "
-        "Install onnxruntime-gpu with CUDA for GPU inference.",
-        ort.__version__,
-        available,
-    )
+        if probe_path is None or _provider_works(ort, CUDA, probe_path):
+            return [CUDA, CPU]
+        if not _PROVIDER_WORKS.get("warned"):
+            _PROVIDER_WORKS["warned"] = True
+            logger.info("onnxruntime-gpu cannot use CUDA on this machine (no GPU or CUDA libraries); using the CPU")
     return [CPU]
 
 
-def _session_options():
-    """ONNX Runtime session options for step-by-step decoding.
+def _session_options(intra_op_threads=None):
+    """ONNX Runtime session options.
 
-    Python runs between two graph calls of the search; ONNX Runtime's
-    intra-op threads spin-wait for work by default and then compete with it
-    for the cores. Without spinning, generation with the `small` preset ran
-    about twice as fast on a 2-core CPU (measured with the earlier search
-    loop, which ran TensorFlow between the steps; with the search in ONNX
-    Runtime, spinning on two threads was still 2x slower, see
-    benchmarks/README.md); it does not change the CUDA execution provider.
+    The thread pool does not spin: on a busy machine (a 2-core CPU shared
+    with other work) spinning threads competed with the work for the cores
+    and made generation 1.5-2.5x slower (see benchmarks/README.md); it does
+    not change the CUDA execution provider. `intra_op_threads`: None is
+    ONNX Runtime's default (one per physical core).
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if intra_op_threads is not None:
+        options.intra_op_num_threads = int(intra_op_threads)
     return options
 
 
 def _to_numpy(x):
-    """A NumPy array from a NumPy array, list, or backend tensor (no copy when already NumPy)."""
+    """A NumPy array from a NumPy array, list, number, or a CPU tensor of any framework."""
     if isinstance(x, np.ndarray):
         return x
-    if isinstance(x, (list, tuple, int, float, np.generic)):
-        return np.asarray(x)
-    from keras import ops
-
-    return np.asarray(ops.convert_to_numpy(x))
+    if hasattr(x, "numpy") and not isinstance(x, (list, tuple)):
+        x = x.numpy()  # TensorFlow eager tensors and CPU torch tensors.
+    return np.asarray(x)
 
 
 def _check_ids(token_ids, name, rank, vocabulary_size):
@@ -158,21 +209,29 @@ def _check_ids(token_ids, name, rank, vocabulary_size):
 
 
 class OnnxSeq2Seq:
-    """An exported TransformerModel on ONNX Runtime, with the decoding protocol.
+    """An exported TransformerModel on ONNX Runtime.
+
+    `generate` runs a whole search per call (the exported `greedy_search` or
+    `beam_search` graph); `encode`, `init_cache` and `decode_step` implement
+    the decoding protocol of `keras_transformer.generation` with the
+    protocol graphs. Sessions are created on first use, so a server that
+    only translates loads one graph.
 
     Args:
         directory: written by `python -m export.onnx` (`export_onnx`).
         providers: ONNX Runtime execution providers; `None` uses
-            `CUDAExecutionProvider` when available and falls back to the CPU
-            with a logged warning.
-        use_io_binding: bool or None. Run through ONNX Runtime I/O binding,
-            keeping the last cache tensors on the device so that a cache
-            entry passed back unchanged (the cross-attention cache every
-            step, and the self-attention cache in greedy search) is not
-            copied to the device again. `None`: only under CUDA.
-        session_options: optional `onnxruntime.SessionOptions` for the
-            graphs' sessions; the default turns off the CPU thread pool's spinning
-            (see `_session_options`).
+            `CUDAExecutionProvider` when it works on this machine (tried
+            once, quietly) and the CPU otherwise.
+        use_io_binding: bool or None. For the protocol methods
+            (`decode_step` step by step): run through ONNX Runtime I/O
+            binding, keeping the last cache tensors on the device so that a
+            cache entry passed back unchanged is not copied to the device
+            again. `None`: only under CUDA. (`generate` keeps its caches
+            inside one call, on the device, anyway.)
+        session_options: optional `onnxruntime.SessionOptions`; the default
+            turns off the thread pool's spinning (see `_session_options`).
+        intra_op_threads: int or None, threads per session (with the
+            default session options).
 
     Attributes: `vocabulary_size`, `pad_id`, `unk_id`, `start_id`, `end_id`,
     `max_sequence_length`, `config` (the directory's `config.json`),
@@ -184,46 +243,48 @@ class OnnxSeq2Seq:
     2
     """
 
-    def __init__(self, directory, providers=None, use_io_binding=None, session_options=None):
-        import onnxruntime as ort
-
+    def __init__(self, directory, providers=None, use_io_binding=None, session_options=None, intra_op_threads=None):
         self.directory = pathlib.Path(directory)
         self.config = read_config(self.directory)
         config = self.config
-        self.vocabulary_size = int(config["vocabulary_size"])
-        self.pad_id, self.unk_id = int(config["pad_id"]), int(config["unk_id"])
-        self.start_id, self.end_id = int(config["start_id"]), int(config["end_id"])
-        self.max_sequence_length = int(config["max_sequence_length"])
-        self.hidden_dim = int(config["hidden_dim"])
-        self._cache_dtype = np.dtype(config["cache_dtype"])
-
-        requested = resolve_providers(providers)
+        try:
+            self.vocabulary_size = int(config["vocabulary_size"])
+            self.pad_id, self.unk_id = int(config["pad_id"]), int(config["unk_id"])
+            self.start_id, self.end_id = int(config["start_id"]), int(config["end_id"])
+            self.max_sequence_length = int(config["max_sequence_length"])
+            self.hidden_dim = int(config["hidden_dim"])
+            self._cache_dtype = np.dtype(config["cache_dtype"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{self.directory / CONFIG_FILE} lacks or garbles {error}; export again") from None
+        self._session_options = session_options or _session_options(intra_op_threads)
+        self._requested = resolve_providers(providers, probe_path=self._graph_path("encoder"))
+        self.providers = [p[0] if isinstance(p, (tuple, list)) else p for p in self._requested]
+        self._device = "cuda" if self.providers[0] == CUDA else "cpu"
+        self.use_io_binding = self._device == "cuda" if use_io_binding is None else bool(use_io_binding)
         self._sessions = {}
-        for graph in GRAPHS:
-            path = self.directory / config["graphs"][graph]
+        # Graph input name -> (host array, the OrtValue made from it).
+        self._device_values = {}
+
+    def _graph_path(self, graph):
+        return self.directory / self.config["graphs"][graph]
+
+    def _session(self, graph):
+        """The ONNX Runtime session of `graph`, created and checked on first use."""
+        import onnxruntime as ort
+
+        if graph not in self._sessions:
+            path = self._graph_path(graph)
             try:
-                session = ort.InferenceSession(
-                    str(path), session_options or _session_options(), providers=requested
-                )
+                session = ort.InferenceSession(str(path), self._session_options, providers=self._requested)
             except Exception as error:  # noqa: BLE001 - re-raised naming the file
                 raise ValueError(f"ONNX Runtime could not load {path}: {error}") from error
             try:
                 check_graph_signature(session, graph)
             except ValidationError as error:
                 raise ValueError(f"{path} does not match export format {FORMAT_VERSION}: {error}") from None
+            self.providers = session.get_providers()
             self._sessions[graph] = session
-        self.providers = self._sessions["decoder_step"].get_providers()
-        wanted = requested[0][0] if isinstance(requested[0], (tuple, list)) else requested[0]
-        if wanted == CUDA and self.providers[0] != CUDA:
-            logger.warning(
-                "CUDAExecutionProvider could not be initialised (check the CUDA and cuDNN libraries); "
-                "running on %s",
-                self.providers,
-            )
-        self._device = "cuda" if self.providers[0] == CUDA else "cpu"
-        self.use_io_binding = self._device == "cuda" if use_io_binding is None else bool(use_io_binding)
-        # Graph input name -> (host array, the OrtValue made from it).
-        self._device_values = {}
+        return self._sessions[graph]
 
     def __repr__(self):
         return f"OnnxSeq2Seq({str(self.directory)!r}, providers={self.providers})"
@@ -255,7 +316,7 @@ class OnnxSeq2Seq:
         copies handed out are read-only, so an array passed back by identity
         is known to hold the same values as its device copy.
         """
-        session = self._sessions[graph]
+        session = self._session(graph)
         if not self.use_io_binding:
             return session.run(output_names, feeds)
         binding = session.io_binding()
@@ -362,98 +423,57 @@ class OnnxSeq2Seq:
         )
         return logits, dict(cache, self_key=self_key, self_value=self_value)
 
-    def run_search(self, encoder_token_ids, max_lengths, alpha, beam_size, length):
-        """The search loop of `generation.generate`, every step in ONNX Runtime.
+    def generate(
+        self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False
+    ):
+        """Greedy (`beam_size=1`) or beam search, one ONNX Runtime call per batch.
 
-        Per step, two graphs: `decoder_step` (the model) and `greedy_update`
-        or `beam_update`, which is `generation.search_step` exported (the
-        search's log-softmax, top-k, bookkeeping and stopping test, and for
-        beams the reordering of the self-attention cache), so the tokens are
-        those of the Keras search. NumPy arrays (or device values under I/O
-        binding) pass from one graph to the next; no TensorFlow, JAX or
-        Python work per step beyond the two calls. Called by `generate`
-        (`generation.generate`) with the padded source and the lengths.
+        The search of `TransformerModel.generate` (GNMT length penalty, at
+        most source length + `max_extra_length` tokens per row), exported as
+        one graph: the same tokens.
 
         Returns:
-            `(sequences [B, L] int32, scores [B] float32)`, NumPy.
+            int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s;
+            with `return_scores=True`, also the float32 scores `[B]`.
         """
-        from keras_transformer import generation
-
-        source = _to_numpy(encoder_token_ids).astype(np.int32, copy=False)
-        name, state, cache = generation.initial_search_state(self, source, int(beam_size), int(length))
-        state = {key: _to_numpy(value) for key, value in state.items()}
-        state["index"] = state["index"].astype(np.int32)
-        cache = {key: _to_numpy(value) for key, value in cache.items()}
-        tokens = _to_numpy(generation.search_tokens(name, state)).astype(np.int32, copy=False)
-        constants = {
-            "max_lengths": _to_numpy(max_lengths).astype(np.int32, copy=False),
-            "alpha": np.array(_to_numpy(alpha), np.float32),
-            "length": np.array(int(length), np.int32),
-        }
-        graph = f"{name}_update"
-        state_keys = generation.SEARCH_STATE_KEYS[name]
-        reordered = BEAM_REORDERED_KEYS if name == "beam" else ()
-        outputs = [f"updated_{key}" for key in state_keys + reordered] + ["tokens", "keep_going"]
-        # Cache entries go from one graph to the next under their input names.
-        step_kept = {"updated_self_key": "self_key", "updated_self_value": "self_value"}
-        update_kept = {f"updated_{key}": key for key in reordered}
-        keep_going = True
-        while keep_going:
-            logits, cache["self_key"], cache["self_value"] = self._run(
-                "decoder_step",
-                {"decoder_token_ids": tokens, "step": state["index"], **cache},
-                ["logits", "updated_self_key", "updated_self_value"],
-                keep_on_device=step_kept,
-            )
-            feeds = {**state, "logits": logits, **constants, **{key: cache[key] for key in reordered}}
-            results = dict(zip(outputs, self._run(graph, feeds, outputs, keep_on_device=update_kept)))
-            state = {key: results[f"updated_{key}"] for key in state_keys}
-            cache.update({key: results[f"updated_{key}"] for key in reordered})
-            tokens, keep_going = results["tokens"], bool(results["keep_going"])
-        sequences, scores = generation.search_result(name, state)
-        return _to_numpy(sequences), _to_numpy(scores)
-
-    def generate(self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50):
-        """Greedy (`beam_size=1`) or beam search with `keras_transformer.generation.generate`.
-
-        The same search as `TransformerModel.generate`, run by ONNX Runtime
-        step by step (`run_search`).
-
-        Returns:
-            int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s.
-        """
-        from keras_transformer.generation import generate
-
+        check_search_args(beam_size, length_penalty, max_extra_length)
         ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
-        return generate(
-            self,
-            ids,
-            beam_size=beam_size,
-            length_penalty=length_penalty,
-            max_extra_length=max_extra_length,
-        )
+        self._check_length(ids.shape[1], "encoder_token_ids")
+        if ids.shape[0] == 0:
+            empty = np.zeros((0, 0), np.int32)
+            return (empty, np.zeros((0,), np.float32)) if return_scores else empty
+        feeds = {
+            "encoder_token_ids": np.ascontiguousarray(ids),
+            "alpha": np.array(length_penalty, np.float32),
+            "max_extra_length": np.array(max_extra_length, np.int32),
+        }
+        graph = "greedy_search"
+        if beam_size > 1:
+            graph = "beam_search"
+            feeds["beam_size"] = np.array(beam_size, np.int32)
+        sequences, scores = self._session(graph).run(["sequences", "scores"], feeds)
+        sequences = finish_rows(sequences, self.end_id, self.pad_id)
+        return (sequences, scores) if return_scores else sequences
 
 
 class OnnxTranslator(Translator):
     """Text in, text out with an exported model and the tokenizer stored beside it.
 
-    The Keras `Translator` (same tokenization, length-sorted batches,
-    truncation, empty lines, progress bar) over an `OnnxSeq2Seq`; the search
-    runs in ONNX Runtime (`OnnxSeq2Seq.run_search`).
+    The `Translator` of the Keras side (same tokenization, length-sorted
+    batches, truncation, empty lines) over an `OnnxSeq2Seq`: each batch is
+    one ONNX Runtime call.
 
     Args:
         directory: written by `python -m export.onnx` from a preset with a
             tokenizer.
-        providers: as `OnnxSeq2Seq`.
+        providers, intra_op_threads: as `OnnxSeq2Seq`.
 
     Example:
     >>> OnnxTranslator("exported/onnx").translate(["A sentence."], beam_size=4)
     ['Ein Satz.']
     """
 
-    def __init__(self, directory, providers=None):
-        from keras_transformer.tokenizer import TOKENIZER_FILENAME, Tokenizer
-
+    def __init__(self, directory, providers=None, intra_op_threads=None):
         directory = pathlib.Path(directory)
         read_config(directory)
         if not (directory / TOKENIZER_FILENAME).is_file():
@@ -461,12 +481,13 @@ class OnnxTranslator(Translator):
                 f"{directory} has no {TOKENIZER_FILENAME}; export a preset directory that holds "
                 "its tokenizer to translate text (OnnxSeq2Seq works on ids without one)"
             )
-        super().__init__(OnnxSeq2Seq(directory, providers=providers), Tokenizer.load(directory))
+        model = OnnxSeq2Seq(directory, providers=providers, intra_op_threads=intra_op_threads)
+        super().__init__(model, Tokenizer.load(directory))
 
     @classmethod
-    def from_preset(cls, directory, providers=None):
+    def from_preset(cls, directory, providers=None, intra_op_threads=None):
         """`OnnxTranslator(directory)`, named as `Translator.from_preset`."""
-        return cls(directory, providers=providers)
+        return cls(directory, providers=providers, intra_op_threads=intra_op_threads)
 
 
 def main(argv=None):
@@ -481,22 +502,36 @@ def main(argv=None):
     parser.add_argument(
         "--max-extra-length", type=int, default=50, help="output tokens beyond the source length (default 50)"
     )
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="ONNX Runtime threads per session (default: one per core; 1 on a busy machine)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="show ONNX Runtime's provider choice")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name, value in (("--beam-size", args.beam_size), ("--batch-size", args.batch_size)):
+        if value < 1:
+            parser.error(f"{name} must be >= 1, received {value}")
+    if args.max_extra_length < 0 or not args.length_penalty >= 0:
+        parser.error("--max-extra-length and --length-penalty must be >= 0")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, received {args.threads}")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
-        translator = OnnxTranslator(args.model)
+        translator = OnnxTranslator(args.model, intra_op_threads=args.threads)
+        lines = read_lines(None)
     except (FileNotFoundError, ValueError) as error:
-        parser.exit(1, f"error: {error}\n")
+        parser.exit(2, f"error: {error}\n")
     # Empty lines translate to empty lines, so the output lines up with the input.
     translations = translator.translate(
-        read_lines(None),
+        lines,
         beam_size=args.beam_size,
         batch_size=args.batch_size,
         length_penalty=args.length_penalty,
         max_extra_length=args.max_extra_length,
     )
-    for text in translations:
-        sys.stdout.write(text + "\n")
+    sys.stdout.writelines(text + "\n" for text in translations)
     return 0
 
 

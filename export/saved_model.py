@@ -66,6 +66,7 @@ import os
 import pathlib
 import sys
 
+from keras_transformer.decoding import check_search_args
 from keras_transformer.utils import atomic_directory
 
 logger = logging.getLogger("export.saved_model")
@@ -104,12 +105,6 @@ _PROTOCOL_GRAPHS = {"encode": "encoder", "init_cache": "init_cache", "decode_ste
 # Python's str.isspace() characters in RE2 syntax: Translator skips texts
 # for which `text.strip()` is empty.
 _BLANK = r"[\t-\r\x{1c}-\x{1f}\x{85}\p{Z}]*"
-
-
-def _check_search_args(beam_size, length_penalty, max_extra_length):
-    from keras_transformer.generation import _check_search_args as check
-
-    check(beam_size, length_penalty, max_extra_length)
 
 
 def _load(preset_or_model, tokenizer):
@@ -293,7 +288,7 @@ def export_saved_model(
     export_saved_model("path/to/preset", "exported/saved_model", overwrite=True)
     ```
     """
-    _check_search_args(beam_size, length_penalty, max_extra_length)
+    check_search_args(beam_size, length_penalty, max_extra_length)
     output = pathlib.Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")

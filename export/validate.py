@@ -20,8 +20,12 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+# What an exported directory is, in its config.json: `format` names the kind
+# (a SavedModel export has its own), `format_version` its layout.
+FORMAT = "keras_transformer.onnx"
+# 3: the whole search as one graph per search (2 had per-step update graphs);
 # 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 CONFIG_FILE = "config.json"
 QUANTIZATIONS = (None, "int8")
 
@@ -67,49 +71,17 @@ GRAPHS = {
         },
     ),
 }
-# The search between two decoder steps (`generation.search_step`), exported
-# so that ONNX Runtime runs the whole loop; no weights. R = B * K rows, Lb the
-# output buffer length.
-_SEARCH_INPUTS = {
-    "logits": ("rows", None),
-    "max_lengths": ("batch",),
-    "alpha": (),
-    "length": (),
-}
-_GREEDY_STATE = {
-    "index": (),
-    "sequences": ("batch", "buffer_length"),
-    "log_probs": ("batch",),
-    "scores": ("batch",),
-    "finished": ("batch",),
-}
-_BEAM_STATE = {
-    "index": (),
-    "live_sequences": ("batch", "beam", "buffer_length"),
-    "live_log_probs": ("batch", "beam"),
-    "finished_sequences": ("batch", "beam", "buffer_length"),
-    "finished_scores": ("batch", "beam"),
-}
-_BEAM_CACHE = {"self_key": ("rows",) + _KEY_CACHE[1:], "self_value": ("rows",) + _KEY_CACHE[1:]}
-GRAPHS["greedy_update"] = (
-    {**_GREEDY_STATE, **_SEARCH_INPUTS},
-    {**{f"updated_{k}": v for k, v in _GREEDY_STATE.items()}, "tokens": ("rows",), "keep_going": ()},
-)
-GRAPHS["beam_update"] = (
-    {**_BEAM_STATE, **_SEARCH_INPUTS, **_BEAM_CACHE},
-    {
-        **{f"updated_{k}": v for k, v in {**_BEAM_STATE, **_BEAM_CACHE}.items()},
-        "tokens": ("rows",),
-        "keep_going": (),
-    },
-)
-# Graphs holding weights (quantized by --quantize int8); the others are the search.
+# The whole search in one graph (`generation.search_graph`): the encoder,
+# the cache and an ONNX Loop over the decoder step and the search update, so
+# ONNX Runtime translates a batch in one call. Rows are not trimmed
+# (`keras_transformer.decoding.finish_rows` does that). L the output buffer.
+_SEARCH_INPUTS = {"encoder_token_ids": ("batch", "source_length"), "alpha": (), "max_extra_length": ()}
+_SEARCH_OUTPUTS = {"sequences": ("batch", "output_length"), "scores": ("batch",)}
+GRAPHS["greedy_search"] = (_SEARCH_INPUTS, _SEARCH_OUTPUTS)
+GRAPHS["beam_search"] = ({**_SEARCH_INPUTS, "beam_size": ()}, _SEARCH_OUTPUTS)
+# The graphs of the decoding protocol, and those running the whole search.
 MODEL_GRAPHS = ("encoder", "init_cache", "decoder_step")
-SEARCH_GRAPHS = ("greedy_update", "beam_update")
-# The cache entries beam_update reorders. The others (cross-attention keys and
-# values, the source padding mask) are the same for every beam of a source
-# row (tiled once), so reordering beams within a row leaves them unchanged.
-BEAM_REORDERED_KEYS = tuple(_BEAM_CACHE)
+SEARCH_GRAPHS = ("greedy_search", "beam_search")
 CACHE_KEYS = ("self_key", "self_value", "cross_key", "cross_value", "encoder_padding_mask")
 
 # (batch, source length, cache length) at which values are compared: none
@@ -240,7 +212,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
 
     def record(graph, name, actual, expected):
         key = f"{graph}/{name}"
-        if graph in SEARCH_GRAPHS:  # No weights, never quantized: exact ids at any quantization.
+        if graph in SEARCH_GRAPHS:  # Ids equal, scores within 1e-4 (float32 exports only).
             difference = _compare_search(graph, name, actual, expected)
         else:
             difference = _compare(graph, name, actual, expected, atol)
@@ -288,7 +260,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
             # over steps as they would in generation.
             onnx_cache = dict(onnx_cache, self_key=self_key, self_value=self_value)
             tokens = rng.integers(4, model.vocabulary_size, size=(batch,)).astype(np.int32)
-    _validate_search_graphs(sessions, model, rng, record)
+    _validate_search_graphs(sessions, model, rng, record, exact=atol is not None)
     per_graph = {}
     for key, difference in differences.items():
         graph = key.split("/")[0]
@@ -301,70 +273,43 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     return differences
 
 
-def _validate_search_graphs(sessions, model, rng, record):
-    """`greedy_update` and `beam_update` against `generation.search_step` run by Keras.
+def _validate_search_graphs(sessions, model, rng, record, exact):
+    """`greedy_search` and `beam_search` against `TransformerModel.generate`.
 
-    On made-up states (random logits, some rows finished or at their
-    maximum length, beams with -inf scores, a step that reaches the buffer
-    length), at beam sizes 1 and 3; ids must be equal, scores within the
-    tolerance.
+    Sources of mixed lengths at odd shapes, beam sizes 1 (greedy) and 3 and
+    4, alpha 0.6, and a small `max_extra_length` so that rows also end at
+    their maximum length. With `exact`, the trimmed ids must be equal and
+    the scores within 1e-4; a quantized export (`exact=False`) must give
+    well-formed rows (start id first, an end id in every row).
     """
-    from keras import ops
+    from keras_transformer.decoding import finish_rows
+    from keras_transformer.generation import generate
 
-    from keras_transformer.generation import SEARCH_STATE_KEYS, search_step
-
-    vocabulary = model.vocabulary_size
-    # The last case ends at the buffer length (keep_going False).
-    for graph, beam_size, length in (
-        ("greedy_update", 1, 9), ("greedy_update", 1, 4), ("beam_update", 3, 9), ("beam_update", 1, 4)
+    for graph, beam_size, (batch, source_length), max_extra_length in (
+        ("greedy_search", 1, (3, 11), 5),
+        ("beam_search", 3, (3, 11), 5),
+        ("beam_search", 4, (1, 6), 50),
     ):
-        name = graph.split("_")[0]
-        batch, index = 3, 2
-        rows = batch * beam_size
-        # Row 0 reaches its maximum length at this step (only the end id is allowed).
-        max_lengths = np.array([index + 1, 6, 8], np.int32)
-        sequences = rng.integers(4, vocabulary, size=(batch, beam_size, length)).astype(np.int32)
-        sequences[..., 0] = model.start_id
-        if name == "greedy":
-            state = {
-                "sequences": sequences[:, 0],
-                "log_probs": -rng.uniform(0, 5, size=batch).astype(np.float32),
-                "scores": -rng.uniform(0, 5, size=batch).astype(np.float32),
-                "finished": np.array([False, True, False]),
-            }
-            cache = {}
-        else:
-            live = -np.sort(rng.uniform(0, 5, size=(batch, beam_size)), axis=1).astype(np.float32)
-            live[1, 1:] = -np.inf  # a row whose other beams are not live yet
-            finished = -np.sort(rng.uniform(0, 5, size=(batch, beam_size)), axis=1).astype(np.float32)
-            finished[2] = -np.inf  # a row with nothing finished
-            state = {
-                "live_sequences": sequences,
-                "live_log_probs": live,
-                "finished_sequences": sequences[:, ::-1].copy(),
-                "finished_scores": finished,
-            }
-            layers, heads = len(model.decoder_layers), model.num_heads
-            cache = {
-                key: rng.normal(size=(rows, layers, heads, length, size)).astype(np.float32)
-                for key, size in (("self_key", model.head_key_dim), ("self_value", model.head_value_dim))
-            }
-        state["index"] = np.array(index, np.int32)
-        logits = (3 * rng.normal(size=(rows, vocabulary))).astype(np.float32)
-        alpha = np.array(0.6, np.float32)
-        feeds = {**state, "logits": logits, "max_lengths": max_lengths, "alpha": alpha,
-                 "length": np.array(length, np.int32), **cache}
-        outputs = [output.name for output in sessions[graph].get_outputs()]
-        actual = dict(zip(outputs, sessions[graph].run(outputs, feeds)))
-        expected_state, expected_cache, tokens, keep_going = search_step(name, model)(
-            {key: ops.convert_to_tensor(state[key]) for key in SEARCH_STATE_KEYS[name]},
-            ops.convert_to_tensor(logits), ops.convert_to_tensor(max_lengths), ops.convert_to_tensor(alpha),
-            length, {key: ops.convert_to_tensor(value) for key, value in cache.items()},
+        ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
+        ids[np.arange(batch), np.count_nonzero(ids, axis=1) - 1] = model.end_id
+        feeds = {
+            "encoder_token_ids": ids,
+            "alpha": np.array(0.6, np.float32),
+            "max_extra_length": np.array(max_extra_length, np.int32),
+        }
+        if graph == "beam_search":
+            feeds["beam_size"] = np.array(beam_size, np.int32)
+        sequences, scores = sessions[graph].run(["sequences", "scores"], feeds)
+        actual = finish_rows(sequences, model.end_id, model.pad_id)
+        if not exact:
+            if not (np.all(actual[:, 0] == model.start_id) and np.all(np.any(actual == model.end_id, axis=1))):
+                raise ValidationError(f"{graph}.onnx returned malformed rows: {actual}")
+            continue
+        expected, expected_scores = generate(
+            model, ids, beam_size=beam_size, length_penalty=0.6, max_extra_length=max_extra_length, return_scores=True
         )
-        expected = {f"updated_{key}": value for key, value in {**expected_state, **expected_cache}.items()}
-        expected.update(tokens=tokens, keep_going=keep_going)
-        for output in outputs:
-            record(graph, output, actual[output], ops.convert_to_numpy(expected[output]))
+        record(graph, "sequences", actual, expected)
+        record(graph, "scores", scores, expected_scores)
 
 
 def _compare_search(graph, name, actual, expected, atol=1e-4):

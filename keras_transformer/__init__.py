@@ -1,25 +1,43 @@
-"""keras_transformer: the original Transformer (Vaswani et al., 2017) in Keras 3."""
+"""keras_transformer: the original Transformer (Vaswani et al., 2017) in Keras 3.
+
+The public names below are imported on first use (PEP 562), so that the
+submodules that need no training framework (`keras_transformer.textio`,
+`keras_transformer.tokenizer`, `keras_transformer.translator`,
+`keras_transformer.search_output`) can be imported by the ONNX Runtime server
+(`export.runtime`) without loading Keras, TensorFlow, JAX or PyTorch.
+"""
+
+import importlib
 
 __version__ = "0.1.0.dev0"
 
-from keras_transformer import layers
-from keras_transformer.losses import LabelSmoothedCrossEntropy
-from keras_transformer.model import TransformerModel
-from keras_transformer.schedules import WarmupSchedule, WarmupScheduleCallback, warmup_learning_rate
-from keras_transformer.tokenizer import Tokenizer, train_tokenizer
-from keras_transformer.training import average_checkpoints
-from keras_transformer.translator import Translator
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "LabelSmoothedCrossEntropy": "keras_transformer.losses",
+    "TransformerModel": "keras_transformer.model",
+    "WarmupSchedule": "keras_transformer.schedules",
+    "WarmupScheduleCallback": "keras_transformer.schedules",
+    "warmup_learning_rate": "keras_transformer.schedules",
+    "Tokenizer": "keras_transformer.tokenizer",
+    "train_tokenizer": "keras_transformer.tokenizer",
+    "average_checkpoints": "keras_transformer.training",
+    "Translator": "keras_transformer.translator",
+}
 
-__all__ = [
-    "LabelSmoothedCrossEntropy",
-    "Tokenizer",
-    "Translator",
-    "TransformerModel",
-    "WarmupSchedule",
-    "WarmupScheduleCallback",
-    "__version__",
-    "average_checkpoints",
-    "layers",
-    "train_tokenizer",
-    "warmup_learning_rate",
-]
+__all__ = sorted([*_EXPORTS, "__version__", "layers"])
+
+
+def __getattr__(name):
+    if name == "layers":
+        module = importlib.import_module("keras_transformer.layers")
+    elif name in _EXPORTS:
+        module = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        raise AttributeError(f"module 'keras_transformer' has no attribute {name!r}")
+    # Cached as a module attribute: later lookups do not come here.
+    globals()[name] = module
+    return module
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -44,13 +44,13 @@ References:
 """
 
 import logging
-import math
 import weakref
 
 import keras
 import numpy as np
 from keras import ops
 
+from keras_transformer.decoding import LENGTH_BUCKET, check_search_args, finish_rows
 from keras_transformer.model import check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -59,11 +59,6 @@ NEG_INF = float("-inf")
 # The least log-probability the forced end id gets at the maximum length.
 FORCED_END_LOG_PROB = -1e9
 
-# Source and buffer lengths are rounded up to a multiple of this, so that a
-# compiled search is traced once per bucket rather than once per length.
-# Extra source positions are padding (masked); extra buffer positions are
-# never fed to the decoder.
-LENGTH_BUCKET = 8
 
 _PROTOCOL_ATTRIBUTES = ("vocabulary_size", "pad_id", "start_id", "end_id", "encode", "init_cache", "decode_step")
 
@@ -179,7 +174,7 @@ def generate(
     array([2, 2], dtype=int32)
     """
     _check_protocol(model)
-    _check_search_args(beam_size, length_penalty, max_extra_length)
+    check_search_args(beam_size, length_penalty, max_extra_length)
     encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
     if model.pad_id != 0:
         raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
@@ -206,7 +201,7 @@ def generate(
         int(beam_size),
         length,
     )
-    sequences = _finish_rows(np.asarray(ops.convert_to_numpy(sequences)), model.end_id, model.pad_id)
+    sequences = finish_rows(np.asarray(ops.convert_to_numpy(sequences)), model.end_id, model.pad_id)
     if return_scores:
         return sequences, np.asarray(ops.convert_to_numpy(scores)).astype("float32")
     return sequences
@@ -243,7 +238,7 @@ def generate_in_graph(model, encoder_token_ids, beam_size=4, length_penalty=0.6,
             f"{keras.backend.backend()!r}. Run with KERAS_BACKEND=tensorflow."
         )
     _check_protocol(model)
-    _check_search_args(beam_size, length_penalty, max_extra_length)
+    check_search_args(beam_size, length_penalty, max_extra_length)
     if not isinstance(getattr(model, "variables", None), (list, tuple)):
         raise TypeError(
             f"generate_in_graph needs a model exposing its Keras variables, received {type(model).__name__}"
@@ -262,6 +257,42 @@ def generate_in_graph(model, encoder_token_ids, beam_size=4, length_penalty=0.6,
     )
 
 
+def search_graph(model, search_name):
+    """The whole search as one function of tensors, to export as one graph.
+
+    For `export/onnx.py`, which converts it (traced with unknown batch and
+    source length, without XLA) into one ONNX graph: the `keras.ops.while_loop`
+    over the decoder step becomes an ONNX `Loop` with the caches as its state,
+    so ONNX Runtime runs a whole search per call with this module's code. The
+    lengths and the source padding are computed as `generate` computes them.
+
+    Args:
+        model: a `TransformerModel`.
+        search_name: "greedy" or "beam" (for beams, `beam_size` is an
+            input, so one graph serves every beam size).
+
+    Returns:
+        A function `(encoder_token_ids [B, S] int32, beam_size [] int32,
+        alpha [] float32, max_extra_length [] int32) -> (sequences [B, L]
+        int32, scores [B] float32)`, rows not trimmed (see
+        `decoding.finish_rows`); greedy search ignores `beam_size`.
+    """
+    if search_name not in _SEARCHES:
+        raise ValueError(f"search_name={search_name!r} must be one of {sorted(_SEARCHES)}")
+    limit = getattr(model, "max_sequence_length", None)
+
+    def search(encoder_token_ids, beam_size, alpha, max_extra_length):
+        encoder_token_ids = ops.cast(encoder_token_ids, "int32")
+        max_lengths, length, padded_length = _search_lengths(encoder_token_ids, max_extra_length, limit)
+        source_length = _dim(encoder_token_ids, 1)
+        source = ops.pad(encoder_token_ids, [[0, 0], [0, padded_length - source_length]])  # [B, S_bucket]
+        if search_name == "greedy":
+            beam_size = 1
+        return _search(model, source, max_lengths, alpha, beam_size, length, compiled=True, search_name=search_name)
+
+    return search
+
+
 def _search_lengths(encoder_token_ids, max_extra_length, limit):
     """The lengths of a search over int `[B, S]` source ids (B >= 1).
 
@@ -278,7 +309,7 @@ def _search_lengths(encoder_token_ids, max_extra_length, limit):
     """
     source_length = _dim(encoder_token_ids, 1)
     source_lengths = ops.sum(ops.cast(ops.not_equal(encoder_token_ids, 0), "int32"), axis=1)  # n_b, [B]
-    max_lengths = ops.maximum(source_lengths + int(max_extra_length), 1)
+    max_lengths = ops.maximum(source_lengths + max_extra_length, 1)
     if limit is not None:
         max_lengths = ops.minimum(max_lengths, int(limit) - 1)
     length = _round_up(ops.max(max_lengths) + 1, LENGTH_BUCKET)
@@ -300,24 +331,6 @@ def _check_protocol(model):
         )
 
 
-def _check_search_args(beam_size, length_penalty, max_extra_length):
-    if isinstance(beam_size, bool) or not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
-        raise ValueError(f"beam_size={beam_size!r} must be an integer >= 1 (1 is greedy search)")
-    if (
-        isinstance(length_penalty, bool)
-        or not isinstance(length_penalty, (int, float, np.integer, np.floating))
-        or not math.isfinite(length_penalty)
-        or length_penalty < 0
-    ):
-        raise ValueError(f"length_penalty={length_penalty!r} must be a finite number >= 0 (the paper uses 0.6)")
-    if (
-        isinstance(max_extra_length, bool)
-        or not isinstance(max_extra_length, (int, np.integer))
-        or max_extra_length < 0
-    ):
-        raise ValueError(f"max_extra_length={max_extra_length!r} must be an integer >= 0")
-
-
 def _dim(x, axis):
     """`x.shape[axis]`, or a scalar tensor where it is unknown (a TensorFlow graph traced for any batch)."""
     size = x.shape[axis]
@@ -325,30 +338,9 @@ def _dim(x, axis):
 
 
 def _round_up(value, multiple):
-    return -(-value // multiple) * multiple
-
-
-def _finish_rows(sequences, end_id, pad_id):
-    """Pads every row after its first end id and trims to the longest row.
-
-    The search always ends a hypothesis with the end id (it is forced at the
-    maximum length); a row without one (not produced by this module's
-    search) gets the end id appended after its last token.
-    """
-    sequences = sequences.astype("int32", copy=True)
-    batch, length = sequences.shape
-    is_end = sequences[:, 1:] == end_id
-    ends = np.where(is_end.any(axis=1), is_end.argmax(axis=1) + 1, -1)
-    missing = ends < 0
-    if missing.any():
-        sequences = np.pad(sequences, ((0, 0), (0, 1)), constant_values=pad_id)
-        for row in np.flatnonzero(missing):
-            tokens = np.flatnonzero(sequences[row] != pad_id)
-            ends[row] = tokens[-1] + 1
-            sequences[row, ends[row]] = end_id
-    positions = np.arange(sequences.shape[1])[None, :]
-    sequences = np.where(positions > ends[:, None], pad_id, sequences)
-    return np.ascontiguousarray(sequences[:, : int(ends.max()) + 1])
+    # For value >= 0 (lengths); not `-(-value // multiple)`: tf2onnx exports
+    # an integer FloorDiv as ONNX Div, which truncates negative quotients.
+    return (value + multiple - 1) // multiple * multiple
 
 
 # ---------------------------------------------------------------------- #
@@ -366,12 +358,19 @@ def _finish_rows(sequences, end_id, pad_id):
 # and a model may drive them itself (`run_search`, `search_step`): the ONNX
 # Runtime wrapper runs `search_step` exported as ONNX graphs.
 # ---------------------------------------------------------------------- #
-def _initial_state(model, encoder_token_ids, beam_size, length, index):
-    """Encodes the source; returns `(search, state, cache)`."""
+def _initial_state(model, encoder_token_ids, beam_size, length, index, search_name=None):
+    """Encodes the source; returns `(search, state, cache)`.
+
+    The search is greedy for `beam_size == 1` and beam search otherwise,
+    unless `search_name` names it ("beam" with a `beam_size` tensor: one
+    exported graph serves every beam size).
+    """
     encoder_outputs = model.encode(encoder_token_ids)  # [B, S, D]
     cache = model.init_cache(encoder_outputs, encoder_token_ids, length)
     batch = _dim(encoder_token_ids, 0)
-    if beam_size == 1:
+    if search_name is None:
+        search_name = "greedy" if beam_size == 1 else "beam"
+    if search_name == "greedy":
         return GREEDY, _greedy_initial_state(model, batch, length, index), cache
     return BEAM, _beam_initial_state(model, batch, beam_size, length, index), tile_cache(cache, beam_size)
 
@@ -398,7 +397,7 @@ def search_result(search_name, state):
     return _SEARCHES[search_name].result(state)
 
 
-def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled):
+def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled, search_name=None):
     """Runs greedy or beam search; returns `(sequences [B, L], scores [B])`.
 
     Args:
@@ -411,7 +410,7 @@ def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, com
             than a Python loop with a Python int index.
     """
     index = ops.convert_to_tensor(0, "int32") if compiled else 0
-    search, state, cache = _initial_state(model, encoder_token_ids, beam_size, length, index)
+    search, state, cache = _initial_state(model, encoder_token_ids, beam_size, length, index, search_name)
 
     def cond(loop):
         return search.keep_going(loop["state"], max_lengths, alpha, length)

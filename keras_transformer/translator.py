@@ -1,12 +1,14 @@
-"""Text in, text out: tokenizer + model + search."""
+"""Text in, text out: tokenizer + model + search.
+
+No training framework is imported here: the ONNX Runtime server
+(`export.runtime.OnnxTranslator`) uses this class too.
+"""
 
 import logging
 import os
 
 import numpy as np
 from tqdm.auto import tqdm
-
-from keras_transformer.generation import generate
 
 logger = logging.getLogger(__name__)
 
@@ -17,13 +19,15 @@ class Translator:
     Sentences are tokenized as the training pipeline does for sources
     (tokens + end id, no start id), sorted by length into batches (less
     padding, fewer distinct shapes to compile), searched with
-    `keras_transformer.generation.generate`, decoded, and returned in the
-    input order. Empty (or whitespace-only) strings give empty strings
+    the model's `generate` (`TransformerModel.generate`, or
+    `OnnxSeq2Seq.generate` with the same arguments and tokens), decoded, and
+    returned in the input order. Empty (or whitespace-only) strings give empty strings
     without running the model.
 
-    The model may be a `TransformerModel` or any object implementing the
-    decoding protocol of `keras_transformer.generation` (such as the ONNX
-    Runtime `export.runtime.OnnxSeq2Seq`), so one class serves both.
+    The model may be a `TransformerModel`, the ONNX Runtime
+    `export.runtime.OnnxSeq2Seq`, or any object implementing the decoding
+    protocol of `keras_transformer.generation` (searched with its
+    `generate`), so one class serves them all.
 
     Args:
         model: a `TransformerModel` or another decoding-protocol object.
@@ -101,6 +105,13 @@ class Translator:
                     sources[i] = ids[: limit - 1] + [self.tokenizer.end_id]
         return sources
 
+    def _generate(self, ids, **search):
+        if callable(getattr(self.model, "generate", None)):
+            return self.model.generate(ids, **search)
+        from keras_transformer.generation import generate
+
+        return generate(self.model, ids, **search)
+
     def translate(
         self,
         texts,
@@ -145,8 +156,7 @@ class Translator:
                 ids = np.zeros((len(batch), max(len(sources[i]) for i in batch)), "int32")
                 for row, i in enumerate(batch):
                     ids[row, : len(sources[i])] = sources[i]
-                outputs = generate(
-                    self.model,
+                outputs = self._generate(
                     ids,
                     beam_size=beam_size,
                     length_penalty=length_penalty,

@@ -3,8 +3,11 @@
 import io
 import itertools
 import json
-import logging
+import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -89,7 +92,7 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir):
     assert sorted(p.name for p in exported.iterdir()) == sorted(GRAPH_FILES + ["config.json", "tokenizer.model"])
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
-    assert config["format_version"] == 2
+    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 3)
     assert config["opset"] == onnx_export.DEFAULT_OPSET == 15
     assert config["quantization"] is None
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
@@ -143,43 +146,64 @@ def test_encoder_init_cache_and_decoder_steps_match_keras(model, onnx_model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("beam_size", [1, 3, 4])
-def test_generate_gives_the_same_tokens_as_keras(model, onnx_model, beam_size, monkeypatch):
-    """The whole search in ONNX Runtime (one beam_update graph for every beam size)."""
+def test_generate_gives_the_same_tokens_as_keras_in_one_call(model, onnx_model, beam_size, monkeypatch):
+    """The whole search is one ONNX Runtime call (one beam_search graph for every beam size)."""
     from keras_transformer import generation
 
     src = sources(np.random.default_rng(3), [7, 2, 11, 5])
     expected, expected_scores = generation.generate(
         model, src, beam_size=beam_size, max_extra_length=6, return_scores=True
     )
+    graph = "greedy_search" if beam_size == 1 else "beam_search"
+    session = onnx_model._session(graph)
+    calls = []
 
-    def no_tensorflow_search(*args, **kwargs):
-        raise AssertionError("the ONNX Runtime search must not compile a TensorFlow update")
+    class Counting:
+        def run(self, *args, **kwargs):
+            calls.append(args)
+            return session.run(*args, **kwargs)
 
-    monkeypatch.setattr(generation, "_compiled_update", no_tensorflow_search)
-    ids, scores = generation.generate(onnx_model, src, beam_size=beam_size, max_extra_length=6, return_scores=True)
+    monkeypatch.setitem(onnx_model._sessions, graph, Counting())
+    ids, scores = onnx_model.generate(src, beam_size=beam_size, max_extra_length=6, return_scores=True)
+    assert len(calls) == 1
     assert ids.dtype == np.int32
     np.testing.assert_array_equal(ids, expected)
     np.testing.assert_allclose(scores, expected_scores, atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(onnx_model.generate(src, beam_size=beam_size, max_extra_length=6), expected)
+
+
+def test_generate_handles_an_empty_batch_and_bad_arguments(onnx_model):
+    ids, scores = onnx_model.generate(np.zeros((0, 4), np.int32), return_scores=True)
+    assert ids.shape == (0, 0) and scores.shape == (0,)
+    with pytest.raises(ValueError, match=r"beam_size=0 must be an integer >= 1"):
+        onnx_model.generate(np.array([[5, 3]]), beam_size=0)
+    with pytest.raises(ValueError, match=r"length_penalty=-1 must be a finite number >= 0"):
+        onnx_model.generate(np.array([[5, 3]]), length_penalty=-1)
 
 
 def test_validation_checks_the_exported_search(model, tmp_path, monkeypatch):
-    """A search graph that differs from generation.search_step fails the export, named."""
+    """A search graph that differs from generation.search_graph fails the export, named."""
     from keras_transformer import generation
 
-    def never_stops(search_name, model):
-        step = generation.search_step(search_name, model)
+    def longer(model, search_name):
+        search = generation.search_graph(model, search_name)
+        return lambda ids, beam_size, alpha, max_extra_length: search(ids, beam_size, alpha, max_extra_length + 1)
 
-        def wrong(*args):
-            state, cache, tokens, _ = step(*args)
-            return state, cache, tokens, keras.ops.convert_to_tensor(True)
-
-        return wrong
-
-    monkeypatch.setattr(onnx_export, "search_step", never_stops)
-    with pytest.raises(ValidationError, match=r"greedy_update\.onnx output keep_going differs from Keras"):
+    monkeypatch.setattr(onnx_export, "search_graph", longer)
+    with pytest.raises(ValidationError, match=r"greedy_search\.onnx output (sequences|scores)"):
         onnx_export.export_onnx(model, tmp_path / "wrong")
     assert not (tmp_path / "wrong").exists()
+
+
+def test_search_graphs_carry_no_weights_through_the_loop(exported):
+    """The Loop reads the weights from the outer graph (initializers: pre-packed, quantizable)."""
+    import onnx
+
+    for graph in ("greedy_search", "beam_search"):
+        proto = onnx.load(str(exported / f"{graph}.onnx"))
+        (loop,) = [node for node in proto.graph.node if node.op_type == "Loop"]
+        initializers = {tensor.name for tensor in proto.graph.initializer}
+        assert not initializers & set(loop.input), graph
+        assert len(loop.input) < 20, (graph, len(loop.input))  # the search state and caches only
 
 
 @pytest.mark.slow
@@ -202,18 +226,20 @@ def test_every_architecture_option_exports(tmp_path):
     )
 
 
-def test_io_binding_path_gives_the_same_tokens(exported, onnx_model):
-    """The CUDA path (I/O binding with device-resident cache reuse) run on the CPU."""
+def test_io_binding_path_gives_the_same_steps(exported, onnx_model):
+    """The CUDA path of the protocol methods (I/O binding, device-resident cache reuse) run on the CPU."""
     bound = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], use_io_binding=True)
     src = sources(np.random.default_rng(4), [6, 3])
-    for beam_size in (1, 3):
-        np.testing.assert_array_equal(
-            bound.generate(src, beam_size=beam_size, max_extra_length=4),
-            onnx_model.generate(src, beam_size=beam_size, max_extra_length=4),
+    caches = [m.init_cache(m.encode(src), src, 4) for m in (bound, onnx_model)]
+    tokens = np.full((2,), START, np.int32)
+    for step in range(3):
+        (bound_logits, caches[0]), (logits, caches[1]) = (
+            m.decode_step(tokens, step, cache) for m, cache in zip((bound, onnx_model), caches)
         )
-    # Outputs handed to the search are read-only, so reuse by identity is safe.
-    cache = bound.init_cache(bound.encode(src), src, 4)
-    assert not cache["cross_key"].flags.writeable
+        np.testing.assert_array_equal(bound_logits, logits)
+        tokens = np.argmax(logits, axis=-1).astype(np.int32)
+    # Outputs handed out are read-only, so reuse by identity is safe.
+    assert not caches[0]["cross_key"].flags.writeable
 
 
 @pytest.mark.slow
@@ -384,7 +410,15 @@ def test_another_format_version_is_rejected(exported, tmp_path):
     config = json.loads((copy / "config.json").read_text())
     config["format_version"] = 99
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="format_version=99; this version of export.runtime reads format 2"):
+    with pytest.raises(ValueError, match="version 99; this version of export.runtime reads 'keras_transformer.onnx' "
+                       "version 3. Export the model again"):
+        OnnxSeq2Seq(copy)
+
+
+def test_a_saved_model_directory_is_named_as_such(exported, tmp_path):
+    copy = copy_of(exported, tmp_path)
+    (copy / "saved_model.pb").write_bytes(b"")
+    with pytest.raises(ValueError, match="is a TensorFlow SavedModel"):
         OnnxSeq2Seq(copy)
 
 
@@ -411,15 +445,55 @@ def test_bad_ids_get_clear_errors(onnx_model):
     assert onnx_model.encode(src.astype(np.int64)).shape == (1, 3, 16)
 
 
-def test_providers_fall_back_to_the_cpu_with_a_warning(exported, caplog):
-    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
-        pytest.skip("CUDA is available here")
-    with caplog.at_level(logging.WARNING, logger="export.runtime"):
-        model = OnnxSeq2Seq(exported)
+def test_providers_fall_back_to_the_cpu_quietly(exported, capfd):
+    """onnxruntime-gpu lists CUDA where it cannot run: probed once, no error lines."""
+    from export import runtime
+
+    capfd.readouterr()
+    model = OnnxSeq2Seq(exported)
+    model.generate(np.array([[5, 6, 3]]), beam_size=2, max_extra_length=2)
+    if runtime._PROVIDER_WORKS.get("CUDAExecutionProvider"):
+        pytest.skip("CUDA works here")
     assert model.providers == ["CPUExecutionProvider"] and not model.use_io_binding
-    assert "CUDAExecutionProvider is not available" in caplog.text
-    with pytest.raises(ValueError, match=r"Execution provider\(s\) \['CUDAExecutionProvider'\] are not available"):
-        OnnxSeq2Seq(exported, providers=["CUDAExecutionProvider"])
+    err = capfd.readouterr().err
+    assert "[E:onnxruntime" not in err and "CUDAExecutionProvider" not in err, err
+    with pytest.raises(ValueError, match=r"Execution provider\(s\) \['NoSuchExecutionProvider'\] are not available"):
+        OnnxSeq2Seq(exported, providers=["NoSuchExecutionProvider"])
+
+
+LEAN_SCRIPT = """
+import sys
+
+class NoFramework:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"tensorflow", "keras", "jax", "torch", "keras_hub", "tensorflow_text", "tf2onnx"}:
+            raise ImportError(name + " must not be imported by the ONNX Runtime server")
+
+sys.meta_path.insert(0, NoFramework())
+from export import runtime
+
+sys.stdin = open(sys.argv[2], encoding="utf-8")
+sys.exit(runtime.main(["--model", sys.argv[1], "--beam-size", "2", "--max-extra-length", "5"]))
+"""
+
+
+@pytest.mark.slow
+def test_the_server_runs_without_any_training_framework(exported, preset_dir, tmp_path):
+    """`python -m export.runtime` where importing TensorFlow, Keras, JAX or PyTorch fails."""
+    texts = ["the cat sees a dog.", "", "my bird eats the big fish.", "a red ball."]
+    source = tmp_path / "source.txt"
+    source.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    script = tmp_path / "lean.py"
+    script.write_text(LEAN_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(exported), str(source)],
+        capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(pathlib.Path(onnx_export.__file__).parents[1])},
+    )
+    assert result.returncode == 0, result.stderr
+    expected = Translator.from_preset(preset_dir).translate(texts, beam_size=2, max_extra_length=5)
+    assert result.stdout.split("\n")[:-1] == expected
+    assert "Traceback" not in result.stderr and "[E:onnxruntime" not in result.stderr
 
 
 # --------------------------------------------------------------------------- #
@@ -433,6 +507,9 @@ def test_int8_export_runs(preset_dir, tmp_path):
     assert json.loads((output / "config.json").read_text())["quantization"] == "int8"
     decoder = onnx.load(str(output / "decoder_step.onnx"))
     assert {"DynamicQuantizeLinear", "MatMulInteger"} <= {node.op_type for node in decoder.graph.node}
+    search = onnx.load(str(output / "beam_search.onnx"))
+    (loop,) = [node for node in search.graph.node if node.op_type == "Loop"]
+    assert "MatMulInteger" in {node.op_type for node in loop.attribute[0].g.node}  # the decoder in the Loop
     model = OnnxSeq2Seq(output, providers=["CPUExecutionProvider"])
     ids = model.generate(sources(np.random.default_rng(5), [6, 3]), beam_size=2, max_extra_length=4)
     assert ids.dtype == np.int32 and (ids[:, 0] == START).all()
