@@ -71,14 +71,15 @@ from keras_transformer.utils import atomic_directory
 # Named, not __name__, so that `python -m export.onnx` logs under the same name.
 logger = logging.getLogger("export.onnx")
 
-# Opset 15: tf2onnx's default, inside the range its test suite covers
-# (14-18, MIN_OPSET..MAX_OPSET). The graphs need opset 12 at least (Range and
-# ScatterND for the cache update below, int64 Min/Max). tf2onnx 1.17 emits
-# the same nodes for them at every opset from 13 to 17 (checked; 18 only
-# swaps the layer-norm GlobalAveragePools for ReduceMeans), so a newer opset
-# gains nothing, while an older one loads in more runtimes (ONNX Runtime
-# >= 1.10, TensorRT 8). `--opset` picks another within the tested range.
-DEFAULT_OPSET = 15
+# Opset 17: the first with ONNX's LayerNormalization, which
+# `_fuse_layer_norms` puts in place of TensorFlow's 13-node decomposition
+# (ONNX Runtime >= 1.14 runs it). The graphs need opset 12 at least (Range and
+# ScatterND for the cache update below, int64 Min/Max); tf2onnx 1.17 emits the
+# same nodes at every opset from 13 to 17 (18 swaps the layer-norm
+# GlobalAveragePools for ReduceMeans, which the fusion also matches).
+# `--opset` picks another within tf2onnx's tested range (14-18); below 17 the
+# layer norms stay unfused.
+DEFAULT_OPSET = 17
 MIN_OPSET = 14
 MAX_OPSET = 18  # The newest opset tf2onnx 1.17 knows.
 
@@ -302,6 +303,10 @@ def _convert(function, input_signature, opset, path):
     for subgraph in _graphs(model_proto.graph):
         _fold_tensordot_reshapes(subgraph)
     _remove_dead_nodes(model_proto.graph)
+    _fold_constants(model_proto)
+    if opset >= 17:  # ONNX's LayerNormalization
+        _fuse_layer_norms(model_proto)
+    _remove_unused_initializers(model_proto.graph)
     # tf2onnx logs the TensorFlow ops it has no handler for and leaves them in
     # the graph; fail here, naming them, rather than when a runtime loads it.
     unconverted = sorted(
@@ -397,6 +402,132 @@ def _remove_dead_nodes(graph):
             graph.node.remove(node)
 
 
+def _fold_constants(model_proto):
+    """Computes Reshape and Transpose nodes of initializers ahead of time, in every graph.
+
+    Once `_hoist_loop_invariants` has made the Loop body read the weights
+    from the outer graph, tf2onnx's reshapes of LayerNorm scales and the
+    transposed embedding matrix of the output projection are functions of
+    constants only; as initializers they can be fused, pre-packed and
+    quantized like the others.
+
+    Returns:
+        int, the number of nodes folded.
+    """
+    from onnx import helper, numpy_helper
+
+    top = model_proto.graph
+    initializers = {tensor.name: tensor for tensor in top.initializer}
+    folded = 0
+    for graph in _graphs(top):
+        initializers.update({tensor.name: tensor for tensor in graph.initializer})
+        for node in list(graph.node):
+            if node.op_type not in ("Reshape", "Transpose") or not all(name in initializers for name in node.input):
+                continue
+            value = numpy_helper.to_array(initializers[node.input[0]])
+            if node.op_type == "Reshape":
+                shape = numpy_helper.to_array(initializers[node.input[1]]).astype(np.int64)
+                shape = [value.shape[i] if size == 0 else size for i, size in enumerate(shape)]
+                value = value.reshape(shape)
+            else:
+                permutation = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "perm"), None)
+                value = np.transpose(value, permutation)
+            tensor = numpy_helper.from_array(np.ascontiguousarray(value), node.output[0])
+            top.initializer.append(tensor)
+            initializers[tensor.name] = tensor
+            graph.node.remove(node)
+            folded += 1
+    return folded
+
+
+def _fuse_layer_norms(model_proto):
+    """Rewrites Keras' LayerNormalization, as tf2onnx converts it, into one ONNX op.
+
+    TensorFlow computes a layer norm as `tf.nn.moments` and a batch-norm
+    formula: 13 ONNX nodes (two means, a squared difference, a reciprocal
+    square root, three products and three sums), each run by ONNX Runtime
+    with its own overhead. ONNX's `LayerNormalization` (opset 17) computes
+    the same `(x - mean) / sqrt(var + epsilon) * gamma + beta` over the last
+    axis in one kernel. Matched by tf2onnx's node names under a layer-norm
+    scope (`.../moments/mean` and its siblings) and checked op by op and
+    edge by edge; anything else is left as it was. The graphs are
+    validated against Keras afterwards, as always.
+
+    Returns:
+        int, the number of layer norms fused (in the graph and its subgraphs).
+    """
+    from onnx import helper, numpy_helper
+
+    initializers = {tensor.name: tensor for tensor in model_proto.graph.initializer}
+    fused = 0
+    for graph in _graphs(model_proto.graph):
+        initializers.update({tensor.name: tensor for tensor in graph.initializer})
+        by_name = {node.name: node for node in graph.node}
+        replaced = []
+        for mean in list(graph.node):
+            if mean.op_type not in ("GlobalAveragePool", "ReduceMean") or not mean.name.endswith("/moments/mean"):
+                continue
+            scope = mean.name[: -len("/moments/mean")]
+            nodes = {suffix: by_name.get(f"{scope}/{suffix}") for suffix in (
+                "moments/SquaredDifference", "moments/variance", "add", "Rsqrt", "mul", "mul_1", "mul_2",
+                "Neg", "add_1", "add_2",
+            )}
+            if any(node is None for node in nodes.values()):
+                continue
+            x, mean_out = mean.input[0], mean.output[0]
+            difference, epsilon_add = nodes["moments/SquaredDifference"], nodes["add"]
+            expected = (
+                (difference, "Sub", [x, mean_out]),
+                (nodes["Neg"], "Neg", [mean_out]),
+                (nodes["mul_2"], "Mul", [x, nodes["mul"].output[0]]),
+                (nodes["mul_1"], "Mul", [nodes["Neg"].output[0], nodes["mul"].output[0]]),
+                (nodes["add_2"], "Add", [nodes["mul_2"].output[0], nodes["add_1"].output[0]]),
+                (nodes["add_1"], "Add", [nodes["mul_1"].output[0], None]),
+                (nodes["mul"], "Mul", [None, None]),
+                (epsilon_add, "Add", [nodes["moments/variance"].output[0], None]),
+            )
+            if any(
+                node.op_type != op_type or len(node.input) != len(inputs)
+                or any(want is not None and got != want for got, want in zip(node.input, inputs))
+                for node, op_type, inputs in expected
+            ):
+                continue
+            gamma = [name for name in nodes["mul"].input if name in initializers]
+            tensors = [initializers.get(name) for name in (*gamma, nodes["add_1"].input[1], epsilon_add.input[1])]
+            if len(gamma) != 1 or any(tensor is None for tensor in tensors):
+                continue
+            gamma_value, beta_value, epsilon = (numpy_helper.to_array(tensor) for tensor in tensors)
+            if gamma_value.size != beta_value.size or epsilon.size != 1:
+                continue
+            names = []
+            for label, value in (("gamma", gamma_value), ("beta", beta_value)):
+                name = f"{scope}/LayerNormalization/{label}"
+                model_proto.graph.initializer.append(numpy_helper.from_array(value.reshape(-1), name))
+                names.append(name)
+            layer_norm = helper.make_node(
+                "LayerNormalization", [x, *names], [nodes["add_2"].output[0]],
+                name=f"{scope}/LayerNormalization", axis=-1, epsilon=float(epsilon.reshape(())),
+            )
+            replaced.append((nodes["add_2"], layer_norm))
+        for old, new in replaced:
+            position = list(graph.node).index(old)
+            graph.node.remove(old)
+            graph.node.insert(position, new)
+        fused += len(replaced)
+    if fused:
+        _remove_dead_nodes(model_proto.graph)
+    return fused
+
+
+def _remove_unused_initializers(graph):
+    """Drops initializers that no node of their graph or its subgraphs reads, at every depth."""
+    for inner in _graphs(graph):
+        used = {name for deeper in _graphs(inner) for node in deeper.node for name in node.input}
+        used.update(output.name for output in inner.output)
+        for tensor in [tensor for tensor in inner.initializer if tensor.name not in used]:
+            inner.initializer.remove(tensor)
+
+
 def _hoist_loop_invariants(graph):
     """Turns the values a `Loop` only carries along into outer-scope references.
 
@@ -470,6 +601,47 @@ def _quantize_int8(path):
     float_path.unlink()
 
 
+# Every graph holds the weights it uses (the search graphs hold the whole
+# model); they are stored once, in this file beside the graphs.
+WEIGHTS_FILE = "weights.bin"
+# Smaller tensors (shapes, scalars) stay inside their graph.
+_SHARED_MIN_BYTES = 1024
+
+
+def _share_weights(directory, paths):
+    """Moves the graphs' large initializers into one file, each distinct tensor once.
+
+    ONNX external data: a tensor records a file, offset and length instead of
+    its bytes. Five graphs that each hold the model's weights (the protocol
+    graphs and the two whole-search graphs) then take the disk space of one
+    copy. Offsets are 64-byte aligned so that ONNX Runtime can map them.
+    """
+    import hashlib
+
+    import onnx
+    from onnx.external_data_helper import set_external_data
+
+    offsets = {}  # (dtype, dims, sha256) -> (offset, length)
+    with open(directory / WEIGHTS_FILE, "wb") as weights:
+        for path in paths:
+            model_proto = onnx.load(str(path))
+            for graph in _graphs(model_proto.graph):
+                for tensor in graph.initializer:
+                    if not tensor.HasField("raw_data") or len(tensor.raw_data) < _SHARED_MIN_BYTES:
+                        continue
+                    data = tensor.raw_data
+                    key = (tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).hexdigest())
+                    if key not in offsets:
+                        weights.write(b"\0" * (-weights.tell() % 64))
+                        offsets[key] = (weights.tell(), len(data))
+                        weights.write(data)
+                    offset, length = offsets[key]
+                    set_external_data(tensor, WEIGHTS_FILE, offset=offset, length=length)
+                    tensor.ClearField("raw_data")
+            onnx.save(model_proto, str(path))
+    return len(offsets)
+
+
 def _versions():
     import keras
     import onnx
@@ -499,6 +671,7 @@ def _config(model, opset, quantize):
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "graphs": {name: f"{name}.onnx" for name in GRAPHS},
+        "weights": WEIGHTS_FILE,
         "opset": opset,
         "quantization": quantize,
         "vocabulary_size": model.vocabulary_size,
@@ -582,6 +755,7 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
             if quantize == "int8":
                 logger.info("Quantizing %s to int8", path.name)
                 _quantize_int8(path)
+        _share_weights(staging, [staging / f"{name}.onnx" for name in GRAPHS])
         config = _config(model, opset, quantize)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if model.tokenizer is not None:

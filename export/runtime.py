@@ -34,7 +34,6 @@ echo "A sentence." | python -m export.runtime --model exported/onnx --beam-size 
 import argparse
 import json
 import logging
-import os
 import pathlib
 import sys
 
@@ -101,6 +100,9 @@ def read_config(directory):
         path = directory / graphs[graph]
         if path.parent != directory or not path.is_file():
             raise FileNotFoundError(f"{directory} is missing {graphs[graph]} (the {graph} graph)")
+    weights = config.get("weights")
+    if weights is not None and (pathlib.Path(weights).name != weights or not (directory / weights).is_file()):
+        raise FileNotFoundError(f"{directory} is missing {weights} (the weights every graph reads)")
     return config
 
 

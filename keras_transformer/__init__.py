@@ -27,13 +27,26 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "__version__", "layers"])
 
 
+# Packages of the `[train]` extra, which the base install (a server) lacks.
+_TRAINING_PACKAGES = {"keras", "tensorflow", "keras_hub", "tensorflow_text", "sacrebleu", "h5py"}
+
+
 def __getattr__(name):
-    if name == "layers":
-        module = importlib.import_module("keras_transformer.layers")
-    elif name in _EXPORTS:
-        module = getattr(importlib.import_module(_EXPORTS[name]), name)
-    else:
+    if name not in _EXPORTS and name != "layers":
         raise AttributeError(f"module 'keras_transformer' has no attribute {name!r}")
+    try:
+        if name == "layers":
+            module = importlib.import_module("keras_transformer.layers")
+        else:
+            module = getattr(importlib.import_module(_EXPORTS[name]), name)
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in _TRAINING_PACKAGES:
+            raise
+        raise ModuleNotFoundError(
+            f"keras_transformer.{name} needs {error.name}, which this install lacks: "
+            'pip install "keras-aiayn[train]" (the base install only serves exported models)',
+            name=error.name,
+        ) from error
     # Cached as a module attribute: later lookups do not come here.
     globals()[name] = module
     return module

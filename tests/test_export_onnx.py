@@ -89,11 +89,13 @@ def copy_of(exported, tmp_path):
 # The exported directory
 # --------------------------------------------------------------------------- #
 def test_export_writes_a_self_contained_directory(exported, preset_dir):
-    assert sorted(p.name for p in exported.iterdir()) == sorted(GRAPH_FILES + ["config.json", "tokenizer.model"])
+    assert sorted(p.name for p in exported.iterdir()) == sorted(
+        GRAPH_FILES + ["config.json", "tokenizer.model", "weights.bin"]
+    )
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
     assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 3)
-    assert config["opset"] == onnx_export.DEFAULT_OPSET == 15
+    assert config["opset"] == onnx_export.DEFAULT_OPSET == 17
     assert config["quantization"] is None
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
     assert (config["vocabulary_size"], config["hidden_dim"], config["num_decoder_layers"]) == (60, 16, 2)
@@ -109,7 +111,7 @@ def test_graphs_have_the_contract_names_and_dynamic_axes(exported):
 
     for graph, (inputs, outputs) in GRAPHS.items():
         proto = onnx.load(str(exported / f"{graph}.onnx"))
-        assert proto.opset_import[0].version == 15
+        assert proto.opset_import[0].version == 17
         for values, expected in ((proto.graph.input, inputs), (proto.graph.output, outputs)):
             assert sorted(v.name for v in values) == sorted(expected)
             for value in values:
@@ -192,6 +194,44 @@ def test_validation_checks_the_exported_search(model, tmp_path, monkeypatch):
     with pytest.raises(ValidationError, match=r"greedy_search\.onnx output (sequences|scores)"):
         onnx_export.export_onnx(model, tmp_path / "wrong")
     assert not (tmp_path / "wrong").exists()
+
+
+def test_weights_are_stored_once_for_all_graphs(exported, model):
+    """Five graphs read the model's weights; weights.bin holds each tensor once."""
+    import onnx
+
+    from export.onnx import _graphs
+
+    references = {}  # (offset, length) -> graphs reading it
+    for name in GRAPH_FILES:
+        proto = onnx.load(str(exported / name), load_external_data=False)
+        for graph in _graphs(proto.graph):
+            for tensor in graph.initializer:
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    entry = {item.key: item.value for item in tensor.external_data}
+                    assert entry["location"] == "weights.bin"
+                    references.setdefault((int(entry["offset"]), int(entry["length"])), set()).add(name)
+    end = max(offset + length for offset, length in references)
+    assert (exported / "weights.bin").stat().st_size == end
+    assert sum(length for _, length in references) <= end < sum(length for _, length in references) + 64 * len(references)
+    # The shared embedding matrix is read by the encoder, the decoder step and both searches.
+    embedding_bytes = 4 * model.vocabulary_size * model.hidden_dim
+    readers = [graphs for (_, length), graphs in references.items() if length == embedding_bytes]
+    assert any({"encoder.onnx", "decoder_step.onnx", "beam_search.onnx", "greedy_search.onnx"} <= r for r in readers)
+
+
+def test_layer_norms_are_one_onnx_op(exported):
+    """TensorFlow's 13-node layer norm becomes ONNX's LayerNormalization, in the Loop body too."""
+    import onnx
+
+    from export.onnx import _graphs
+
+    # 2 encoder layers x 2 norms; 2 decoder layers x 3 norms.
+    for graph, expected in (("encoder", 4), ("decoder_step", 6), ("beam_search", 10), ("greedy_search", 10)):
+        proto = onnx.load(str(exported / f"{graph}.onnx"))
+        op_types = [node.op_type for inner in _graphs(proto.graph) for node in inner.node]
+        assert op_types.count("LayerNormalization") == expected, graph
+        assert "GlobalAveragePool" not in op_types and "Reciprocal" not in op_types, graph
 
 
 def test_search_graphs_carry_no_weights_through_the_loop(exported):
