@@ -472,6 +472,11 @@ def _fuse_layer_norms(model_proto):
                 "moments/SquaredDifference", "moments/variance", "add", "Rsqrt", "mul", "mul_1", "mul_2",
                 "Neg", "add_1", "add_2",
             )}
+            # tf2onnx drops `+ beta` when beta is a constant zero (a fresh model):
+            # then add_2 adds the two products directly.
+            no_beta = nodes["add_1"] is None
+            if no_beta:
+                nodes["add_1"] = nodes["mul_1"]
             if any(node is None for node in nodes.values()):
                 continue
             x, mean_out = mean.input[0], mean.output[0]
@@ -482,7 +487,7 @@ def _fuse_layer_norms(model_proto):
                 (nodes["mul_2"], "Mul", [x, nodes["mul"].output[0]]),
                 (nodes["mul_1"], "Mul", [nodes["Neg"].output[0], nodes["mul"].output[0]]),
                 (nodes["add_2"], "Add", [nodes["mul_2"].output[0], nodes["add_1"].output[0]]),
-                (nodes["add_1"], "Add", [nodes["mul_1"].output[0], None]),
+                (nodes["add_1"], "Mul" if no_beta else "Add", [None, None] if no_beta else [nodes["mul_1"].output[0], None]),
                 (nodes["mul"], "Mul", [None, None]),
                 (epsilon_add, "Add", [nodes["moments/variance"].output[0], None]),
             )
@@ -493,10 +498,12 @@ def _fuse_layer_norms(model_proto):
             ):
                 continue
             gamma = [name for name in nodes["mul"].input if name in initializers]
-            tensors = [initializers.get(name) for name in (*gamma, nodes["add_1"].input[1], epsilon_add.input[1])]
+            beta = [] if no_beta else [nodes["add_1"].input[1]]
+            tensors = [initializers.get(name) for name in (*gamma, epsilon_add.input[1], *beta)]
             if len(gamma) != 1 or any(tensor is None for tensor in tensors):
                 continue
-            gamma_value, beta_value, epsilon = (numpy_helper.to_array(tensor) for tensor in tensors)
+            gamma_value, epsilon, *beta_value = (numpy_helper.to_array(tensor) for tensor in tensors)
+            beta_value = np.zeros_like(gamma_value) if no_beta else beta_value[0]
             if gamma_value.size != beta_value.size or epsilon.size != 1:
                 continue
             names = []

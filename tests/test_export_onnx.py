@@ -241,29 +241,14 @@ def test_search_graphs_carry_no_weights_through_the_loop(exported):
     for graph in ("greedy_search", "beam_search"):
         proto = onnx.load(str(exported / f"{graph}.onnx"))
         (loop,) = [node for node in proto.graph.node if node.op_type == "Loop"]
+        body = loop.attribute[0].g
+        carried = len(loop.input) - 2
+        # No loop-carried value is passed through unchanged ...
+        assert all(body.input[2 + j].name != body.output[1 + j].name for j in range(carried)), graph
+        # ... and every matrix product of the decoder reads its kernel from an outer initializer.
         initializers = {tensor.name for tensor in proto.graph.initializer}
-        assert not initializers & set(loop.input), graph
-        assert len(loop.input) < 20, (graph, len(loop.input))  # the search state and caches only
-
-
-@pytest.mark.slow
-def test_every_architecture_option_exports(tmp_path):
-    """Learned positions, pre-LN, restricted self-attention, d_k != d_v (the
-    unfused attention path) and more decoder than encoder layers."""
-    keras.utils.set_random_seed(5)
-    variant = kt.TransformerModel(
-        vocabulary_size=VOCABULARY_SIZE, num_layers=2, num_heads=4, hidden_dim=16, intermediate_dim=32,
-        dropout=0.0, key_dim=3, value_dim=5, position_encoding="learned", normalize_first=True,
-        attention_window=2, num_decoder_layers=3, max_sequence_length=24,
-    )
-    output = onnx_export.export_onnx(variant, tmp_path / "variant")  # Validated against Keras.
-    config = json.loads((output / "config.json").read_text())
-    assert (config["num_decoder_layers"], config["head_key_dim"], config["head_value_dim"]) == (3, 3, 5)
-    src = sources(np.random.default_rng(6), [5, 9])
-    np.testing.assert_array_equal(
-        OnnxSeq2Seq(output, providers=["CPUExecutionProvider"]).generate(src, beam_size=1),
-        variant.generate(src, beam_size=1),
-    )
+        kernels = [node.input[1] for node in body.node if node.op_type == "MatMul" and node.input[1] in initializers]
+        assert len(kernels) >= 2 * 8, (graph, len(kernels))  # 2 decoder layers: q, k, v, out, q, out, ffn x2
 
 
 def test_io_binding_path_gives_the_same_steps(exported, onnx_model):
