@@ -1,8 +1,8 @@
 """Export a TransformerModel to ONNX: `python -m export.onnx`.
 
 Three graphs, one per method of the generation protocol
-(`keras_transformer.generation`), and two for the search itself, so that
-ONNX Runtime runs the same search as Keras (`export/runtime.py`):
+(`keras_transformer.generation`), and two that run a whole search, which
+`export/runtime.py` serves:
 
 - `encoder.onnx`: `TransformerModel.encode`,
   `encoder_token_ids [batch, source_length] int32 -> encoder_outputs
@@ -14,13 +14,19 @@ ONNX Runtime runs the same search as Keras (`export/runtime.py`):
   [batch], step [], self_key, self_value, cross_key, cross_value,
   encoder_padding_mask) -> logits [batch, V], updated_self_key,
   updated_self_value`. Caches are heads first: `[batch, L, N, T_max, K]`.
-- `greedy_update.onnx` and `beam_update.onnx`: `generation.search_step`,
-  the search's work between two decoder steps (log-softmax, top-k, the
-  finished and live hypotheses, the stopping test and, for beams, the
-  reordering of the self-attention cache), with the search state as named
-  inputs and `updated_*` outputs, `tokens` and `keep_going`. No weights; the
-  beam size comes from the state's shape. Exported from the search's own
-  code rather than re-implemented, so the runtime's tokens are Keras'.
+- `greedy_search.onnx` and `beam_search.onnx`: `generation.search_graph`,
+  `(encoder_token_ids, [beam_size,] alpha, max_extra_length) -> sequences
+  [batch, L], scores [batch]`: the lengths, the encoder, the cache and the
+  search's `keras.ops.while_loop`, which tf2onnx converts into an ONNX
+  `Loop` with the search state and the caches as loop-carried values. One
+  `session.run` translates a batch, with the search's own code (the tokens
+  are Keras'); the beam size is an input, so one graph serves every beam.
+
+After conversion each graph is made leaner (`_convert`): values the Loop
+only carries along (the weights) become outer-scope initializers, Keras'
+tensordot reshapes around matrix products are folded, and TensorFlow's
+13-node layer norm becomes ONNX's `LayerNormalization`; every graph's
+large tensors are then stored once, in `weights.bin` (`_share_weights`).
 
 Why `init_cache` is its own graph rather than extra outputs of the encoder:
 in the protocol, `init_cache` is a function of `encoder_outputs` and the
@@ -35,9 +41,9 @@ under CUDA). The updated caches are named `updated_self_key` and
 `updated_self_value` because an ONNX graph cannot reuse an input's name for
 an output.
 
-The directory is self-contained: the graphs, `config.json` (ids, sizes,
-opset, exporting versions, format version) and the tokenizer when the preset
-has one. It is written next to its final place and renamed at the end, so a
+The directory is self-contained: the graphs, `weights.bin`, `config.json`
+(ids, sizes, opset, exporting versions, format name and version) and the
+tokenizer when the preset has one. It is written next to its final place and renamed at the end, so a
 failed export (conversion or validation) leaves nothing behind.
 
 Example:

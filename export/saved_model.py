@@ -71,6 +71,8 @@ from keras_transformer.utils import atomic_directory
 
 logger = logging.getLogger("export.saved_model")
 
+# What the directory is, in its config.json (an ONNX export names its own format).
+FORMAT = "keras_transformer.saved_model"
 # 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
 FORMAT_VERSION = 2
 CONFIG_FILE = "config.json"
@@ -222,6 +224,7 @@ def _config(model, tokenizer, beam_size, length_penalty, max_extra_length):
     from keras_transformer.tokenizer import TOKENIZER_FILENAME
 
     return {
+        "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "signatures": {
             name: {"inputs": inputs, "outputs": outputs} for name, (inputs, outputs) in SIGNATURES.items()

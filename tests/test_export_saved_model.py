@@ -115,7 +115,7 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir, loaded):
     assert {"saved_model.pb", "variables", "config.json", "tokenizer.model"} <= {p.name for p in exported.iterdir()}
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
-    assert config["format_version"] == 2
+    assert (config["format"], config["format_version"]) == ("keras_transformer.saved_model", 2)
     assert (config["beam_size"], config["length_penalty"], config["max_extra_length"]) == (4, 0.6, 50)
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
     assert (config["vocabulary_size"], config["hidden_dim"], config["num_decoder_layers"]) == (80, 32, 1)
