@@ -121,6 +121,8 @@ EXACT_QUANTIZATIONS = (None, "float32")
 SUPPRESSED_LOGIT = -1e4
 MAX_EXTRA_LENGTH = 50  # the paper's maximum output length: source length + 50
 VALIDATION_SENTENCES = 32
+# Largest difference of a token's log-probability, CTranslate2 float32 vs Keras.
+LOG_PROB_ATOL = 1e-3
 MIN_CTRANSLATE2 = "4.5"
 
 
@@ -563,31 +565,66 @@ def _check_files(directory, model, tokens):
     return metadata
 
 
-def validate_ctranslate2(directory, model, sentences=VALIDATION_SENTENCES, beam_size=1, length_penalty=0.0):
-    """Translates sample sentences with CTranslate2 and with Keras; compares the tokens.
+def _keras_log_probs(model, ids, outputs):
+    """Teacher-forced log-probabilities of `outputs + [end]` under the Keras model, per row.
 
-    Its own step: the files and the ids (vocabulary, special tokens, what the
-    encoder receives) first, then tokens. A float32 export must give the same
-    tokens for every sentence; a quantized one is checked for loading and
-    translating, and its agreement is reported (it differs by design).
+    Normalised over the ids the search may generate (not the pad and start
+    ids), as CTranslate2 normalises with their suppressed logits.
+    """
+    from keras import ops
+
+    sources = np.zeros((len(ids), max(len(row) for row in ids) + 1), np.int32)
+    targets = np.zeros((len(ids), max(len(row) for row in outputs) + 1), np.int32)
+    for i, (source, output) in enumerate(zip(ids, outputs)):
+        sources[i, : len(source) + 1] = list(source) + [model.end_id]
+        targets[i, : len(output) + 1] = [model.start_id] + list(output)
+    logits = np.asarray(
+        ops.convert_to_numpy(model({"encoder_token_ids": sources, "decoder_token_ids": targets})), np.float64
+    )  # [B, T, V]
+    logits[..., [model.pad_id, model.start_id]] = -np.inf
+    log_probs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    return [
+        [float(log_probs[i, t, token]) for t, token in enumerate(list(output) + [model.end_id])]
+        for i, output in enumerate(outputs)
+    ]
+
+
+def validate_ctranslate2(
+    directory, model, sentences=VALIDATION_SENTENCES, beam_size=1, length_penalty=0.0, atol=LOG_PROB_ATOL
+):
+    """Translates sample sentences with CTranslate2 and with Keras; compares tokens and log-probabilities.
+
+    Its own step, in the order of optimum's validation: the files and ids
+    (vocabulary, special tokens, what the encoder receives), then values
+    (CTranslate2's `score_batch` log-probabilities of Keras' outputs against
+    Keras' own, teacher-forced), then the searches' tokens. A float32 export
+    must be within `atol` and, for greedy search, give the same tokens for
+    every sentence; a quantized one is checked for loading and translating,
+    and its agreement is reported (it differs by design).
 
     Args:
         directory: the exported directory (or its staging copy).
         model: the `TransformerModel` that was exported.
         sentences: int >= 1, how many sources (see `_validation_sources`).
-        beam_size: 1 (greedy, the export's check) or more.
-        length_penalty: alpha on both sides; only 0 gives the same beams
-            (the two engines' penalties differ, see the module docstring).
+        beam_size: 1 (greedy, the export's check) or more. Beams are compared
+            and reported, not required to be equal: besides the length
+            penalty (use `length_penalty=0`), CTranslate2 finishes a
+            hypothesis only from its best `beam_size` candidates (ours from
+            the best `2 * beam_size`) and at the maximum length keeps
+            unfinished hypotheses (ours forces the end id).
+        length_penalty: alpha on both sides.
+        atol: float, largest log-probability difference allowed (float32).
 
     Returns:
         dict: `search`, `beam_size`, `length_penalty`, `sentences`,
-        `identical`, `exact` (whether equality was required) and
-        `first_difference` (None or a description).
+        `identical`, `exact` (whether equality was required),
+        `first_difference` (None or a description) and
+        `largest_log_prob_difference`.
 
     Raises:
         export.validate.ValidationError: a file, name or id does not match,
-            or (float32) a sentence's tokens differ; the message names the
-            first differing sentence.
+            or (float32) log-probabilities differ beyond `atol` or greedy
+            tokens differ; the message names the first differing sentence.
     """
     if isinstance(sentences, bool) or not isinstance(sentences, int) or sentences < 1:
         raise ValueError(f"sentences={sentences!r} must be an integer >= 1")
@@ -595,7 +632,8 @@ def validate_ctranslate2(directory, model, sentences=VALIDATION_SENTENCES, beam_
     directory = pathlib.Path(directory)
     tokens = vocabulary(model)
     metadata = _check_files(directory, model, tokens)
-    exact = metadata["quantization"] == "float32"
+    float32 = metadata["quantization"] == "float32"
+    exact = float32 and beam_size == 1
     # What the encoder receives: CTranslate2 maps each piece by its line in the
     # vocabulary and appends the end piece; ours is the tokenizer's ids + end.
     texts, ids = _validation_sources(model, sentences)
@@ -608,17 +646,42 @@ def validate_ctranslate2(directory, model, sentences=VALIDATION_SENTENCES, beam_
             if mapped != row:
                 raise ValidationError(f"The pieces of {text!r} map to ids {mapped}; the tokenizer gives {row}")
 
+    def describe(row):
+        return repr(texts[row]) if texts is not None else f"ids {ids[row]}"
+
     translator = ctranslate2.Translator(str(directory), device="cpu", intra_threads=1, inter_threads=1)
     keras_outputs = _keras_outputs(model, ids, beam_size, length_penalty)
+
+    # Values: both engines' log-probabilities of the same (Keras') outputs.
+    scored = translator.score_batch(
+        [[tokens[i] for i in row] for row in ids], [[tokens[i] for i in row] for row in keras_outputs],
+        max_input_length=0,
+    )
+    expected = _keras_log_probs(model, ids, keras_outputs)
+    largest, worst_row = 0.0, 0
+    for row, (result, reference) in enumerate(zip(scored, expected)):
+        actual = np.asarray(result.log_probs, np.float64)
+        if actual.shape != (len(reference),):
+            raise ValidationError(
+                f"CTranslate2 scored {actual.shape[0]} tokens of sentence {row}; expected {len(reference)}"
+            )
+        difference = float(np.max(np.abs(actual - reference)))
+        if not difference <= largest:  # NaN counts as the largest
+            largest, worst_row = difference, row
+    if float32 and not largest <= atol:
+        raise ValidationError(
+            f"CTranslate2 (float32) log-probabilities differ from Keras by {largest:.3g} > atol={atol:g} "
+            f"on sentence {worst_row} ({describe(worst_row)})"
+        )
+
     ct2_outputs = _ctranslate2_outputs(translator, tokens, ids, model.max_sequence_length, beam_size, length_penalty)
     identical = sum(a == b for a, b in zip(keras_outputs, ct2_outputs))
     first_difference = None
     for row, (ours, theirs) in enumerate(zip(keras_outputs, ct2_outputs)):
         if ours != theirs:
             position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            source = repr(texts[row]) if texts is not None else f"ids {ids[row]}"
             first_difference = (
-                f"sentence {row} ({source}) differs at output position {position}: "
+                f"sentence {row} ({describe(row)}) differs at output position {position}: "
                 f"Keras {ours[:position + 3]}..., CTranslate2 {theirs[:position + 3]}... "
                 f"(lengths {len(ours)} and {len(theirs)})"
             )
@@ -632,6 +695,7 @@ def validate_ctranslate2(directory, model, sentences=VALIDATION_SENTENCES, beam_
         "identical": identical,
         "exact": exact,
         "first_difference": first_difference,
+        "largest_log_prob_difference": largest,
     }
     if exact and first_difference is not None:
         raise ValidationError(
@@ -639,8 +703,8 @@ def validate_ctranslate2(directory, model, sentences=VALIDATION_SENTENCES, beam_
             f"sentences; first: {first_difference}"
         )
     logger.info(
-        "CTranslate2 %s (%s) gives Keras' tokens on %d of %d sentences",
-        search, metadata["quantization"], identical, len(ids),
+        "CTranslate2 %s (%s) gives Keras' tokens on %d of %d sentences; largest log-probability "
+        "difference %.1e", search, metadata["quantization"], identical, len(ids), largest,
     )
     return report
 

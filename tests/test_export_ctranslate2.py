@@ -1,0 +1,275 @@
+"""CTranslate2 export (export/ctranslate2.py): tokens and log-probabilities against Keras.
+
+Only the weights are read, so the export runs on every backend. CTranslate2
+runs with one intra-op thread and OMP_WAIT_POLICY=PASSIVE (its OpenMP threads
+spin on a busy machine otherwise).
+"""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import json  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import sentencepiece  # noqa: E402
+
+ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (pip install 'keras-aiayn[ctranslate2]')")
+
+import keras_transformer as kt  # noqa: E402
+from export import ctranslate2 as ct2_export  # noqa: E402
+from export.validate import ValidationError  # noqa: E402
+from keras_transformer.datasets import load_bundled  # noqa: E402
+
+SENTENCES = 16
+MAX_SEQUENCE_LENGTH = 64  # keeps outputs short: at most 62 tokens
+
+
+def hand_set(model, seed=1, end_scale=1.8):
+    """Weights whose greedy outputs are not trivial, without training.
+
+    A randomly initialised post-LN model repeats one token until the maximum
+    length. LayerNorm scales with random signs make each next token a
+    pseudo-random function of the context (sequences of many different
+    tokens), and a larger end-id embedding row makes the end id win at
+    varied steps: some outputs end early, some reach the maximum length
+    (with a large `end_scale`, some are empty).
+    """
+    rng = np.random.default_rng(seed)
+    hidden = model.hidden_dim
+    for layer in (*model.encoder_layers, *model.decoder_layers):
+        for norm in (layer.self_attention_norm, layer.feedforward_norm):
+            norm.gamma.assign((rng.choice([-1.0, 1.0], hidden) * rng.uniform(0.5, 1.5, hidden)).astype("float32"))
+    embeddings = keras.ops.convert_to_numpy(model.token_embedding.embeddings).copy()
+    embeddings[model.end_id] *= end_scale
+    model.token_embedding.embeddings.assign(embeddings)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    english, german = load_bundled("train")
+    return kt.train_tokenizer(english[:3000] + german[:3000], vocabulary_size=1000)  # tiny's vocabulary
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    keras.utils.set_random_seed(0)
+    model = kt.TransformerModel.from_preset("tiny", dropout=0.0, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    model.tokenizer = tokenizer
+    return hand_set(model)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, model):
+    output = tmp_path_factory.mktemp("ct2") / "tiny"
+    return ct2_export.export_ctranslate2(model, output, validation_sentences=SENTENCES)
+
+
+@pytest.fixture(scope="module")
+def translator(exported):
+    return ctranslate2.Translator(str(exported), device="cpu", intra_threads=1, inter_threads=1)
+
+
+def test_directory_files_and_metadata(exported, model):
+    names = sorted(path.name for path in exported.iterdir())
+    assert names == sorted(["model.bin", "config.json", "shared_vocabulary.json", "tokenizer.model",
+                            "keras_transformer.json"])
+    assert not [p for p in exported.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+    metadata = ct2_export.read_metadata(exported)
+    assert metadata["format_version"] == ct2_export.FORMAT_VERSION
+    assert metadata["quantization"] == "float32"
+    assert (metadata["start_id"], metadata["end_id"], metadata["pad_id"]) == (2, 3, 0)
+    assert "5 + |Y|" in metadata["length_penalty"] and "|Y'| ** length_penalty" in metadata["length_penalty"]
+    validation = metadata["validation"]
+    assert validation["identical"] == validation["sentences"] == SENTENCES and validation["exact"]
+    assert validation["largest_log_prob_difference"] < 1e-4
+    config = json.loads((exported / "config.json").read_text())
+    assert config["add_source_eos"] is True and config["decoder_start_token"] == "<s>"
+    assert config["layer_norm_epsilon"] == model.layer_norm_epsilon == 1e-5
+    # Ids map one to one: the vocabulary is the tokenizer's pieces in id order.
+    pieces = json.loads((exported / "shared_vocabulary.json").read_text())
+    assert pieces[:4] == ["<pad>", "<unk>", "<s>", "</s>"]
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model.tokenizer.proto)
+    assert pieces == [processor.id_to_piece(i) for i in range(model.vocabulary_size)]
+
+
+def test_greedy_outputs_are_not_trivial_and_equal_keras(model, translator):
+    """The export's own check, on outputs that end early and at the maximum length."""
+    texts, ids = ct2_export._validation_sources(model, SENTENCES)
+    ours = ct2_export._keras_outputs(model, ids, beam_size=1, length_penalty=0.0)
+    theirs = ct2_export._ctranslate2_outputs(
+        translator, ct2_export.vocabulary(model), ids, MAX_SEQUENCE_LENGTH, beam_size=1, length_penalty=0.0
+    )
+    assert ours == theirs
+    maximum = [ct2_export.max_decoding_length(len(row), MAX_SEQUENCE_LENGTH) for row in ids]
+    lengths = [len(row) for row in ours]
+    assert any(0 < n < m for n, m in zip(lengths, maximum))  # ended early
+    assert any(n == m for n, m in zip(lengths, maximum))  # reached the maximum length
+    assert max(len(set(row)) for row in ours) > 5  # not one repeated token
+
+
+def test_source_is_pieces_without_end_and_text_round_trip(model, translator):
+    """CTranslate2 appends the end piece itself: passing it again changes the encoder input."""
+    sentence = "Click the button to save the document."
+    pieces = sentencepiece.SentencePieceProcessor(model_proto=model.tokenizer.proto).encode(sentence, out_type=str)
+    ids = model.tokenizer.encode([sentence])[0]  # pieces + end id, what Keras reads
+    assert ids[-1] == model.end_id and len(ids) == len(pieces) + 1
+    options = dict(ct2_export.translation_options(beam_size=1, length_penalty=0.0),
+                   max_decoding_length=ct2_export.max_decoding_length(len(pieces), MAX_SEQUENCE_LENGTH))
+    without_end = translator.translate_batch([pieces], **options)[0].hypotheses[0]
+    keras_ids = model.generate(np.array([ids]), beam_size=1, max_extra_length=50)[0]
+    index = {token: i for i, token in enumerate(ct2_export.vocabulary(model))}
+    assert [model.start_id] + [index[t] for t in without_end] + [model.end_id] == [
+        t for t in keras_ids.tolist() if t != model.pad_id
+    ]
+    # Scores: CTranslate2 reads `pieces + [end]`; an explicit end piece gives `pieces + [end, end]`.
+    doubled = translator.score_batch([pieces + ["</s>"]], [without_end], max_input_length=0)[0].log_probs
+    single = translator.score_batch([pieces], [without_end], max_input_length=0)[0].log_probs
+    assert not np.allclose(doubled, single)
+
+
+def test_beam_search_with_length_penalty_zero(model, translator):
+    """Beam 4, alpha 0 (both length penalties are then 1): the same tokens where the searches agree.
+
+    The searches differ in two documented ways: CTranslate2 finishes a
+    hypothesis only from its best `beam_size` candidates (ours from the best
+    `2 * beam_size`), and at the maximum length it keeps unfinished
+    hypotheses (ours forces the end id). Where the tokens differ, our search
+    found a hypothesis that our model scores at least as high, so the
+    difference is the search's, not the model's.
+    """
+    from keras_transformer.generation import generate
+
+    texts, ids = ct2_export._validation_sources(model, SENTENCES)
+    sources = np.zeros((len(ids), max(map(len, ids)) + 1), np.int32)
+    for row, source in enumerate(ids):
+        sources[row, : len(source) + 1] = source + [model.end_id]
+    generated, scores = generate(model, sources, beam_size=4, length_penalty=0.0, return_scores=True)
+    ours = []
+    for row in generated.tolist():
+        row = row[1:]
+        ours.append(row[: row.index(model.end_id)])
+    theirs = ct2_export._ctranslate2_outputs(
+        translator, ct2_export.vocabulary(model), ids, MAX_SEQUENCE_LENGTH, beam_size=4, length_penalty=0.0
+    )
+    greedy = ct2_export._keras_outputs(model, ids, beam_size=1, length_penalty=0.0)
+    identical = [a == b for a, b in zip(ours, theirs)]
+    assert sum(identical) >= 3 * len(ids) // 4, identical
+    assert any(a != b for a, b, same in zip(ours, greedy, identical) if same)  # beams that are not greedy
+    differing = [row for row, same in enumerate(identical) if not same]
+    if differing:
+        # Our model's log P of CTranslate2's hypothesis (+ end id), as our search scores it.
+        sources_list = [ids[row] for row in differing]
+        log_probs = _full_log_probs(model, sources_list, [theirs[row] for row in differing])
+        for row, log_prob in zip(differing, log_probs):
+            assert scores[row] >= log_prob - 1e-4, (row, scores[row], log_prob)
+
+
+def _full_log_probs(model, ids, outputs):
+    """log P(outputs + end | source) under the Keras model, normalised over every id (our search's score)."""
+    sources = np.zeros((len(ids), max(map(len, ids)) + 1), np.int32)
+    targets = np.zeros((len(ids), max(map(len, outputs)) + 1), np.int32)
+    for i, (source, output) in enumerate(zip(ids, outputs)):
+        sources[i, : len(source) + 1] = list(source) + [model.end_id]
+        targets[i, : len(output) + 1] = [model.start_id] + list(output)
+    logits = keras.ops.convert_to_numpy(model({"encoder_token_ids": sources, "decoder_token_ids": targets}))
+    logits = logits.astype(np.float64)
+    log_probs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+    return [
+        sum(log_probs[i, t, token] for t, token in enumerate(list(output) + [model.end_id]))
+        for i, output in enumerate(outputs)
+    ]
+
+
+def test_int8_loads_translates_and_reports_agreement(tmp_path, model, exported):
+    output = ct2_export.export_ctranslate2(model, tmp_path / "int8", quantization="int8", validation_sentences=SENTENCES)
+    metadata = ct2_export.read_metadata(output)
+    assert metadata["quantization"] == "int8"
+    validation = metadata["validation"]
+    assert validation["exact"] is False and validation["sentences"] == SENTENCES
+    assert 0 <= validation["identical"] <= SENTENCES
+    # int8 weights are smaller than float32 ones.
+    assert (output / "model.bin").stat().st_size < 0.5 * (exported / "model.bin").stat().st_size
+    translator = ctranslate2.Translator(str(output), device="cpu", intra_threads=1, inter_threads=1)
+    result = translator.translate_batch([["▁Click"]], beam_size=2, max_decoding_length=5)[0]
+    assert len(result.hypotheses[0]) <= 5
+
+
+def test_half_split_sinusoids_fail_validation(tmp_path, model, monkeypatch):
+    """A tampered export must fail: CTranslate2's layout of the sinusoids (sines, then cosines)."""
+    interleaved = ct2_export.position_table
+
+    def half_split(model, layer):
+        table = interleaved(model, layer)
+        return np.concatenate([table[:, 0::2], table[:, 1::2]], axis=1)
+
+    monkeypatch.setattr(ct2_export, "position_table", half_split)
+    with pytest.raises(ValidationError, match=r"differ from Keras by .* on sentence \d+"):
+        ct2_export.export_ctranslate2(model, tmp_path / "bad", validation_sentences=4)
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.iterdir())
+
+
+def test_variants_pre_ln_learned_positions_head_dim_without_tokenizer(tmp_path):
+    """normalize_first, learned positions and key_dim = value_dim != hidden_dim / num_heads."""
+    keras.utils.set_random_seed(3)
+    model = kt.TransformerModel(
+        vocabulary_size=120, num_layers=2, num_heads=4, hidden_dim=32, intermediate_dim=48, key_dim=5,
+        value_dim=5, dropout=0.0, max_sequence_length=40, position_encoding="learned", normalize_first=True,
+    )
+    hand_set(model, end_scale=4.0)
+    output = ct2_export.export_ctranslate2(model, tmp_path / "variant", validation_sentences=8)
+    metadata = ct2_export.read_metadata(output)
+    assert metadata["validation"]["identical"] == 8 and metadata["tokenizer"] is None
+    # Some outputs are empty (the end id first): CTranslate2 needs min_decoding_length=0 for them.
+    _, ids = ct2_export._validation_sources(model, 8)
+    lengths = [len(row) for row in ct2_export._keras_outputs(model, ids, beam_size=1, length_penalty=0.0)]
+    assert 0 in lengths and max(lengths) > 0, lengths
+    pieces = json.loads((output / "shared_vocabulary.json").read_text())
+    assert pieces[:5] == ["<pad>", "<unk>", "<s>", "</s>", "<4>"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(attention_window=3), r"attention_window=3 .* cannot be expressed in CTranslate2"),
+        (dict(key_dim=8, value_dim=4), r"key_dim=8 != value_dim=4 cannot be expressed"),
+    ],
+)
+def test_unsupported_models_are_refused(tmp_path, overrides, message):
+    model = kt.TransformerModel(vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=16,
+                                intermediate_dim=16, dropout=0.0, **overrides)
+    with pytest.raises(ct2_export.UnsupportedModelError, match=message):
+        ct2_export.export_ctranslate2(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_old_format_version_says_export_again(tmp_path):
+    (tmp_path / "keras_transformer.json").write_text(json.dumps({"format_version": 0}))
+    with pytest.raises(ValueError, match="export again"):
+        ct2_export.read_metadata(tmp_path)
+
+
+def test_cli_refuses_existing_output(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        ct2_export.main(["--preset", "tiny", "--output", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "already exists; pass --overwrite" in error
+
+
+def test_cli_bad_preset_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ct2_export.main(["--preset", str(tmp_path / "missing"), "--output", str(tmp_path / "out")])
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: Unknown preset")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_quantization_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"quantization='int4' must be one of"):
+        ct2_export.export_ctranslate2("tiny", tmp_path / "out", quantization="int4")
