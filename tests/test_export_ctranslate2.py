@@ -114,24 +114,34 @@ def test_greedy_outputs_are_not_trivial_and_equal_keras(model, translator):
     assert max(len(set(row)) for row in ours) > 5  # not one repeated token
 
 
-def test_source_is_pieces_without_end_and_text_round_trip(model, translator):
-    """CTranslate2 appends the end piece itself: passing it again changes the encoder input."""
-    sentence = "Click the button to save the document."
-    pieces = sentencepiece.SentencePieceProcessor(model_proto=model.tokenizer.proto).encode(sentence, out_type=str)
-    ids = model.tokenizer.encode([sentence])[0]  # pieces + end id, what Keras reads
-    assert ids[-1] == model.end_id and len(ids) == len(pieces) + 1
-    options = dict(ct2_export.translation_options(beam_size=1, length_penalty=0.0),
-                   max_decoding_length=ct2_export.max_decoding_length(len(pieces), MAX_SEQUENCE_LENGTH))
-    without_end = translator.translate_batch([pieces], **options)[0].hypotheses[0]
-    keras_ids = model.generate(np.array([ids]), beam_size=1, max_extra_length=50)[0]
+def test_text_in_text_out_with_pieces_without_the_end_piece(model, translator):
+    """The serving route: SentencePiece pieces (no end piece) -> CTranslate2 -> text, as Keras from the same text.
+
+    CTranslate2 appends the end piece itself (`add_source_eos`): passing it
+    too gives the encoder `pieces + [end, end]`, another input.
+    """
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model.tokenizer.proto)
+    texts, ids = ct2_export._validation_sources(model, SENTENCES)
+    ours = ct2_export._keras_outputs(model, ids, beam_size=1, length_penalty=0.0)  # the validation's shapes
     index = {token: i for i, token in enumerate(ct2_export.vocabulary(model))}
-    assert [model.start_id] + [index[t] for t in without_end] + [model.end_id] == [
-        t for t in keras_ids.tolist() if t != model.pad_id
-    ]
-    # Scores: CTranslate2 reads `pieces + [end]`; an explicit end piece gives `pieces + [end, end]`.
-    doubled = translator.score_batch([pieces + ["</s>"]], [without_end], max_input_length=0)[0].log_probs
-    single = translator.score_batch([pieces], [without_end], max_input_length=0)[0].log_probs
-    assert not np.allclose(doubled, single)
+    compared = 0
+    for text, source, output in zip(texts, ids, ours):
+        encoded = model.tokenizer.encode([text])[0]  # what Keras reads: pieces + end id
+        if len(encoded) != len(source) + 1:
+            continue  # cut to max_sequence_length by the validation
+        assert encoded == source + [model.end_id]
+        pieces = processor.encode(text, out_type=str)
+        options = dict(ct2_export.translation_options(beam_size=1, length_penalty=0.0),
+                       max_decoding_length=ct2_export.max_decoding_length(len(pieces), MAX_SEQUENCE_LENGTH))
+        hypothesis = translator.translate_batch([pieces], **options)[0].hypotheses[0]
+        assert [index[token] for token in hypothesis] == output
+        assert processor.decode(hypothesis) == model.tokenizer.decode([[model.start_id, *output, model.end_id]])[0]
+        compared += 1
+    assert compared >= SENTENCES // 2
+    pieces = processor.encode(texts[0], out_type=str)
+    single = translator.score_batch([pieces], [["▁die"]], max_input_length=0)[0].log_probs
+    doubled = translator.score_batch([pieces + ["</s>"]], [["▁die"]], max_input_length=0)[0].log_probs
+    assert not np.allclose(single, doubled)
 
 
 def test_beam_search_with_length_penalty_zero(model, translator):
@@ -211,21 +221,27 @@ def test_half_split_sinusoids_fail_validation(tmp_path, model, monkeypatch):
 
     monkeypatch.setattr(ct2_export, "position_table", half_split)
     with pytest.raises(ValidationError, match=r"differ from Keras by .* on sentence \d+"):
-        ct2_export.export_ctranslate2(model, tmp_path / "bad", validation_sentences=4)
+        # The validation's shapes, so that Keras' compiled search is reused.
+        ct2_export.export_ctranslate2(model, tmp_path / "bad", validation_sentences=SENTENCES)
     assert not (tmp_path / "bad").exists() and not list(tmp_path.iterdir())
 
 
-def variant_model(seed=3):
-    keras.utils.set_random_seed(seed)
-    return kt.TransformerModel(
+@pytest.fixture(scope="module")
+def variant():
+    """`(model, its initial weights)`: one model object, so that its compiled search is reused."""
+    keras.utils.set_random_seed(3)
+    model = kt.TransformerModel(
         vocabulary_size=120, num_layers=2, num_heads=4, hidden_dim=32, intermediate_dim=48, key_dim=5,
         value_dim=5, dropout=0.0, max_sequence_length=40, position_encoding="learned", normalize_first=True,
     )
+    return model, model.get_weights()
 
 
-def test_variants_pre_ln_learned_positions_head_dim_without_tokenizer(tmp_path):
+def test_variants_pre_ln_learned_positions_head_dim_without_tokenizer(tmp_path, variant):
     """normalize_first, learned positions and key_dim = value_dim != hidden_dim / num_heads."""
-    model = hand_set(variant_model())
+    model, weights = variant
+    model.set_weights(weights)
+    hand_set(model)
     output = ct2_export.export_ctranslate2(model, tmp_path / "variant", validation_sentences=8)
     metadata = ct2_export.read_metadata(output)
     assert metadata["validation"]["identical"] == 8 and metadata["tokenizer"] is None
@@ -234,21 +250,22 @@ def test_variants_pre_ln_learned_positions_head_dim_without_tokenizer(tmp_path):
     assert pieces[:5] == ["<pad>", "<unk>", "<s>", "</s>", "<4>"]
 
 
-def test_empty_outputs_need_min_decoding_length_zero(tmp_path):
+def test_empty_outputs_need_min_decoding_length_zero(tmp_path, variant):
     """Our search may choose the end id first; CTranslate2's default min_decoding_length=1 forbids it."""
-    model = variant_model()
+    model, weights = variant
+    model.set_weights(weights)
     embeddings = keras.ops.convert_to_numpy(model.token_embedding.embeddings).copy()
     # The end id's row along the start id's: the first step's input makes the end id the most likely.
     embeddings[model.end_id] += 3 * embeddings[model.start_id]
     model.token_embedding.embeddings.assign(embeddings)
-    output = ct2_export.export_ctranslate2(model, tmp_path / "empty", validation_sentences=4)
-    _, ids = ct2_export._validation_sources(model, 4)
-    assert ct2_export._keras_outputs(model, ids, beam_size=1, length_penalty=0.0) == [[]] * 4
+    output = ct2_export.export_ctranslate2(model, tmp_path / "empty", validation_sentences=8)
+    _, ids = ct2_export._validation_sources(model, 8)
+    assert ct2_export._keras_outputs(model, ids, beam_size=1, length_penalty=0.0) == [[]] * 8
     translator = ctranslate2.Translator(str(output), device="cpu", intra_threads=1, inter_threads=1)
     tokens = ct2_export.vocabulary(model)
     sources = [[tokens[i] for i in row] for row in ids]
     ours = translator.translate_batch(sources, **ct2_export.translation_options(beam_size=1, length_penalty=0.0))
-    assert [result.hypotheses[0] for result in ours] == [[]] * 4
+    assert [result.hypotheses[0] for result in ours] == [[]] * 8
     default = translator.translate_batch(sources, beam_size=1, max_decoding_length=5)  # min_decoding_length=1
     assert all(len(result.hypotheses[0]) >= 1 for result in default)
 
