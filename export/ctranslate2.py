@@ -21,7 +21,7 @@ What the export maps, and how:
   (`model_spec` aliases equal variables). CTranslate2 multiplies embeddings
   by sqrt(d_model) by default (`scale_embeddings`), as we do.
 - Positions: CTranslate2's built-in sinusoid is another function (positions
-  from 1, sines then cosines, timescales over d/2 - 1), so our table
+  from 1, all sines then all cosines, frequencies 10000^(-i / (d/2 - 1))), so our table
   (`layers.position.sinusoidal_table`, interleaved sin/cos from position 0)
   is written as the position-encoding weights, `max_sequence_length` rows;
   learned positions (Table 3 row E) likewise.
@@ -35,8 +35,9 @@ What the export maps, and how:
   gets a bias of `SUPPRESSED_LOGIT` on those two ids (0 elsewhere) so that
   CTranslate2 does not either, without options. Greedy tokens are unchanged;
   CTranslate2's log-probabilities are then normalised over the other ids
-  (ours over all, before excluding them), a difference that is zero for
-  trained models in practice.
+  (ours over all, before excluding them), a difference of
+  log(1 - P(pad) - P(start)) per token: negligible for a trained model,
+  which gives those ids almost no probability.
 
 Not expressible, refused with a message: `attention_window` (restricted
 self-attention; CTranslate2's `sliding_window` is a causal cache window, and
@@ -46,14 +47,20 @@ projections in equal parts) and activations other than ReLU.
 Search differences (say so where users see them): CTranslate2's length
 penalty is `score / |Y'| ** alpha` with |Y'| the tokens without the end
 token; ours is GNMT's `score / ((5 + |Y|) / 6) ** alpha` with |Y| counting
-the end token. Greedy search and beam search with `length_penalty=0` are
-unaffected (the tests check both); with alpha > 0 beams may differ. Its
-`translate_batch` defaults are not ours either: `beam_size=2`,
-`length_penalty=1`, `min_decoding_length=1` (ours allows an empty output),
-`max_decoding_length=256` for the whole batch (ours: each row's source
-length + 50). `max_decoding_length = len(pieces) + 50` (without the end piece)
-gives our maximum for a row; it is one number per call, so pass the longest
-row's.
+the end token. Greedy search gives the same tokens (checked at every
+export); beam search with `length_penalty=0` mostly does, but CTranslate2
+finishes a hypothesis only from its best `beam_size` candidates (ours from
+the best `2 * beam_size`, as tensor2tensor) and at the maximum length keeps
+unfinished hypotheses (ours forces the end id); with alpha > 0 the penalties
+differ too. Its `translate_batch` defaults are not ours either:
+`beam_size=2`, `length_penalty=1`, `min_decoding_length=1` (ours allows an
+empty output), `max_decoding_length=256` for the whole batch (ours: each
+row's source length + 50) and `max_input_length=1024`.
+`max_decoding_length = len(pieces) + 50` (without the end piece) gives our
+maximum for a row; it is one number per call, so pass the longest row's, at
+most `max_sequence_length - 2`: the position table has `max_sequence_length`
+rows and CTranslate2 fails beyond it, as our model refuses longer inputs.
+`translation_options()` gives the other settings.
 
 The directory holds CTranslate2's `model.bin`, `config.json` and
 `shared_vocabulary.json`, our `tokenizer.model` (when the preset has one) and
@@ -84,7 +91,8 @@ sp = sentencepiece.SentencePieceProcessor(model_file="exported/ct2/tokenizer.mod
 pieces = sp.encode(["A sentence."], out_type=str)   # no end piece: CTranslate2 appends it
 results = translator.translate_batch(
     pieces, beam_size=4, length_penalty=0.6,         # CTranslate2's penalty: score / len ** 0.6
-    min_decoding_length=0, max_decoding_length=max(map(len, pieces)) + 50,
+    min_decoding_length=0, max_input_length=MAX_SEQUENCE_LENGTH,   # the preset's max_sequence_length
+    max_decoding_length=min(max(map(len, pieces)) + 50, MAX_SEQUENCE_LENGTH - 2),
 )
 print(sp.decode(results[0].hypotheses[0]))
 ```
@@ -115,7 +123,6 @@ VOCABULARY_FILE = "shared_vocabulary.json"
 QUANTIZATIONS = (
     None, "float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
 )
-EXACT_QUANTIZATIONS = (None, "float32")
 # Output bias of the pad and start ids: exp(-1e4) is 0 in every float type,
 # and -1e4 is finite in float16 (which -1e9 is not).
 SUPPRESSED_LOGIT = -1e4
@@ -270,10 +277,8 @@ def model_spec(model, tokens):
     from ctranslate2.specs import common_spec, transformer_spec
 
     check_exportable(model)
-    default_head = model.hidden_dim // model.num_heads
-    head_dim = None if model.head_key_dim == default_head and model.hidden_dim % model.num_heads == 0 else (
-        model.head_key_dim
-    )
+    # CTranslate2's per-head size defaults to hidden_dim / num_heads; head_dim sets any other.
+    head_dim = None if model.head_key_dim * model.num_heads == model.hidden_dim else model.head_key_dim
     pre_norm = bool(model.normalize_first)
     layers = dict(
         num_heads=model.num_heads, pre_norm=pre_norm, activation=common_spec.Activation.RELU, head_dim=head_dim
@@ -325,18 +330,21 @@ def model_spec(model, tokens):
 # ---------------------------------------------------------------------- #
 # Export
 # ---------------------------------------------------------------------- #
-def translation_options(beam_size=4, length_penalty=0.6):
+def translation_options(beam_size=4, length_penalty=0.6, max_sequence_length=None):
     """`translate_batch` keyword arguments closest to our `generate` (besides `max_decoding_length`).
 
     `length_penalty` is passed through, but CTranslate2 divides by
     `|Y'| ** alpha`, not GNMT's `((5 + |Y|) / 6) ** alpha`: identical tokens
-    for greedy search and for alpha = 0 only.
+    for greedy search and for alpha = 0 only. With `max_sequence_length`,
+    longer sources are cut to it (the end id kept last; CTranslate2 counts
+    the appended end id), which keeps them inside the position table; our
+    model refuses them instead.
     """
     return {
         "beam_size": beam_size,
         "length_penalty": length_penalty,
-        "min_decoding_length": 0,  # ours allows an empty output (the end id first)
-        "max_input_length": 0,  # no truncation; our model refuses sources beyond max_sequence_length
+        "min_decoding_length": 0,  # ours allows an empty output (the end id first); CTranslate2's default is 1
+        "max_input_length": max_sequence_length or 0,  # 0: no truncation (CTranslate2's default is 1024)
         "return_end_token": False,
     }
 
@@ -381,7 +389,7 @@ def _metadata(model, tokens, quantization, validation=None):
         "layer_norm_epsilon": float(model.layer_norm_epsilon),
         "max_sequence_length": model.max_sequence_length,
         "translate_options": dict(
-            translation_options(),
+            translation_options(max_sequence_length=model.max_sequence_length),
             max_decoding_length=f"len(pieces) + {MAX_EXTRA_LENGTH}, at most {model.max_sequence_length - 2}",
         ),
         "length_penalty": (
@@ -525,7 +533,7 @@ def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size
     by_length = {}
     for row, source in enumerate(ids):
         by_length.setdefault(len(source), []).append(row)
-    options = translation_options(beam_size, length_penalty)
+    options = translation_options(beam_size, length_penalty, max_sequence_length)
     for length, rows in sorted(by_length.items()):
         results = translator.translate_batch(
             [[tokens[i] for i in ids[row]] for row in rows],
