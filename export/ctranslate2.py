@@ -131,6 +131,7 @@ VALIDATION_SENTENCES = 32
 # Largest difference of a token's log-probability, CTranslate2 float32 vs Keras.
 LOG_PROB_ATOL = 1e-3
 MIN_CTRANSLATE2 = "4.5"
+HEAD_DIM_CTRANSLATE2 = "4.6.3"  # the first whose encoder spec takes head_dim
 
 
 class UnsupportedModelError(ValueError):
@@ -149,6 +150,10 @@ def _import_ctranslate2():
             f"CTranslate2 export needs ctranslate2>={MIN_CTRANSLATE2}: pip install 'keras-aiayn[ctranslate2]'"
         ) from error
     return ctranslate2
+
+
+def _version_tuple(version):
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
 
 
 # ---------------------------------------------------------------------- #
@@ -277,12 +282,16 @@ def model_spec(model, tokens):
     from ctranslate2.specs import common_spec, transformer_spec
 
     check_exportable(model)
-    # CTranslate2's per-head size defaults to hidden_dim / num_heads; head_dim sets any other.
-    head_dim = None if model.head_key_dim * model.num_heads == model.hidden_dim else model.head_key_dim
     pre_norm = bool(model.normalize_first)
-    layers = dict(
-        num_heads=model.num_heads, pre_norm=pre_norm, activation=common_spec.Activation.RELU, head_dim=head_dim
-    )
+    layers = dict(num_heads=model.num_heads, pre_norm=pre_norm, activation=common_spec.Activation.RELU)
+    # CTranslate2's per-head size defaults to hidden_dim / num_heads; head_dim sets any other.
+    if model.head_key_dim * model.num_heads != model.hidden_dim:
+        if _version_tuple(ctranslate2.__version__) < _version_tuple(HEAD_DIM_CTRANSLATE2):
+            raise UnsupportedModelError(
+                f"key_dim={model.head_key_dim} != hidden_dim / num_heads needs ctranslate2>={HEAD_DIM_CTRANSLATE2} "
+                f"(head_dim in its encoder spec); installed: {ctranslate2.__version__}"
+            )
+        layers["head_dim"] = model.head_key_dim
     encoder = transformer_spec.TransformerEncoderSpec(len(model.encoder_layers), **layers)
     decoder = transformer_spec.TransformerDecoderSpec(len(model.decoder_layers), **layers)
     spec = transformer_spec.TransformerSpec(encoder, decoder)
