@@ -16,7 +16,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import sentencepiece  # noqa: E402
 
-ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 is not installed (pip install 'keras-aiayn[ctranslate2]')")
+ctranslate2 = pytest.importorskip(
+    "ctranslate2", reason="ctranslate2 is not installed (pip install 'keras-aiayn[ctranslate2]')"
+)
 
 import keras_transformer as kt  # noqa: E402
 from export import ctranslate2 as ct2_export  # noqa: E402
@@ -208,12 +210,18 @@ def _full_log_probs(model, ids, outputs):
 
 
 def test_int8_loads_translates_and_reports_agreement(tmp_path, model, exported):
-    output = ct2_export.export_ctranslate2(model, tmp_path / "int8", quantization="int8", validation_sentences=SENTENCES)
+    output = ct2_export.export_ctranslate2(
+        model, tmp_path / "int8", quantization="int8", validation_sentences=SENTENCES
+    )
     metadata = ct2_export.read_metadata(output)
     assert metadata["quantization"] == "int8"
     validation = metadata["validation"]
     assert validation["exact"] is False and validation["sentences"] == SENTENCES
-    assert 0 <= validation["identical"] <= SENTENCES
+    # The weights really are int8: beyond float32's tolerance (these chaotic hand-set weights
+    # amplify the rounding; measured 3.7 and 2 of 16 sentences identical); reported, not raised.
+    assert validation["largest_log_prob_difference"] > ct2_export.LOG_PROB_ATOL
+    if validation["identical"] < SENTENCES:
+        assert validation["first_difference"].startswith("sentence ")
     # int8 weights are smaller than float32 ones.
     assert (output / "model.bin").stat().st_size < 0.5 * (exported / "model.bin").stat().st_size
     translator = ctranslate2.Translator(str(output), device="cpu", intra_threads=1, inter_threads=1)
