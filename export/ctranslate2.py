@@ -404,8 +404,10 @@ def _metadata(model, tokens, quantization, validation=None):
         "length_penalty": (
             "CTranslate2 scores a hypothesis log P(Y|X) / |Y'| ** length_penalty (|Y'| without the end "
             "token); keras_transformer uses GNMT's log P(Y|X) / ((5 + |Y|) / 6) ** length_penalty (|Y| "
-            "with the end token). Greedy search and length_penalty=0 give the same tokens; beams with "
-            "length_penalty > 0 may differ."
+            "with the end token). Greedy search gives the same tokens. Beams mostly agree with "
+            "length_penalty=0, but CTranslate2 finishes hypotheses only from its best beam_size candidates "
+            "(ours from 2 * beam_size) and at the maximum length keeps unfinished ones (ours forces the end "
+            "id); with length_penalty > 0 they may differ more."
         ),
         "versions": _versions(),
         "model_config": json.loads(json.dumps(config, default=str)),
@@ -470,10 +472,13 @@ def export_ctranslate2(
     Raises:
         FileExistsError: `output` exists and `overwrite` is False.
         UnsupportedModelError: the model cannot be expressed in CTranslate2.
-        export.validate.ValidationError: float32 tokens differ from Keras'.
+        export.validate.ValidationError: a file or id does not match, or
+            (float32) log-probabilities or greedy tokens differ from Keras'.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATIONS}")
+    if isinstance(validation_sentences, bool) or not isinstance(validation_sentences, int) or validation_sentences < 1:
+        raise ValueError(f"validation_sentences={validation_sentences!r} must be an integer >= 1")
     output = pathlib.Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
