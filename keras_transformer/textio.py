@@ -30,6 +30,8 @@ def read_lines(path=None):
         ValueError: the bytes are not UTF-8 (naming the file and line).
     """
     if path is None or path == "-":
+        if not hasattr(sys.stdin, "buffer"):  # A text stream (e.g. io.StringIO): already decoded.
+            return split_lines(sys.stdin.read())
         data, name = sys.stdin.buffer.read(), "standard input"
     else:
         opener = gzip.open if os.fspath(path).endswith(".gz") else open
