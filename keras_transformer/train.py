@@ -9,6 +9,7 @@ import json
 import logging
 
 from keras_transformer.training import STRATEGIES, run_training
+from keras_transformer.utils import non_negative_int, positive_float, positive_int, unit_interval
 
 
 def build_parser():
@@ -21,24 +22,24 @@ def build_parser():
     parser.add_argument("--train-tgt", help="training target file, line-aligned with --train-src")
     parser.add_argument("--valid-src", help="validation source file")
     parser.add_argument("--valid-tgt", help="validation target file")
-    parser.add_argument("--vocabulary-size", type=int, help="shared subword vocabulary (default: the preset's)")
-    parser.add_argument("--tokenizer-max-sentences", type=int,
+    parser.add_argument("--vocabulary-size", type=positive_int, help="shared subword vocabulary (default: the preset's)")
+    parser.add_argument("--tokenizer-max-sentences", type=positive_int,
                         help="train the vocabulary on a sample of this many sentences (default: all)")
-    parser.add_argument("--tokens-per-batch", type=int, default=25000, help="token budget per batch side (paper: 25000)")
+    parser.add_argument("--tokens-per-batch", type=positive_int, default=25000, help="token budget per batch side (paper: 25000)")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help="training steps")
-    length.add_argument("--epochs", type=int, help="passes over the training data (default 10)")
-    parser.add_argument("--max-length", type=int, default=128, help="drop pairs longer than this many tokens")
-    parser.add_argument("--warmup-steps", type=int, default=4000, help="learning-rate warmup (paper: 4000)")
-    parser.add_argument("--learning-rate-scale", type=float, default=1.0, help="multiplies the paper's learning rate")
-    parser.add_argument("--label-smoothing", type=float, default=0.1)
-    parser.add_argument("--gradient-accumulation-steps", type=int)
-    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
-    parser.add_argument("--keep-checkpoints", type=int, default=5)
-    parser.add_argument("--average-last", type=int, default=5, help="average the last K checkpoints (paper: 5 base, 20 big)")
+    length.add_argument("--steps", type=positive_int, help="training steps")
+    length.add_argument("--epochs", type=positive_int, help="passes over the training data (default 10)")
+    parser.add_argument("--max-length", type=positive_int, default=128, help="drop pairs longer than this many tokens")
+    parser.add_argument("--warmup-steps", type=positive_int, default=4000, help="learning-rate warmup (paper: 4000)")
+    parser.add_argument("--learning-rate-scale", type=positive_float, default=1.0, help="multiplies the paper's learning rate")
+    parser.add_argument("--label-smoothing", type=unit_interval, default=0.1)
+    parser.add_argument("--gradient-accumulation-steps", type=positive_int)
+    parser.add_argument("--checkpoint-every", type=positive_int, default=500, help="steps between checkpoints")
+    parser.add_argument("--keep-checkpoints", type=positive_int, default=5)
+    parser.add_argument("--average-last", type=positive_int, default=5, help="average the last K checkpoints (paper: 5 base, 20 big)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--mixed-precision", choices=["mixed_bfloat16", "mixed_float16"])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-resumable --output")
     return parser
 
