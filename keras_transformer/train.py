@@ -7,8 +7,9 @@ corpus. Run it again with the same --output to resume after an interruption.
 import argparse
 import json
 import logging
+import sys
 
-from keras_transformer.training import STRATEGIES, run_training
+from keras_transformer.training import STRATEGIES, UserInputError, run_training
 from keras_transformer.utils import non_negative_int, positive_float, positive_int, unit_interval
 
 
@@ -40,14 +41,25 @@ def build_parser():
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--mixed-precision", choices=["mixed_bfloat16", "mixed_float16"])
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-resumable --output")
+    parser.add_argument("--overwrite", action="store_true", help="replace a run or preset at --output once the new one is complete")
     return parser
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    metadata = run_training(
+    try:
+        metadata = _train(args)
+    except UserInputError as error:
+        # Raised before anything was written: one line, like an argparse error.
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps({k: v for k, v in metadata.items() if k != "data"}, indent=2))
+
+
+def _train(args):
+    return run_training(
         args.output,
         preset=args.preset,
         train_src=args.train_src,
@@ -72,7 +84,6 @@ def main(argv=None):
         seed=args.seed,
         overwrite=args.overwrite,
     )
-    print(json.dumps({k: v for k, v in metadata.items() if k != "data"}, indent=2))
 
 
 if __name__ == "__main__":
