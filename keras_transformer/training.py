@@ -302,8 +302,15 @@ def read_resume_point(path):
 
     if not os.path.isfile(path):
         return None
-    with h5py.File(path, "r") as handle:
-        return json.loads(handle.attrs[RESUME_ATTRIBUTE])
+    try:
+        with h5py.File(path, "r") as handle:
+            return json.loads(handle.attrs[RESUME_ATTRIBUTE])
+    except (OSError, KeyError, ValueError) as error:
+        # Written atomically, so only a damaged disk or a foreign file gets here.
+        raise OutputDirectoryError(
+            f"The resume point {path} is unreadable ({error}); the checkpoints beside it are in "
+            f"{pathlib.Path(path).parent.parent / 'checkpoints'}. Pass --overwrite to start again"
+        ) from None
 
 
 class ResumePoint(keras.callbacks.Callback):
@@ -406,8 +413,9 @@ def _finish_interrupted_install(output_dir):
             logger.warning("Completing the interrupted installation of %s (from %s)", output_dir, entry.name)
             _swap_in(entry, output_dir)
             break
-    for entry in remove_stale_temporaries(output_dir):
-        logger.info("Removed %s, left by a killed run", entry)
+    for path in (output_dir, output_dir / TRAINING_DIR, _replacement_directory(output_dir) / TRAINING_DIR):
+        for entry in remove_stale_temporaries(path):
+            logger.info("Removed %s, left by a killed run", entry)
     if output_dir.is_dir():
         for entry in output_dir.glob(".preset-*"):  # staging of versions <= 0.x
             shutil.rmtree(entry, ignore_errors=True)
@@ -420,6 +428,13 @@ def _remove_partial_files(work):
             for entry in directory.iterdir():
                 if entry.name.startswith(".") and entry.is_file():
                     entry.unlink()
+
+
+def _remove_directory(directory):
+    """Renames `directory` away (atomic), then deletes it: a kill never leaves half of it in place."""
+    trash = temporary_sibling(directory, "old")
+    os.replace(directory, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _swap_in(staging, output_dir):
@@ -634,21 +649,29 @@ def run_training(
     except (ValueError, OSError) as error:
         raise _as_input_error(error) from error
 
-    # From here on the run writes, in `root / training` only.
-    if state is None and work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    _remove_partial_files(work)
-    if new_tokenizer:
-        tokenizer.save(work)
+    # From here on the run writes, in `root / training` only. A new
+    # `training/` is assembled beside its place and renamed: it never exists
+    # without its state.
+    remove_stale_temporaries(work)
     if state is None:
-        state = {"arguments": arguments, "interval": interval, "finished": False, "changes": []}
-    elif changes:
-        logger.info("Resuming with %s", _format_changes(changes))
-        state["changes"].append({"at_step": resume["step"], "changed": {k: list(v) for k, v in changes.items()}})
-        state["arguments"] = arguments
-    state["steps"] = total_steps
-    _write_state(work / STATE_FILE, state)
+        if work.exists():
+            _remove_directory(work)
+        staging = temporary_sibling(work, "tmp")
+        staging.mkdir(parents=True)
+        state = {"arguments": arguments, "interval": interval, "steps": total_steps, "finished": False, "changes": []}
+        _write_state(staging / STATE_FILE, state)
+        tokenizer.save(staging)
+        os.replace(staging, work)
+    else:
+        _remove_partial_files(work)
+        if new_tokenizer:
+            tokenizer.save(work)
+        if changes:
+            logger.info("Resuming with %s", _format_changes(changes))
+            state["changes"].append({"at_step": resume["step"], "changed": {k: list(v) for k, v in changes.items()}})
+            state["arguments"] = arguments
+        state["steps"] = total_steps
+        _write_state(work / STATE_FILE, state)
 
     train_data = data_lib.make_dataset(
         *train_ids, tokens_per_batch=tokens_per_batch, seed=seed, repeat=True, max_length=max_length
@@ -687,7 +710,8 @@ def run_training(
                 strategy_name=strategy_name,
             )
             if initial_epoch:
-                model.optimizer.build(model.trainable_variables)
+                if not model.optimizer.built:
+                    model.optimizer.build(model.trainable_variables)
                 model.load_weights(str(resume_path))
                 logger.info("Resuming %s after step %d (interval %d of %d)", root, resume["step"], initial_epoch, fit_epochs)
         nan_guard = StopOnNaN()
@@ -837,4 +861,4 @@ def _install_preset(model, metadata, root, output_dir, state):
     _write_state(staging / TRAINING_DIR / STATE_FILE, state)
     _swap_in(staging, output_dir)
     if root != output_dir:
-        shutil.rmtree(root, ignore_errors=True)
+        _remove_directory(root)

@@ -360,7 +360,7 @@ TRAIN_SCRIPT = textwrap.dedent(
     from keras_transformer.training import run_training
     run_training(output, preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300,
                  tokens_per_batch=512, steps=int(steps), checkpoint_every=1, warmup_steps=10,
-                 max_length=48, verbose=0, model_overrides={"max_sequence_length": 64})
+                 max_length=48, verbose=0, model_overrides={"max_sequence_length": 64, "num_layers": 1})
     """
 )
 
@@ -376,21 +376,23 @@ def test_training_survives_random_sigkills(tmp_path):
     rng = np.random.default_rng(seed)
     src, tgt = _small_corpus(tmp_path)
     output = tmp_path / "run"
-    steps = 6
+    steps = 4
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO, KERAS_BACKEND="tensorflow")
 
-    def command(kill_at):
+    def command(kill_at, steps=steps):
         return [sys.executable, "-c", TRAIN_SCRIPT, str(output), src, tgt, str(steps), kill_at]
 
     kills = [
-        f"replace={rng.integers(2, 6)}",  # early: tokenizer, state, first checkpoints
-        f"target={training.RESUME_FILE}",  # checkpoint written, resume point not yet
-        "time",
-        f"replace={rng.integers(2, 10)}",
-        "target=/run",  # the final swap: the old directory is renamed away, the new one not yet in
+        f"replace={rng.integers(1, 8)}",  # early: the state, the tokenizer, training/, the first checkpoints
+        f"target={training.RESUME_FILE}",  # a checkpoint written, its resume point not yet
+        "time",  # anywhere, shortly after a resume point
+        "target=/run",  # the final swap: the old directory renamed away, the new one not yet in
     ]
+    more_steps = steps + 1  # from the last kill on: a change that is applied and recorded (unless finished)
     log = []
     for kill_at in kills:
+        if kill_at == kills[-1] and json.loads((output / "training" / "state.json").read_text())["finished"]:
+            more_steps = steps  # finished already: more steps would need --overwrite
         if kill_at == "time":
             stderr_file = open(tmp_path / "stderr.txt", "w+b")
             process = subprocess.Popen(command("none"), env=env, stderr=stderr_file)
@@ -410,18 +412,20 @@ def test_training_survives_random_sigkills(tmp_path):
             stderr_file.close()
             os.remove(tmp_path / "stderr.txt")
         else:
-            process = subprocess.run(command(kill_at), env=env, stderr=subprocess.PIPE, timeout=300)
+            process = subprocess.run(command(kill_at, more_steps if kill_at == kills[-1] else steps),
+                                     env=env, stderr=subprocess.PIPE, timeout=300)
             stderr = process.stderr
         log.append((kill_at, process.returncode))
         assert process.returncode in (0, -signal.SIGKILL), (seed, log, stderr.decode()[-3000:])
 
-    finished = subprocess.run(command("none"), env=env, stderr=subprocess.PIPE, timeout=300)
+    finished = subprocess.run(command("none", more_steps), env=env, stderr=subprocess.PIPE, timeout=300)
     assert finished.returncode == 0, (seed, log, finished.stderr.decode()[-3000:])
     killed = sum(code == -signal.SIGKILL for _, code in log)
     print(f"survived {killed} SIGKILLs ({log}), seed {seed}")
     assert killed >= 3, log
 
     # The right number of steps, each interval counted once.
+    kills_steps, steps = steps, more_steps
     work = output / "training"
     resume = training.read_resume_point(work / "backup" / training.RESUME_FILE)
     assert (resume["intervals"], resume["step"]) == (steps, steps)
@@ -431,14 +435,20 @@ def test_training_survives_random_sigkills(tmp_path):
     assert counters == [steps]  # optimizer.iterations: no interval trained twice
     metadata = json.loads((output / "metadata.json").read_text())
     assert metadata["steps"] == steps
-    assert json.loads((work / "state.json").read_text())["finished"] is True
+    if steps != kills_steps:
+        assert [c["changed"] for c in metadata["resumed_with_changes"]] == [{"steps": [steps - 1, steps]}]
+    state = json.loads((work / "state.json").read_text())
+    assert state["finished"] is True and state["arguments"]["steps"] == steps
     assert sorted(os.listdir(tmp_path)) == ["run", "src.txt", "tgt.txt"]  # no temporaries left
     loaded = kt.TransformerModel.from_preset(str(output))
     assert loaded.tokenizer is not None and loaded.tokenizer.vocabulary_size == loaded.vocabulary_size
 
     # The same command again has nothing to do.
-    again = subprocess.run(command("none"), env=env, stderr=subprocess.PIPE, timeout=300)
-    assert again.returncode == 0 and b"nothing to do" in again.stderr
+    assert training.run_training(
+        output, preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300, tokens_per_batch=512,
+        steps=steps, checkpoint_every=1, warmup_steps=10, max_length=48, verbose=0,
+        model_overrides={"max_sequence_length": 64, "num_layers": 1},
+    ) == metadata
 
 
 def _datasets(handle):
