@@ -16,6 +16,7 @@ Distribution (`strategy=`):
 """
 
 import contextlib
+import json
 import logging
 import os
 import pathlib
@@ -257,16 +258,16 @@ class UserInputError(Exception):
     """
 
 
-class InvalidArgumentError(UserInputError, ValueError):
-    pass
+class BadArgumentError(UserInputError, ValueError):
+    """An argument, a value in the data, or a difference from the interrupted run."""
 
 
 class InputFileError(UserInputError, FileNotFoundError):
-    pass
+    """A data or preset file that does not exist."""
 
 
 class OutputDirectoryError(UserInputError, FileExistsError):
-    pass
+    """An `output_dir` that must not be touched (not ours, finished, or unreadable state)."""
 
 
 def _as_input_error(error):
@@ -276,7 +277,7 @@ def _as_input_error(error):
         return InputFileError(str(error))
     if isinstance(error, FileExistsError):
         return OutputDirectoryError(str(error))
-    return InvalidArgumentError(str(error))
+    return BadArgumentError(str(error))
 
 
 def save_resume_point(model, path, intervals, **info):
@@ -287,8 +288,6 @@ def save_resume_point(model, path, intervals, **info):
     `BackupAndRestore` writes its weights in place and the epoch in a second
     file).
     """
-    import json
-
     state = {"intervals": int(intervals), "step": int(keras.ops.convert_to_numpy(model.optimizer.iterations)), **info}
     with atomic_path(path, suffix=".weights.h5") as temporary:
         model.save_weights(temporary, overwrite=True)
@@ -298,8 +297,6 @@ def save_resume_point(model, path, intervals, **info):
 
 def read_resume_point(path):
     """The dict stored by `save_resume_point`, or None when `path` holds none."""
-    import json
-
     if not os.path.isfile(path):
         return None
     try:
@@ -328,23 +325,19 @@ class ResumePoint(keras.callbacks.Callback):
 
 
 def _read_state(path):
-    import json
-
     try:
         state = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise InvalidArgumentError(
+        raise BadArgumentError(
             f"{path} is not readable JSON ({error}); the training run there cannot be resumed: "
             "pass --overwrite to start again or choose another --output"
         ) from None
     if not isinstance(state, dict):
-        raise InvalidArgumentError(f"{path} does not hold a training state; pass --overwrite or choose another --output")
+        raise BadArgumentError(f"{path} does not hold a training state; pass --overwrite or choose another --output")
     return state
 
 
 def _write_state(path, state):
-    import json
-
     with atomic_path(path) as temporary:
         pathlib.Path(temporary).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
 
@@ -530,7 +523,6 @@ def run_training(
     Returns:
         dict: the metadata written to `metadata.json`.
     """
-    import json
     import time
 
     from keras_transformer import data as data_lib
@@ -555,7 +547,7 @@ def run_training(
             seed=seed, tokenizer_max_sentences=tokenizer_max_sentences,
         )
         if (train_src is None) != (train_tgt is None) or (valid_src is None) != (valid_tgt is None):
-            raise InvalidArgumentError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
+            raise BadArgumentError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
         root, state = _choose_work_root(output_dir, overwrite)
         work = root / TRAINING_DIR
 
@@ -616,7 +608,7 @@ def run_training(
             elif resume is not None:
                 fixed = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES}
                 if fixed:
-                    raise InvalidArgumentError(
+                    raise BadArgumentError(
                         f"{root} holds an interrupted run ({resume['step']} steps done) with other arguments: "
                         f"{_format_changes(fixed)}. Repeat the original arguments to resume it, or pass "
                         "--overwrite to start again (the run there is kept until the new one is complete)"
@@ -642,7 +634,7 @@ def run_training(
         # the total is rounded up to a multiple of the checkpoint interval.
         total_steps = fit_epochs * interval
         if resume is not None and fit_epochs < resume["intervals"]:
-            raise InvalidArgumentError(
+            raise BadArgumentError(
                 f"The interrupted run in {root} has already trained {resume['intervals'] * interval} steps; "
                 f"this command asks for {total_steps}. Ask for at least as many steps, or pass --overwrite"
             )
@@ -804,9 +796,9 @@ def _path_or_name(value):
 
 def _check_arguments(preset, strategy, mixed_precision, jit_compile, label_smoothing, learning_rate_scale, steps,
                      epochs, **positive):
-    """Raises `InvalidArgumentError` naming the first nonsense argument."""
+    """Raises `BadArgumentError` naming the first nonsense argument."""
     if steps is not None and epochs is not None:
-        raise InvalidArgumentError(f"Pass steps or epochs, not both (received steps={steps}, epochs={epochs})")
+        raise BadArgumentError(f"Pass steps or epochs, not both (received steps={steps}, epochs={epochs})")
     positive.update(steps=steps, epochs=epochs)
     for name, value in positive.items():
         allowed_none = name in ("steps", "epochs", "vocabulary_size", "gradient_accumulation_steps", "tokenizer_max_sentences")
@@ -814,24 +806,24 @@ def _check_arguments(preset, strategy, mixed_precision, jit_compile, label_smoot
             continue
         minimum = 0 if name == "seed" else 1
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-            raise InvalidArgumentError(f"{name}={value!r} must be an integer >= {minimum}")
+            raise BadArgumentError(f"{name}={value!r} must be an integer >= {minimum}")
     if not (isinstance(learning_rate_scale, (int, float)) and np.isfinite(learning_rate_scale) and learning_rate_scale > 0):
-        raise InvalidArgumentError(f"learning_rate_scale={learning_rate_scale!r} must be a number > 0")
+        raise BadArgumentError(f"learning_rate_scale={learning_rate_scale!r} must be a number > 0")
     if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
-        raise InvalidArgumentError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
+        raise BadArgumentError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
     if strategy not in STRATEGIES:
-        raise InvalidArgumentError(f"strategy={strategy!r} must be one of {STRATEGIES}")
+        raise BadArgumentError(f"strategy={strategy!r} must be one of {STRATEGIES}")
     if mixed_precision not in (None, "mixed_bfloat16", "mixed_float16"):
-        raise InvalidArgumentError(
+        raise BadArgumentError(
             f"mixed_precision={mixed_precision!r} must be None, 'mixed_bfloat16' or 'mixed_float16'"
         )
     if jit_compile not in ("auto", True, False):
-        raise InvalidArgumentError(f"jit_compile={jit_compile!r} must be 'auto', True or False")
+        raise BadArgumentError(f"jit_compile={jit_compile!r} must be 'auto', True or False")
     if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
         if not os.path.isfile(os.path.join(preset, "config.json")):
-            raise InvalidArgumentError(f"--preset {preset} is a directory without config.json; pass a preset directory or one of {', '.join(PRESETS)}")
+            raise BadArgumentError(f"--preset {preset} is a directory without config.json; pass a preset directory or one of {', '.join(PRESETS)}")
     elif not (isinstance(preset, str) and preset in PRESETS):
-        raise InvalidArgumentError(f"Unknown preset {preset!r}: use one of {', '.join(PRESETS)} or a preset directory")
+        raise BadArgumentError(f"Unknown preset {preset!r}: use one of {', '.join(PRESETS)} or a preset directory")
 
 
 def _validation_bleu(model, tokenizer, sources, references, beam_size):

@@ -230,7 +230,7 @@ def _interrupted_run(tmp_path, monkeypatch, **arguments):
 def test_resume_with_other_arguments_is_refused_and_nothing_is_rewritten(tmp_path, monkeypatch, changed, listed):
     output, arguments = _interrupted_run(tmp_path, monkeypatch)
     before = _snapshot(output)
-    with pytest.raises(training.InvalidArgumentError) as error:
+    with pytest.raises(training.BadArgumentError) as error:
         training.run_training(output, **{**arguments, **changed})
     assert listed in str(error.value)
     assert "Repeat the original arguments" in str(error.value)
@@ -240,7 +240,7 @@ def test_resume_with_other_arguments_is_refused_and_nothing_is_rewritten(tmp_pat
 def test_resume_refuses_fewer_steps_than_done(tmp_path, monkeypatch):
     output, arguments = _interrupted_run(tmp_path, monkeypatch)
     before = _snapshot(output)
-    with pytest.raises(training.InvalidArgumentError, match="already trained 2 steps"):
+    with pytest.raises(training.BadArgumentError, match="already trained 2 steps"):
         training.run_training(output, **{**arguments, "steps": 1})
     assert _snapshot(output) == before
 
