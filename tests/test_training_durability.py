@@ -287,6 +287,37 @@ def test_resume_point_restores_weights_and_optimizer_state(tmp_path):
         np.testing.assert_array_equal(to_numpy(actual), to_numpy(expected))
 
 
+@pytest.mark.slow
+def test_an_interrupted_run_resumes_with_its_optimizer_state(tmp_path, monkeypatch):
+    """Stopped after its first resume point, the same call continues: 2 steps in all, not 1 + 2."""
+    src, tgt = _small_corpus(tmp_path, n=100)
+    output = tmp_path / "run"
+    arguments = dict(preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300, tokens_per_batch=512,
+                     steps=2, checkpoint_every=1, warmup_steps=10, max_length=32, verbose=0,
+                     model_overrides={"max_sequence_length": 32, "num_layers": 1})
+    save = training.ResumePoint.on_epoch_end
+
+    def save_then_stop(self, epoch, logs=None):
+        save(self, epoch, logs)
+        raise KeyboardInterrupt  # as if killed right after the first resume point
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training.ResumePoint, "on_epoch_end", save_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            training.run_training(output, **arguments)
+    resume_path = output / "training" / "backup" / training.RESUME_FILE
+    assert training.read_resume_point(resume_path)["intervals"] == 1
+    assert not (output / "config.json").exists()
+
+    metadata = training.run_training(output, **arguments)
+    resume = training.read_resume_point(resume_path)
+    assert (resume["intervals"], resume["step"]) == (2, 2)  # the optimizer's counter was restored
+    assert metadata["steps"] == 2 and "resumed_with_changes" not in metadata
+    assert [p.name for p in training.list_checkpoints(output / "training" / "checkpoints")] == [
+        "ckpt-00000001.weights.h5", "ckpt-00000002.weights.h5"]
+    assert kt.TransformerModel.from_preset(str(output)).tokenizer is not None
+
+
 # ---------------------------------------------------------------------- #
 # Item 5: stale temporaries are removed; an interrupted swap is completed.
 # ---------------------------------------------------------------------- #
