@@ -365,6 +365,11 @@ def _choose_work_root(output_dir, overwrite):
     """
     if output_dir.exists() and not output_dir.is_dir():
         raise OutputDirectoryError(f"--output {output_dir} is a file, not a directory; choose another --output")
+    if os.path.ismount(output_dir):
+        raise OutputDirectoryError(
+            f"--output {output_dir} is a mount point, which cannot be renamed (the finished preset is swapped "
+            "in by renaming); choose a directory inside it"
+        )
     if not output_dir.exists() or _is_empty(output_dir):
         return output_dir, None
     if not _is_training_output(output_dir):
@@ -410,7 +415,7 @@ def _finish_interrupted_install(output_dir):
         for entry in remove_stale_temporaries(path):
             logger.info("Removed %s, left by a killed run", entry)
     if output_dir.is_dir():
-        for entry in output_dir.glob(".preset-*"):  # staging of versions <= 0.x
+        for entry in output_dir.glob(".preset-*"):  # the staging directory of earlier versions
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -531,7 +536,7 @@ def run_training(
     from keras_transformer.tokenizer import Tokenizer, train_tokenizer
 
     started = time.time()
-    output_dir = pathlib.Path(output_dir)
+    output_dir = pathlib.Path(os.path.abspath(output_dir))  # `.`, `runs/x/`: a name to stage beside
     # A preset installation that a kill interrupted is completed first (it is
     # the newest state of the run), then nothing is written until every
     # argument, the data and the interrupted run have been checked.

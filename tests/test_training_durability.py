@@ -289,7 +289,10 @@ def test_resume_point_restores_weights_and_optimizer_state(tmp_path):
 
 @pytest.mark.slow
 def test_an_interrupted_run_resumes_with_its_optimizer_state(tmp_path, monkeypatch):
-    """Stopped after its first resume point, the same call continues: 2 steps in all, not 1 + 2."""
+    """Stopped after its first resume point, a call asking for one more step continues: 3 steps, not 1 + 3.
+
+    The safe changes (more steps, fewer checkpoints averaged) are applied and recorded.
+    """
     src, tgt = _small_corpus(tmp_path, n=100)
     output = tmp_path / "run"
     arguments = dict(preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300, tokens_per_batch=512,
@@ -309,12 +312,15 @@ def test_an_interrupted_run_resumes_with_its_optimizer_state(tmp_path, monkeypat
     assert training.read_resume_point(resume_path)["intervals"] == 1
     assert not (output / "config.json").exists()
 
-    metadata = training.run_training(output, **arguments)
+    metadata = training.run_training(output, **{**arguments, "steps": 3, "average_last": 2})
     resume = training.read_resume_point(resume_path)
-    assert (resume["intervals"], resume["step"]) == (2, 2)  # the optimizer's counter was restored
-    assert metadata["steps"] == 2 and "resumed_with_changes" not in metadata
+    assert (resume["intervals"], resume["step"]) == (3, 3)  # the optimizer's counter was restored
+    assert metadata["steps"] == 3
+    assert metadata["resumed_with_changes"] == [
+        {"at_step": 1, "changed": {"average_last": [5, 2], "steps": [2, 3]}}]
+    assert metadata["averaged_checkpoints"] == ["ckpt-00000002.weights.h5", "ckpt-00000003.weights.h5"]
     assert [p.name for p in training.list_checkpoints(output / "training" / "checkpoints")] == [
-        "ckpt-00000001.weights.h5", "ckpt-00000002.weights.h5"]
+        f"ckpt-{step:08d}.weights.h5" for step in (1, 2, 3)]
     assert kt.TransformerModel.from_preset(str(output)).tokenizer is not None
 
 
