@@ -328,12 +328,12 @@ def _read_state(path):
     try:
         state = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise BadArgumentError(
+        raise OutputDirectoryError(
             f"{path} is not readable JSON ({error}); the training run there cannot be resumed: "
             "pass --overwrite to start again or choose another --output"
         ) from None
     if not isinstance(state, dict):
-        raise BadArgumentError(f"{path} does not hold a training state; pass --overwrite or choose another --output")
+        raise OutputDirectoryError(f"{path} does not hold a training state; pass --overwrite or choose another --output")
     return state
 
 

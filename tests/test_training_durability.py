@@ -182,6 +182,16 @@ def test_a_directory_that_is_not_ours_is_never_deleted(tmp_path, overwrite):
     assert _snapshot(output) == {"thesis.tex": hashlib.sha1(b"keep me").hexdigest()}
 
 
+def test_a_truncated_state_is_named_and_kept(tmp_path):
+    output = tmp_path / "run"
+    (output / "training").mkdir(parents=True)
+    (output / "training" / "state.json").write_text('{"arguments": {"preset": "ti')
+    before = _snapshot(output)
+    with pytest.raises(training.OutputDirectoryError, match=r"state\.json is not readable JSON.*--overwrite"):
+        training.run_training(output, preset="tiny")
+    assert _snapshot(output) == before
+
+
 def test_a_finished_run_needs_overwrite(tmp_path):
     src, tgt = _small_corpus(tmp_path)
     output = tmp_path / "run"
