@@ -334,6 +334,36 @@ def test_an_interrupted_run_resumes_with_its_optimizer_state(tmp_path, monkeypat
     assert kt.TransformerModel.from_preset(str(output)).tokenizer is not None
 
 
+@pytest.mark.slow
+def test_overwrite_replaces_the_old_run_only_when_the_new_one_is_complete(tmp_path, monkeypatch):
+    src, tgt = _small_corpus(tmp_path, n=100)
+    output = tmp_path / "run"
+    before = _finished_run(output)
+    arguments = dict(preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300, tokens_per_batch=512,
+                     steps=2, checkpoint_every=1, warmup_steps=10, max_length=32, verbose=0, overwrite=True,
+                     model_overrides={"max_sequence_length": 32, "num_layers": 1})
+    save = training.ResumePoint.on_epoch_end
+
+    def save_then_stop(self, epoch, logs=None):
+        save(self, epoch, logs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training.ResumePoint, "on_epoch_end", save_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            training.run_training(output, **arguments)
+    assert _snapshot(output) == before  # interrupted: the old run is untouched
+    assert (tmp_path / ".run.new" / "training" / "state.json").is_file()
+
+    metadata = training.run_training(output, **arguments)  # the same command resumes the replacement
+    resume = training.read_resume_point(output / "training" / "backup" / training.RESUME_FILE)
+    assert (resume["intervals"], resume["step"], metadata["steps"]) == (2, 2, 2)
+    assert json.loads((output / "training" / "state.json").read_text())["finished"] is True
+    assert (output / "model.weights.h5").read_bytes() != b"old weights"
+    assert sorted(os.listdir(tmp_path)) == ["run", "src.txt", "tgt.txt"]
+    assert kt.TransformerModel.from_preset(str(output)).tokenizer is not None
+
+
 # ---------------------------------------------------------------------- #
 # Item 5: stale temporaries are removed; an interrupted swap is completed.
 # ---------------------------------------------------------------------- #
