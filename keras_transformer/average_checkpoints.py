@@ -7,12 +7,13 @@ import argparse
 import os
 
 from keras_transformer.training import average_checkpoints, list_checkpoints
+from keras_transformer.utils import positive_int
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m keras_transformer.average_checkpoints", description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="+", help="weight files, or one directory of ckpt-*.weights.h5")
-    parser.add_argument("--last", type=int, help="with a directory: average only the last K checkpoints")
+    parser.add_argument("--last", type=positive_int, help="with a directory: average only the last K checkpoints")
     parser.add_argument("--output", required=True, help="averaged .weights.h5 to write")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
@@ -21,6 +22,9 @@ def main(argv=None):
         paths = list_checkpoints(paths[0])
         if not paths:
             parser.error(f"no ckpt-*.weights.h5 files in {args.inputs[0]}")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        parser.error(f"no such checkpoint file: {missing[0]}")
     if args.last:
         paths = paths[-args.last:]
     if os.path.exists(args.output) and not args.overwrite:

@@ -7,8 +7,10 @@ corpus. Run it again with the same --output to resume after an interruption.
 import argparse
 import json
 import logging
+import sys
 
-from keras_transformer.training import STRATEGIES, run_training
+from keras_transformer.training import STRATEGIES, UserInputError, run_training
+from keras_transformer.utils import non_negative_int, positive_float, positive_int, unit_interval
 
 
 def build_parser():
@@ -21,32 +23,43 @@ def build_parser():
     parser.add_argument("--train-tgt", help="training target file, line-aligned with --train-src")
     parser.add_argument("--valid-src", help="validation source file")
     parser.add_argument("--valid-tgt", help="validation target file")
-    parser.add_argument("--vocabulary-size", type=int, help="shared subword vocabulary (default: the preset's)")
-    parser.add_argument("--tokenizer-max-sentences", type=int,
+    parser.add_argument("--vocabulary-size", type=positive_int, help="shared subword vocabulary (default: the preset's)")
+    parser.add_argument("--tokenizer-max-sentences", type=positive_int,
                         help="train the vocabulary on a sample of this many sentences (default: all)")
-    parser.add_argument("--tokens-per-batch", type=int, default=25000, help="token budget per batch side (paper: 25000)")
+    parser.add_argument("--tokens-per-batch", type=positive_int, default=25000, help="token budget per batch side (paper: 25000)")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help="training steps")
-    length.add_argument("--epochs", type=int, help="passes over the training data (default 10)")
-    parser.add_argument("--max-length", type=int, default=128, help="drop pairs longer than this many tokens")
-    parser.add_argument("--warmup-steps", type=int, default=4000, help="learning-rate warmup (paper: 4000)")
-    parser.add_argument("--learning-rate-scale", type=float, default=1.0, help="multiplies the paper's learning rate")
-    parser.add_argument("--label-smoothing", type=float, default=0.1)
-    parser.add_argument("--gradient-accumulation-steps", type=int)
-    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
-    parser.add_argument("--keep-checkpoints", type=int, default=5)
-    parser.add_argument("--average-last", type=int, default=5, help="average the last K checkpoints (paper: 5 base, 20 big)")
+    length.add_argument("--steps", type=positive_int, help="training steps")
+    length.add_argument("--epochs", type=positive_int, help="passes over the training data (default 10)")
+    parser.add_argument("--max-length", type=positive_int, default=128, help="drop pairs longer than this many tokens")
+    parser.add_argument("--warmup-steps", type=positive_int, default=4000, help="learning-rate warmup (paper: 4000)")
+    parser.add_argument("--learning-rate-scale", type=positive_float, default=1.0, help="multiplies the paper's learning rate")
+    parser.add_argument("--label-smoothing", type=unit_interval, default=0.1)
+    parser.add_argument("--gradient-accumulation-steps", type=positive_int)
+    parser.add_argument("--checkpoint-every", type=positive_int, default=500, help="steps between checkpoints")
+    parser.add_argument("--keep-checkpoints", type=positive_int, default=5)
+    parser.add_argument("--average-last", type=positive_int, default=5, help="average the last K checkpoints (paper: 5 base, 20 big)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--mixed-precision", choices=["mixed_bfloat16", "mixed_float16"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-resumable --output")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="replace a run or preset at --output once the new one is complete")
     return parser
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    metadata = run_training(
+    try:
+        metadata = _train(args)
+    except UserInputError as error:
+        # Raised before anything was written: one line, like an argparse error.
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps({k: v for k, v in metadata.items() if k != "data"}, indent=2))
+
+
+def _train(args):
+    return run_training(
         args.output,
         preset=args.preset,
         train_src=args.train_src,
@@ -71,7 +84,6 @@ def main(argv=None):
         seed=args.seed,
         overwrite=args.overwrite,
     )
-    print(json.dumps({k: v for k, v in metadata.items() if k != "data"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Distribution (`strategy=`):
 """
 
 import contextlib
+import json
 import logging
 import os
 import pathlib
@@ -27,8 +28,9 @@ import keras
 import numpy as np
 
 from keras_transformer.losses import LabelSmoothedCrossEntropy
+from keras_transformer.presets import PRESETS
 from keras_transformer.schedules import WarmupSchedule
-from keras_transformer.utils import atomic_path
+from keras_transformer.utils import atomic_path, remove_stale_temporaries, stale_temporaries, temporary_sibling
 
 logger = logging.getLogger(__name__)
 
@@ -240,32 +242,208 @@ def average_checkpoints(paths, output=None):
 # ---------------------------------------------------------------------- #
 STATE_FILE = "state.json"
 TRAINING_DIR = "training"
+RESUME_FILE = "resume.weights.h5"  # in training/backup/
+RESUME_ATTRIBUTE = "keras_transformer_resume"
+# Arguments that may differ when an interrupted run is resumed: they do not
+# change what was already trained (the total length may grow or shrink down
+# to what is done). Every other recorded argument must be repeated as given.
+RESUMABLE_CHANGES = ("steps", "epochs", "keep_checkpoints", "average_last", "strategy", "jit_compile", "bleu_beam_size")
 
 
-def _prepare_output(output_dir, overwrite):
-    """Returns True when resuming an interrupted run in `output_dir`."""
-    import json
+class UserInputError(Exception):
+    """Raised (as a ValueError or OSError subclass) for bad arguments, data or output paths.
 
-    output_dir = pathlib.Path(output_dir)
-    state_path = output_dir / TRAINING_DIR / STATE_FILE
-    if not output_dir.exists():
-        return False
+    Nothing has been written when it is raised; the CLI prints its message
+    as one line and exits with status 2.
+    """
+
+
+class BadArgumentError(UserInputError, ValueError):
+    """An argument, a value in the data, or a difference from the interrupted run."""
+
+
+class InputFileError(UserInputError, FileNotFoundError):
+    """A data or preset file that does not exist."""
+
+
+class OutputDirectoryError(UserInputError, FileExistsError):
+    """An `output_dir` that must not be touched (not ours, finished, or unreadable state)."""
+
+
+def _as_input_error(error):
+    if isinstance(error, UserInputError):
+        return error
+    if isinstance(error, FileNotFoundError):
+        return InputFileError(str(error))
+    if isinstance(error, FileExistsError):
+        return OutputDirectoryError(str(error))
+    return BadArgumentError(str(error))
+
+
+def save_resume_point(model, path, intervals, **info):
+    """Writes the weights, the optimizer state and the number of finished intervals as one file.
+
+    The file is written under a temporary name and renamed, so a kill leaves
+    either the previous resume point or this one, never a mixture (Keras'
+    `BackupAndRestore` writes its weights in place and the epoch in a second
+    file).
+    """
+    state = {"intervals": int(intervals), "step": int(keras.ops.convert_to_numpy(model.optimizer.iterations)), **info}
+    with atomic_path(path, suffix=".weights.h5") as temporary:
+        model.save_weights(temporary, overwrite=True)
+        with h5py.File(temporary, "r+") as handle:
+            handle.attrs[RESUME_ATTRIBUTE] = json.dumps(state)
+
+
+def read_resume_point(path):
+    """The dict stored by `save_resume_point`, or None when `path` holds none."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with h5py.File(path, "r") as handle:
+            return json.loads(handle.attrs[RESUME_ATTRIBUTE])
+    except (OSError, KeyError, ValueError) as error:
+        # Written atomically, so only a damaged disk or a foreign file gets here.
+        raise OutputDirectoryError(
+            f"The resume point {path} is unreadable ({error}); the checkpoints beside it are in "
+            f"{pathlib.Path(path).parent.parent / 'checkpoints'}. Pass --overwrite to start again"
+        ) from None
+
+
+class ResumePoint(keras.callbacks.Callback):
+    """Saves a resume point (`save_resume_point`) at the end of every interval ("epoch" of `fit`)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = pathlib.Path(path)
+
+    def on_epoch_end(self, epoch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not np.isfinite(float(loss)):
+            return  # StopOnNaN reports it; resuming from NaN weights would not help
+        save_resume_point(self.model, self.path, epoch + 1, loss=None if loss is None else float(loss))
+
+
+def _read_state(path):
+    try:
+        state = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise OutputDirectoryError(
+            f"{path} is not readable JSON ({error}); the training run there cannot be resumed: "
+            "pass --overwrite to start again or choose another --output"
+        ) from None
+    if not isinstance(state, dict):
+        raise OutputDirectoryError(f"{path} does not hold a training state; pass --overwrite or choose another --output")
+    return state
+
+
+def _write_state(path, state):
+    with atomic_path(path) as temporary:
+        pathlib.Path(temporary).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+
+
+def _is_training_output(directory):
+    """True for a directory written by `run_training` (or `save_to_preset`)."""
+    return (directory / "config.json").is_file() or (directory / TRAINING_DIR / STATE_FILE).is_file()
+
+
+def _is_empty(directory):
+    """No entries, or only the empty `training/` that older versions left after a failed start."""
+    entries = os.listdir(directory)
+    return not entries or (entries == [TRAINING_DIR] and not os.listdir(directory / TRAINING_DIR))
+
+
+def _replacement_directory(output_dir):
+    """Where an --overwrite run trains until it replaces `output_dir` (resumable, like `output_dir`)."""
+    return output_dir.parent / f".{output_dir.name}.new"
+
+
+def _choose_work_root(output_dir, overwrite):
+    """Returns `(root, state)`: the directory that holds (or will hold) `training/`, and its state or None.
+
+    Reads only; raises `OutputDirectoryError` for an output that must not be touched.
+    """
+    if output_dir.exists() and not output_dir.is_dir():
+        raise OutputDirectoryError(f"--output {output_dir} is a file, not a directory; choose another --output")
+    if os.path.ismount(output_dir):
+        raise OutputDirectoryError(
+            f"--output {output_dir} is a mount point, which cannot be renamed (the finished preset is swapped "
+            "in by renaming); choose a directory inside it"
+        )
+    if not output_dir.exists() or _is_empty(output_dir):
+        return output_dir, None
+    if not _is_training_output(output_dir):
+        what = "refusing to delete it" if overwrite else "not resumable"
+        raise OutputDirectoryError(
+            f"{output_dir} holds files but no config.json or {TRAINING_DIR}/{STATE_FILE}, so it was not written "
+            f"by this trainer ({what}); empty it or choose another --output"
+        )
     if overwrite:
-        shutil.rmtree(output_dir)
-        return False
-    if state_path.is_file():
-        state = json.loads(state_path.read_text())
-        if state.get("finished"):
-            raise FileExistsError(
-                f"{output_dir} holds a finished training run; pass --overwrite to train again"
-            )
-        return True
-    if output_dir.is_dir() and not any(output_dir.iterdir()):
-        return False
-    raise FileExistsError(
-        f"{output_dir} exists and is not a resumable training directory; "
-        "pass --overwrite to replace it or choose another --output"
-    )
+        # The existing run or preset stays until the new one is complete.
+        root = _replacement_directory(output_dir)
+        state_path = root / TRAINING_DIR / STATE_FILE
+        return root, (_read_state(state_path) if state_path.is_file() else None)
+    state_path = output_dir / TRAINING_DIR / STATE_FILE
+    if not state_path.is_file():
+        raise OutputDirectoryError(
+            f"{output_dir} holds a preset but no training state; pass --overwrite to replace it or choose another --output"
+        )
+    return output_dir, _read_state(state_path)
+
+
+def _describe_changes(recorded, arguments):
+    return {key: (recorded.get(key), value) for key, value in arguments.items() if recorded.get(key) != value}
+
+
+def _format_changes(changes):
+    return ", ".join(f"{key}={new!r} (was {old!r})" for key, (old, new) in sorted(changes.items()))
+
+
+def _finish_interrupted_install(output_dir):
+    """Completes a preset installation that a kill interrupted, then removes stale temporaries.
+
+    `_install_preset` stages the complete preset as `.NAME.tmp-PID-HEX/` and moves
+    `training/` into it before swapping it in: a staged directory of a dead
+    process that holds `training/` is the newest state of the run.
+    """
+    for entry in stale_temporaries(output_dir):
+        if entry.name.startswith(f".{output_dir.name}.tmp-") and (entry / TRAINING_DIR / STATE_FILE).is_file():
+            logger.warning("Completing the interrupted installation of %s (from %s)", output_dir, entry.name)
+            _swap_in(entry, output_dir)
+            break
+    for path in (output_dir, output_dir / TRAINING_DIR, _replacement_directory(output_dir) / TRAINING_DIR):
+        for entry in remove_stale_temporaries(path):
+            logger.info("Removed %s, left by a killed run", entry)
+    if output_dir.is_dir():
+        for entry in output_dir.glob(".preset-*"):  # the staging directory of earlier versions
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _remove_partial_files(work):
+    """Deletes temporaries of killed atomic writes (`.NAME.XXXX...`) inside `training/`."""
+    for directory in (work, work / "checkpoints", work / "backup"):
+        if directory.is_dir():
+            for entry in directory.iterdir():
+                if entry.name.startswith(".") and entry.is_file():
+                    entry.unlink()
+
+
+def _remove_directory(directory):
+    """Renames `directory` away (atomic), then deletes it: a kill never leaves half of it in place."""
+    trash = temporary_sibling(directory, "old")
+    os.replace(directory, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _swap_in(staging, output_dir):
+    """Replaces `output_dir` by `staging` (two renames; `_finish_interrupted_install` completes a killed one)."""
+    trash = None
+    if output_dir.exists():
+        trash = temporary_sibling(output_dir, "old")
+        os.replace(output_dir, trash)
+    os.replace(staging, output_dir)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def run_training(
@@ -300,9 +478,16 @@ def run_training(
     """Trains a Transformer on parallel text and writes a preset directory.
 
     Without data paths it trains on the bundled LibreOffice English-German
-    corpus. A killed run resumes from its last backup when started again with
-    the same `output_dir` (`keras.callbacks.BackupAndRestore`, every
-    `checkpoint_every` steps).
+    corpus. A killed run resumes from its last resume point when the same
+    command is run again: every `checkpoint_every` steps the weights, the
+    optimizer state and the interval count are written as one file, atomically
+    (`save_resume_point`). A resumed run must repeat the recorded arguments,
+    except those in `RESUMABLE_CHANGES`, which are applied and recorded.
+
+    Everything (arguments, data, the output directory, the interrupted run's
+    arguments) is checked before anything is written; such errors are
+    `UserInputError`s. The preset is staged beside `output_dir` and swapped
+    in at the end, so `output_dir` never holds weights without config.json.
 
     Args:
         output_dir: where the preset (config.json, model.weights.h5 with
@@ -328,7 +513,10 @@ def run_training(
         jit_compile: see `compile_model`.
         bleu_beam_size: beam for the validation BLEU at the end.
         seed: data shuffling and initialisation seed.
-        overwrite: replace an existing non-resumable `output_dir`.
+        overwrite: replace an existing run or preset in `output_dir` (only a
+            directory written by this trainer, or an empty one). The new run
+            trains in `.NAME.new/` beside it (resumable with the same command)
+            and replaces `output_dir` only when it is complete.
         verbose: passed to `model.fit`; default: a progress bar on a
             terminal, one line per interval otherwise.
         model_overrides: optional dict of TransformerModel arguments.
@@ -340,71 +528,159 @@ def run_training(
     Returns:
         dict: the metadata written to `metadata.json`.
     """
-    import json
     import time
 
     from keras_transformer import data as data_lib
     from keras_transformer import datasets
     from keras_transformer.model import TransformerModel
-    from keras_transformer.presets import PRESETS
     from keras_transformer.tokenizer import Tokenizer, train_tokenizer
 
-    if steps is not None and epochs is not None:
-        raise ValueError(f"Pass steps or epochs, not both (received steps={steps}, epochs={epochs})")
-    if (train_src is None) != (train_tgt is None) or (valid_src is None) != (valid_tgt is None):
-        raise ValueError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
-    if mixed_precision not in (None, "mixed_bfloat16", "mixed_float16"):
-        raise ValueError(f"mixed_precision={mixed_precision!r} must be None, 'mixed_bfloat16' or 'mixed_float16'")
-    output_dir = pathlib.Path(output_dir)
-    resuming = _prepare_output(output_dir, overwrite)
-    work = output_dir / TRAINING_DIR
-    work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-
-    # Data.
-    if train_src is None:
-        train_src, train_tgt = datasets.bundled_paths("train")
-        if valid_src is None:
-            valid_src, valid_tgt = datasets.bundled_paths("valid")
-    train_sources, train_targets = data_lib.read_parallel(train_src, train_tgt)
-    valid_sources, valid_targets = (
-        data_lib.read_parallel(valid_src, valid_tgt) if valid_src is not None else ([], [])
-    )
-    if isinstance(preset, str) and preset in PRESETS:
-        vocabulary_size = vocabulary_size or PRESETS[preset]["config"]["vocabulary_size"]
-    tokenizer_path = work / "tokenizer.model"
-    if resuming and tokenizer_path.is_file():
-        tokenizer = Tokenizer.load(work)
-        logger.info("Resuming in %s", output_dir)
-    else:
-        logger.info("Training a %s-token shared vocabulary on %d sentence pairs", vocabulary_size, len(train_sources))
-        tokenizer = train_tokenizer(
-            train_sources + train_targets, vocabulary_size=vocabulary_size, max_sentences=tokenizer_max_sentences
+    output_dir = pathlib.Path(os.path.abspath(output_dir))  # `.`, `runs/x/`: a name to stage beside
+    # A preset installation that a kill interrupted is completed first (it is
+    # the newest state of the run), then nothing is written until every
+    # argument, the data and the interrupted run have been checked.
+    _finish_interrupted_install(output_dir)
+    try:
+        _check_arguments(
+            preset=preset, steps=steps, epochs=epochs, vocabulary_size=vocabulary_size,
+            tokens_per_batch=tokens_per_batch, max_length=max_length, warmup_steps=warmup_steps,
+            learning_rate_scale=learning_rate_scale, label_smoothing=label_smoothing,
+            gradient_accumulation_steps=gradient_accumulation_steps, checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints, average_last=average_last, strategy=strategy,
+            mixed_precision=mixed_precision, jit_compile=jit_compile, bleu_beam_size=bleu_beam_size,
+            seed=seed, tokenizer_max_sentences=tokenizer_max_sentences,
         )
-        tokenizer.save(work)
-    train_ids = data_lib.encode_pairs(tokenizer, train_sources, train_targets, max_length)
-    train_data = data_lib.make_dataset(*train_ids, tokens_per_batch=tokens_per_batch, seed=seed, max_length=max_length)
-    batches_per_epoch = int(train_data.cardinality())
-    total_steps = steps if steps is not None else (epochs or 10) * batches_per_epoch
-    interval = max(1, min(checkpoint_every, total_steps))
-    fit_epochs = -(-total_steps // interval)
-    # Keras runs whole "epochs" of `interval` steps (the resume points), so
-    # the total is rounded up to a multiple of the checkpoint interval.
-    total_steps = fit_epochs * interval
+        if (train_src is None) != (train_tgt is None) or (valid_src is None) != (valid_tgt is None):
+            raise BadArgumentError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
+        root, state = _choose_work_root(output_dir, overwrite)
+        work = root / TRAINING_DIR
+
+        # Data.
+        arguments = {
+            "preset": _path_or_name(preset), "train_src": _path_or_name(train_src),
+            "train_tgt": _path_or_name(train_tgt), "valid_src": _path_or_name(valid_src),
+            "valid_tgt": _path_or_name(valid_tgt),
+        }
+        if train_src is None:
+            train_src, train_tgt = datasets.bundled_paths("train")
+            if valid_src is None:
+                valid_src, valid_tgt = datasets.bundled_paths("valid")
+        train_sources, train_targets = data_lib.read_parallel(train_src, train_tgt)
+        valid_sources, valid_targets = (
+            data_lib.read_parallel(valid_src, valid_tgt) if valid_src is not None else ([], [])
+        )
+        if isinstance(preset, str) and preset in PRESETS:
+            vocabulary_size = vocabulary_size or PRESETS[preset]["config"]["vocabulary_size"]
+        arguments.update(
+            train_pairs=len(train_sources), valid_pairs=len(valid_sources), vocabulary_size=vocabulary_size,
+            tokenizer_max_sentences=tokenizer_max_sentences, tokens_per_batch=tokens_per_batch, steps=steps,
+            epochs=epochs, max_length=max_length, warmup_steps=warmup_steps,
+            learning_rate_scale=learning_rate_scale, label_smoothing=label_smoothing,
+            gradient_accumulation_steps=gradient_accumulation_steps, checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints, average_last=average_last, strategy=strategy,
+            mixed_precision=mixed_precision, jit_compile=jit_compile, bleu_beam_size=bleu_beam_size, seed=seed,
+            model_overrides=dict(model_overrides or {}),
+        )
+        arguments = json.loads(json.dumps(arguments, default=str))  # as it reads back from state.json
+
+        # The interrupted run, if any: resume it, or say why not.
+        resume, changes = None, {}
+        if state is not None:
+            if "arguments" not in state:
+                raise OutputDirectoryError(
+                    f"{root} was written by an older version of this trainer, whose backups cannot be "
+                    f"resumed safely; its checkpoints are in {work / 'checkpoints'}. Pass --overwrite to start again"
+                )
+            changes = _describe_changes(state["arguments"], arguments)
+            if state.get("finished"):
+                if not changes:
+                    logger.info("%s already holds the finished run of these arguments; nothing to do", output_dir)
+                    return json.loads((output_dir / "metadata.json").read_text(encoding="utf-8"))
+                raise OutputDirectoryError(
+                    f"{output_dir} holds a finished training run (with {_format_changes(changes)}); "
+                    "pass --overwrite to train again"
+                )
+            resume = read_resume_point(work / "backup" / RESUME_FILE)
+            if resume is None and changes:
+                logger.info("%s has no finished interval: starting it again with the new arguments", root)
+                state = None
+            elif resume is not None and root != output_dir and changes:
+                logger.warning(
+                    "Discarding the interrupted --overwrite run in %s (%s): starting it again", root, _format_changes(changes)
+                )
+                state, resume = None, None
+            elif resume is not None:
+                fixed = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES}
+                if fixed:
+                    raise BadArgumentError(
+                        f"{root} holds an interrupted run ({resume['step']} steps done) with other arguments: "
+                        f"{_format_changes(fixed)}. Repeat the original arguments to resume it, or pass "
+                        "--overwrite to start again (the run there is kept until the new one is complete)"
+                    )
+
+        # The shared vocabulary (kept across a resume), then the batches.
+        if state is not None and (work / "tokenizer.model").is_file():
+            tokenizer = Tokenizer.load(work)
+            new_tokenizer = False
+        else:
+            logger.info("Training a %s-token shared vocabulary on %d sentence pairs", vocabulary_size, len(train_sources))
+            tokenizer = train_tokenizer(
+                train_sources + train_targets, vocabulary_size=vocabulary_size, max_sentences=tokenizer_max_sentences
+            )
+            new_tokenizer = True
+        train_ids = data_lib.encode_pairs(tokenizer, train_sources, train_targets, max_length)
+        train_data = data_lib.make_dataset(*train_ids, tokens_per_batch=tokens_per_batch, seed=seed, max_length=max_length)
+        batches_per_epoch = int(train_data.cardinality())
+        total_steps = steps if steps is not None else (epochs or 10) * batches_per_epoch
+        interval = state["interval"] if resume is not None else max(1, min(checkpoint_every, total_steps))
+        fit_epochs = -(-total_steps // interval)
+        # Keras runs whole "epochs" of `interval` steps (the resume points), so
+        # the total is rounded up to a multiple of the checkpoint interval.
+        total_steps = fit_epochs * interval
+        if resume is not None and fit_epochs < resume["intervals"]:
+            raise BadArgumentError(
+                f"The interrupted run in {root} has already trained {resume['intervals'] * interval} steps; "
+                f"this command asks for {total_steps}. Ask for at least as many steps, or pass --overwrite"
+            )
+    except (ValueError, OSError) as error:
+        raise _as_input_error(error) from error
+
+    # From here on the run writes, in `root / training` only. A new
+    # `training/` is assembled beside its place and renamed: it never exists
+    # without its state.
+    remove_stale_temporaries(work)
+    if state is None:
+        if work.exists():
+            _remove_directory(work)
+        staging = temporary_sibling(work, "tmp")
+        staging.mkdir(parents=True)
+        state = {"arguments": arguments, "interval": interval, "steps": total_steps, "finished": False, "changes": []}
+        _write_state(staging / STATE_FILE, state)
+        tokenizer.save(staging)
+        os.replace(staging, work)
+    else:
+        _remove_partial_files(work)
+        if new_tokenizer:
+            tokenizer.save(work)
+        if changes:
+            logger.info("Resuming with %s", _format_changes(changes))
+            state["changes"].append({"at_step": resume["step"], "changed": {k: list(v) for k, v in changes.items()}})
+            state["arguments"] = arguments
+        state["steps"] = total_steps
+        _write_state(work / STATE_FILE, state)
+
     train_data = data_lib.make_dataset(
         *train_ids, tokens_per_batch=tokens_per_batch, seed=seed, repeat=True, max_length=max_length
     )
+    initial_epoch = resume["intervals"] if resume is not None else 0
+    if initial_epoch:
+        # The same batches as an uninterrupted run: skip what was trained.
+        train_data = train_data.skip(initial_epoch * interval)
     valid_data = None
     if valid_sources:
         valid_ids = data_lib.encode_pairs(tokenizer, valid_sources, valid_targets, max_length)
         valid_data = data_lib.make_dataset(*valid_ids, tokens_per_batch=tokens_per_batch, shuffle=False, max_length=max_length)
-
-    state = {
-        "preset": str(preset), "train_src": str(train_src), "train_tgt": str(train_tgt),
-        "valid_src": str(valid_src), "valid_tgt": str(valid_tgt), "steps": total_steps,
-        "tokens_per_batch": tokens_per_batch, "max_length": max_length, "finished": False,
-    }
-    (work / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
     # Model. A mixed-precision policy is global in Keras: it is set for this
     # run only, and the written preset is float32 (the compute dtype is the
@@ -418,6 +694,7 @@ def run_training(
         overrides = dict(model_overrides or {})
         overrides.setdefault("vocabulary_size", tokenizer.vocabulary_size)
         overrides.setdefault("max_sequence_length", max(max_length, 8))
+        resume_path = work / "backup" / RESUME_FILE
         with scope:
             model = TransformerModel.from_preset(preset, **overrides)
             compile_model(
@@ -429,9 +706,14 @@ def run_training(
                 jit_compile=jit_compile,
                 strategy_name=strategy_name,
             )
+            if initial_epoch:
+                if not model.optimizer.built:
+                    model.optimizer.build(model.trainable_variables)
+                model.load_weights(str(resume_path))
+                logger.info("Resuming %s after step %d (interval %d of %d)", root, resume["step"], initial_epoch, fit_epochs)
         nan_guard = StopOnNaN()
         callbacks = [
-            keras.callbacks.BackupAndRestore(str(work / "backup"), save_freq="epoch", delete_checkpoint=False),
+            ResumePoint(resume_path),
             PeriodicCheckpoint(work / "checkpoints", every_steps=interval, keep=max(keep_checkpoints, average_last)),
             nan_guard,
             keras.callbacks.CSVLogger(str(work / "log.csv"), append=True),
@@ -444,15 +726,20 @@ def run_training(
             import sys
 
             verbose = 1 if sys.stderr.isatty() else 2
-        history = model.fit(
-            train_data,
-            epochs=fit_epochs,
-            steps_per_epoch=interval,
-            validation_data=valid_data,
-            callbacks=callbacks,
-            shuffle=False,  # the tf.data pipeline shuffles
-            verbose=verbose,
-        )
+        final_train_loss = (resume or {}).get("loss")
+        if initial_epoch < fit_epochs:
+            history = model.fit(
+                train_data,
+                epochs=fit_epochs,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=interval,
+                validation_data=valid_data,
+                callbacks=callbacks,
+                shuffle=False,  # the tf.data pipeline shuffles
+                verbose=verbose,
+            )
+            if history.history.get("loss"):
+                final_train_loss = float(history.history["loss"][-1])
         if nan_guard.bad_step is not None:
             raise FloatingPointError(
                 f"The training loss became NaN or infinite at step {nan_guard.bad_step}. Lower the "
@@ -489,20 +776,59 @@ def run_training(
             "strategy": strategy_name,
             "mixed_precision": mixed_precision,
             "train_seconds_this_run": round(time.time() - started, 1),
-            "final_train_loss": float(history.history["loss"][-1]) if history.history.get("loss") else None,
+            "final_train_loss": final_train_loss,
         }
+        if state["changes"]:
+            metadata["resumed_with_changes"] = state["changes"]
         if valid_data is not None:
             results = model.evaluate(valid_data, verbose=0, return_dict=True)
             metadata["valid_loss"] = float(results["loss"])
             metadata["valid_token_accuracy"] = float(results["masked_accuracy"])
             metadata.update(_validation_bleu(final, tokenizer, valid_sources, valid_targets, bleu_beam_size))
-        _write_preset_files(final, output_dir, metadata)
-        state["finished"] = True
-        (work / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        _install_preset(final, metadata, root, output_dir, state)
         logger.info("Wrote %s: %s", output_dir, {k: v for k, v in metadata.items() if k.startswith("valid")})
         return metadata
     finally:
         keras.mixed_precision.set_global_policy(previous_policy)
+
+
+def _path_or_name(value):
+    """A file or directory as an absolute path (the comparison on resume), a name or None as it is."""
+    if value is None or (isinstance(value, str) and value in PRESETS):
+        return value
+    return os.path.abspath(os.fspath(value))
+
+
+def _check_arguments(preset, strategy, mixed_precision, jit_compile, label_smoothing, learning_rate_scale, steps,
+                     epochs, **positive):
+    """Raises `BadArgumentError` naming the first nonsense argument."""
+    if steps is not None and epochs is not None:
+        raise BadArgumentError(f"Pass steps or epochs, not both (received steps={steps}, epochs={epochs})")
+    positive.update(steps=steps, epochs=epochs)
+    for name, value in positive.items():
+        allowed_none = name in ("steps", "epochs", "vocabulary_size", "gradient_accumulation_steps", "tokenizer_max_sentences")
+        if value is None and allowed_none:
+            continue
+        minimum = 0 if name == "seed" else 1
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise BadArgumentError(f"{name}={value!r} must be an integer >= {minimum}")
+    if not (isinstance(learning_rate_scale, (int, float)) and np.isfinite(learning_rate_scale) and learning_rate_scale > 0):
+        raise BadArgumentError(f"learning_rate_scale={learning_rate_scale!r} must be a number > 0")
+    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
+        raise BadArgumentError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
+    if strategy not in STRATEGIES:
+        raise BadArgumentError(f"strategy={strategy!r} must be one of {STRATEGIES}")
+    if mixed_precision not in (None, "mixed_bfloat16", "mixed_float16"):
+        raise BadArgumentError(
+            f"mixed_precision={mixed_precision!r} must be None, 'mixed_bfloat16' or 'mixed_float16'"
+        )
+    if jit_compile not in ("auto", True, False):
+        raise BadArgumentError(f"jit_compile={jit_compile!r} must be 'auto', True or False")
+    if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
+        if not os.path.isfile(os.path.join(preset, "config.json")):
+            raise BadArgumentError(f"--preset {preset} is a directory without config.json; pass a preset directory or one of {', '.join(PRESETS)}")
+    elif not (isinstance(preset, str) and preset in PRESETS):
+        raise BadArgumentError(f"Unknown preset {preset!r}: use one of {', '.join(PRESETS)} or a preset directory")
 
 
 def _validation_bleu(model, tokenizer, sources, references, beam_size):
@@ -518,12 +844,18 @@ def _validation_bleu(model, tokenizer, sources, references, beam_size):
     }
 
 
-def _write_preset_files(model, output_dir, metadata):
-    """save_to_preset into a staging directory, then move each file into place atomically."""
-    staging = output_dir / f".preset-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
+def _install_preset(model, metadata, root, output_dir, state):
+    """Stages the complete preset beside `output_dir`, moves `training/` into it, and swaps it in.
+
+    A kill before `training/` moves leaves the run resumable where it was; a
+    kill after it leaves a staged directory that the next run swaps in
+    (`_finish_interrupted_install`). `output_dir` is never a partial preset.
+    """
+    staging = temporary_sibling(output_dir, "tmp")
     model.save_to_preset(staging, metadata=metadata)
-    for name in os.listdir(staging):
-        os.replace(staging / name, output_dir / name)
-    staging.rmdir()
+    os.replace(root / TRAINING_DIR, staging / TRAINING_DIR)
+    state["finished"] = True
+    _write_state(staging / TRAINING_DIR / STATE_FILE, state)
+    _swap_in(staging, output_dir)
+    if root != output_dir:
+        _remove_directory(root)

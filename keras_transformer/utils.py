@@ -1,8 +1,11 @@
 """Small helpers shared by the package."""
 
+import argparse
 import contextlib
+import math
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 import uuid
@@ -32,7 +35,9 @@ def atomic_path(path, suffix=""):
         os.umask(umask)
         if os.path.exists(temporary):
             os.chmod(temporary, 0o666 & ~umask)
+            _fsync(temporary)
         os.replace(temporary, path)
+        _fsync(directory)
     except BaseException:
         if os.path.exists(temporary):
             os.remove(temporary)
@@ -49,12 +54,13 @@ def atomic_directory(directory):
     """
     directory = pathlib.Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex}"
+    remove_stale_temporaries(directory)
+    staging = temporary_sibling(directory, "tmp")
     staging.mkdir()
     try:
         yield staging
         if directory.exists():
-            trash = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex}"
+            trash = temporary_sibling(directory, "old")
             os.replace(directory, trash)
             os.replace(staging, directory)
             shutil.rmtree(trash, ignore_errors=True)
@@ -63,3 +69,114 @@ def atomic_directory(directory):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _fsync(path):
+    """Flushes a file or directory to disk (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# `.NAME.tmp-PID-HEX` (being written) and `.NAME.old-PID-HEX` (being deleted)
+# beside NAME; older versions wrote `.NAME.tmp-HEX` without the process id.
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?:(?P<pid>\d+)-)?[0-9a-f]{32}$")
+
+
+def temporary_sibling(path, kind):
+    """`.NAME.{kind}-PID-HEX` beside `path`: a name `remove_stale_temporaries` recognises."""
+    path = pathlib.Path(path)
+    return path.parent / f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _process_alive(pid):
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def stale_temporaries(path):
+    """Leftovers of killed writers of `path`: `.NAME.tmp-*` / `.NAME.old-*` of dead processes."""
+    path = pathlib.Path(path)
+    if not path.parent.is_dir():
+        return []
+    stale = []
+    for entry in sorted(path.parent.iterdir()):
+        match = _TEMPORARY.match(entry.name)
+        if not match or match["name"] != path.name:
+            continue
+        if match["pid"] is not None and _process_alive(int(match["pid"])):
+            continue
+        stale.append(entry)
+    return stale
+
+
+def remove_stale_temporaries(path):
+    """Deletes `stale_temporaries(path)`; returns what was removed."""
+    removed = []
+    for entry in stale_temporaries(path):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+        removed.append(entry)
+    return removed
+
+
+# ---------------------------------------------------------------------- #
+# argparse types: nonsense values are refused with one line (exit 2).
+# ---------------------------------------------------------------------- #
+def _number(kind, text):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text):
+    """argparse type: an integer >= 1."""
+    value = _number(int, text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {text}")
+    return value
+
+
+def non_negative_int(text):
+    """argparse type: an integer >= 0."""
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def positive_float(text):
+    """argparse type: a finite number > 0."""
+    value = _number(float, text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def unit_interval(text):
+    """argparse type: a number in [0, 1) (a probability such as label smoothing)."""
+    value = _number(float, text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
