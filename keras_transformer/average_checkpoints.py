@@ -6,7 +6,12 @@ The paper averages the last 5 (base) or 20 (big) checkpoints (section 6.1).
 import argparse
 import os
 
-from keras_transformer.training import average_checkpoints, list_checkpoints
+from keras_transformer import cli
+
+if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
+    cli.quiet_startup()
+
+from keras_transformer.training import average_checkpoints, list_checkpoints  # noqa: E402
 
 
 def main(argv=None):
@@ -15,7 +20,9 @@ def main(argv=None):
     parser.add_argument("--last", type=int, help="with a directory: average only the last K checkpoints")
     parser.add_argument("--output", required=True, help="averaged .weights.h5 to write")
     parser.add_argument("--overwrite", action="store_true")
+    cli.add_verbose_argument(parser)
     args = parser.parse_args(argv)
+    cli.setup_logging(args.verbose)
     paths = args.inputs
     if len(paths) == 1 and os.path.isdir(paths[0]):
         paths = list_checkpoints(paths[0])

@@ -8,7 +8,12 @@ import argparse
 import json
 import logging
 
-from keras_transformer.training import STRATEGIES, run_training
+from keras_transformer import cli
+
+if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
+    cli.quiet_startup()
+
+from keras_transformer.training import STRATEGIES, run_training  # noqa: E402
 
 
 def build_parser():
@@ -40,12 +45,13 @@ def build_parser():
     parser.add_argument("--mixed-precision", choices=["mixed_bfloat16", "mixed_float16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace an existing, non-resumable --output")
+    cli.add_verbose_argument(parser)
     return parser
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cli.setup_logging(args.verbose, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metadata = run_training(
         args.output,
         preset=args.preset,

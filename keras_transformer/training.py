@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 from keras_transformer.losses import LabelSmoothedCrossEntropy
+from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
 from keras_transformer.utils import atomic_path
 
@@ -329,8 +330,10 @@ def run_training(
         bleu_beam_size: beam for the validation BLEU at the end.
         seed: data shuffling and initialisation seed.
         overwrite: replace an existing non-resumable `output_dir`.
-        verbose: passed to `model.fit`; default: a progress bar on a
-            terminal, one line per interval otherwise.
+        verbose: 0: no progress shown; 1: a progress bar in steps (with the
+            pass over the data, loss, learning rate and ETA) and a line per
+            checkpoint; 2: the lines only (see `TrainingProgress`); default:
+            1 on a terminal, 2 otherwise. The lines are logged at INFO.
         model_overrides: optional dict of TransformerModel arguments.
         tokenizer_max_sentences: optional int: train the shared vocabulary on
             a reproducible sample of this many sentences (source and target
@@ -444,6 +447,11 @@ def run_training(
             import sys
 
             verbose = 1 if sys.stderr.isatty() else 2
+        if verbose:
+            # In steps and passes over the data, not Keras' fit epochs (checkpoint intervals).
+            callbacks.append(
+                TrainingProgress(total_steps, batches_per_epoch, checkpoint_every=interval, bar=verbose == 1)
+            )
         history = model.fit(
             train_data,
             epochs=fit_epochs,
@@ -451,7 +459,7 @@ def run_training(
             validation_data=valid_data,
             callbacks=callbacks,
             shuffle=False,  # the tf.data pipeline shuffles
-            verbose=verbose,
+            verbose=0,
         )
         if nan_guard.bad_step is not None:
             raise FloatingPointError(
@@ -474,7 +482,8 @@ def run_training(
 
         metadata = {
             "preset": str(preset),
-            "data": {"train": [str(train_src), str(train_tgt)], "valid": [str(valid_src), str(valid_tgt)],
+            # Portable: the bundled corpus by name and version, other files as given.
+            "data": {**datasets.data_record({"train": (train_src, train_tgt), "valid": (valid_src, valid_tgt)}),
                      "train_pairs": len(train_ids[0])},
             "steps": total_steps,
             "tokens_per_batch": tokens_per_batch,

@@ -369,6 +369,7 @@ def test_compiled_search_sees_new_weights(src):
     assert not np.array_equal(before, after)
 
 
+@pytest.mark.slow
 @pytest.mark.tensorflow_only
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function's retracing warning")
 def test_one_trace_per_length_bucket_is_not_reported_as_retracing(rng, caplog):
