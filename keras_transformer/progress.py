@@ -94,7 +94,9 @@ class TrainingProgress(keras.callbacks.Callback):
     def summary(self, step, logs=None):
         """The progress line at `step`: step, pass, loss (and val_loss), lr, elapsed, ETA."""
         logs = logs or {}
-        parts = [f"pass {self._passes(step):.1f}/{self._passes(self.total_steps):.1f}"]
+        passes = self._passes(self.total_steps)
+        digits = 1 if passes >= 1 else 2
+        parts = [f"pass {self._passes(step):.{digits}f}/{passes:.{digits}f}"]
         for name in ("loss", "val_loss"):
             if logs.get(name) is not None:
                 parts.append(f"{name} {float(logs[name]):.4f}")
@@ -130,23 +132,24 @@ class TrainingProgress(keras.callbacks.Callback):
         now = time.monotonic()
         if self._first is None:
             self._first = (self._step(), now)
-        if self._bar is None or now - self._last_refresh < 0.5:
-            return
-        self._last_refresh = now
+        if self._bar is not None and now - self._last_refresh >= 0.5:
+            self._last_refresh = now
+            self._update_bar(self._step(), logs)
+
+    def on_epoch_end(self, epoch, logs=None):
         step = self._step()
+        if self._bar is not None:
+            self._update_bar(step, logs)
+        checkpoint = bool(self.checkpoint_every) and step > 0 and step % self.checkpoint_every == 0
+        logger.info("%s%s", "checkpoint at " if checkpoint else "", self.summary(step, logs))
+
+    def _update_bar(self, step, logs):
         logs = logs or {}
         postfix = f"pass {self._passes(step):.2f}"
         if logs.get("loss") is not None:
             postfix += f", loss {float(logs['loss']):.4f}"
         self._bar.set_postfix_str(f"{postfix}, lr {self._learning_rate():.2e}", refresh=False)
         self._bar.update(step - self._bar.n)
-
-    def on_epoch_end(self, epoch, logs=None):
-        step = self._step()
-        if self._bar is not None:
-            self._bar.update(step - self._bar.n)
-        checkpoint = bool(self.checkpoint_every) and step > 0 and step % self.checkpoint_every == 0
-        logger.info("%s%s", "checkpoint at " if checkpoint else "", self.summary(step, logs))
 
     def on_train_end(self, logs=None):
         if self._redirect is not None:
