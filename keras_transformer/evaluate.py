@@ -13,7 +13,6 @@ is not the same number.
 
 import argparse
 import json
-import logging
 import sys
 
 from keras_transformer import cli

@@ -11,7 +11,6 @@ python -m keras_transformer.translate --preset runs/small --input test.en --outp
 
 import argparse
 import gzip
-import logging
 import os
 import sys
 
