@@ -8,6 +8,7 @@ asserts on what stderr does not contain.
 import json
 import logging
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -30,6 +31,8 @@ NOISE = {
     "Traceback": "a crash",
     "Epoch ": "Keras' fit epochs (checkpoint intervals) as progress",
 }
+# The commands run from the repository root, so they import this checkout.
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 # absl's C++ log line prefix: severity, date, time, thread, file:line]
 CXX_LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ [\w./-]+:\d+\]", re.MULTILINE)
 
@@ -80,14 +83,15 @@ def test_verbose_argument():
 # ---------------------------------------------------------------------- #
 def _package_imports_tensorflow():
     code = "import sys, keras_transformer; sys.exit(int('tensorflow' in sys.modules))"
-    return subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 1
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 1
 
 
 def _run(*args, input=None, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     env["KERAS_BACKEND"] = "tensorflow"
     return subprocess.run(
-        [sys.executable, "-m", *args], input=input, capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", *args], input=input, capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=ROOT,
     )
 
 
