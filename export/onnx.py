@@ -61,7 +61,12 @@ import os
 import pathlib
 import sys
 
-import numpy as np
+from keras_transformer import cli
+
+if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
+    cli.quiet_startup()
+
+import numpy as np  # noqa: E402
 
 from export.validate import (
     CONFIG_FILE,
@@ -794,9 +799,10 @@ def main(argv=None):
     parser.add_argument("--quantize", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="dynamic int8 quantization of the weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    cli.add_verbose_argument(parser)
     args = parser.parse_args(argv)
     # Our progress at INFO; tf2onnx's and the quantizer's INFO lines are noise here.
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cli.setup_logging(args.verbose)
     logging.getLogger("export").setLevel(logging.INFO)
     if os.path.exists(args.output) and not args.overwrite:
         parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")

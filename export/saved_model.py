@@ -66,8 +66,13 @@ import os
 import pathlib
 import sys
 
-from keras_transformer.decoding import check_search_args
-from keras_transformer.utils import atomic_directory
+from keras_transformer import cli
+
+if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
+    cli.quiet_startup()
+
+from keras_transformer.decoding import check_search_args  # noqa: E402
+from keras_transformer.utils import atomic_directory  # noqa: E402
 
 logger = logging.getLogger("export.saved_model")
 
@@ -327,8 +332,9 @@ def main(argv=None):
         "--max-extra-length", type=int, default=50, help="output tokens allowed beyond the source length (default 50)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    cli.add_verbose_argument(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cli.setup_logging(args.verbose)
     logging.getLogger("export").setLevel(logging.INFO)
     if os.path.exists(args.output) and not args.overwrite:
         parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")

@@ -6,8 +6,13 @@ The paper averages the last 5 (base) or 20 (big) checkpoints (section 6.1).
 import argparse
 import os
 
-from keras_transformer.training import average_checkpoints, list_checkpoints
-from keras_transformer.utils import positive_int
+from keras_transformer import cli
+
+if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
+    cli.quiet_startup()
+
+from keras_transformer.training import average_checkpoints, list_checkpoints  # noqa: E402
+from keras_transformer.utils import positive_int  # noqa: E402
 
 
 def main(argv=None):
@@ -16,7 +21,9 @@ def main(argv=None):
     parser.add_argument("--last", type=positive_int, help="with a directory: average only the last K checkpoints")
     parser.add_argument("--output", required=True, help="averaged .weights.h5 to write")
     parser.add_argument("--overwrite", action="store_true")
+    cli.add_verbose_argument(parser)
     args = parser.parse_args(argv)
+    cli.setup_logging(args.verbose)
     paths = args.inputs
     if len(paths) == 1 and os.path.isdir(paths[0]):
         paths = list_checkpoints(paths[0])

@@ -13,8 +13,12 @@ is not the same number.
 
 import argparse
 import json
-import logging
 import sys
+
+from keras_transformer import cli
+
+if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
+    cli.quiet_startup()
 
 
 def evaluate(
@@ -100,6 +104,7 @@ def build_parser():
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N sentences only")
     parser.add_argument("--json", action="store_true", help="print one JSON object (without the hypotheses)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cli.add_verbose_argument(parser)
     return parser
 
 
@@ -110,17 +115,17 @@ def main(argv=None):
         parser.error("pass both --src and --ref, or neither (the bundled test split)")
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit={args.limit} must be a positive integer")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cli.setup_logging(args.verbose)
 
     from keras_transformer.translate import read_lines
     from keras_transformer.translator import Translator
 
     try:
         if args.src is None:
-            from keras_transformer.datasets import bundled_paths, load_bundled
+            from keras_transformer.datasets import bundled_paths, load_bundled, portable_name
 
             sources, references = load_bundled("test")
-            source_name, reference_name = (str(p) for p in bundled_paths("test"))
+            source_name, reference_name = (portable_name(p) for p in bundled_paths("test"))
         else:
             sources, references = read_lines(args.src), read_lines(args.ref)
             source_name, reference_name = args.src, args.ref

@@ -766,7 +766,13 @@ def _compiled_search(model):
             return _search(model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True)
 
         def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
-            return traced(encoder_token_ids, max_lengths, alpha, beam_size, length)
+            # Traced once per (batch, source bucket, beam size, L) by design,
+            # and the bucket's concrete function is called directly: calling
+            # `traced` itself, TensorFlow would count each new bucket as a
+            # retrace and warn "N out of the last N calls ... triggered
+            # tf.function retracing" from the fifth on.
+            args = (encoder_token_ids, max_lengths, alpha, beam_size, length)
+            return traced.get_concrete_function(*args)(*args)
 
         return search
 

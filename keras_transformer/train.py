@@ -9,8 +9,13 @@ import json
 import logging
 import sys
 
-from keras_transformer.training import STRATEGIES, UserInputError, run_training
-from keras_transformer.utils import non_negative_int, positive_float, positive_int, unit_interval
+from keras_transformer import cli
+
+if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
+    cli.quiet_startup()
+
+from keras_transformer.training import STRATEGIES, UserInputError, run_training  # noqa: E402
+from keras_transformer.utils import non_negative_int, positive_float, positive_int, unit_interval  # noqa: E402
 
 
 def build_parser():
@@ -42,13 +47,14 @@ def build_parser():
     parser.add_argument("--mixed-precision", choices=["mixed_bfloat16", "mixed_float16"])
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace a run or preset at --output once the new one is complete")
+    cli.add_verbose_argument(parser)
     return parser
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cli.setup_logging(args.verbose, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         metadata = _train(args)
     except UserInputError as error:

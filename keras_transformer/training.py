@@ -29,6 +29,7 @@ import numpy as np
 
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.presets import PRESETS
+from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
 from keras_transformer.utils import atomic_path, remove_stale_temporaries, stale_temporaries, temporary_sibling
 
@@ -517,8 +518,10 @@ def run_training(
             directory written by this trainer, or an empty one). The new run
             trains in `.NAME.new/` beside it (resumable with the same command)
             and replaces `output_dir` only when it is complete.
-        verbose: passed to `model.fit`; default: a progress bar on a
-            terminal, one line per interval otherwise.
+        verbose: 0: no progress shown; 1: a progress bar in steps (with the
+            pass over the data, loss, learning rate and ETA) and a line per
+            checkpoint; 2: the lines only (see `TrainingProgress`); default:
+            1 on a terminal, 2 otherwise. The lines are logged at INFO.
         model_overrides: optional dict of TransformerModel arguments.
         tokenizer_max_sentences: optional int: train the shared vocabulary on
             a reproducible sample of this many sentences (source and target
@@ -727,6 +730,11 @@ def run_training(
 
             verbose = 1 if sys.stderr.isatty() else 2
         final_train_loss = (resume or {}).get("loss")
+        if verbose:
+            # In steps and passes over the data, not Keras' fit epochs (checkpoint intervals).
+            callbacks.append(
+                TrainingProgress(total_steps, batches_per_epoch, checkpoint_every=interval, bar=verbose == 1)
+            )
         if initial_epoch < fit_epochs:
             history = model.fit(
                 train_data,
@@ -736,7 +744,7 @@ def run_training(
                 validation_data=valid_data,
                 callbacks=callbacks,
                 shuffle=False,  # the tf.data pipeline shuffles
-                verbose=verbose,
+                verbose=0,
             )
             if history.history.get("loss"):
                 final_train_loss = float(history.history["loss"][-1])
@@ -761,7 +769,8 @@ def run_training(
 
         metadata = {
             "preset": str(preset),
-            "data": {"train": [str(train_src), str(train_tgt)], "valid": [str(valid_src), str(valid_tgt)],
+            # Portable: the bundled corpus by name and version, other files as given.
+            "data": {**datasets.data_record({"train": (train_src, train_tgt), "valid": (valid_src, valid_tgt)}),
                      "train_pairs": len(train_ids[0])},
             "steps": total_steps,
             "tokens_per_batch": tokens_per_batch,

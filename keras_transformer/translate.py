@@ -11,11 +11,15 @@ python -m keras_transformer.translate --preset runs/small --input test.en --outp
 
 import argparse
 import gzip
-import logging
 import os
 import sys
 
-from keras_transformer.utils import atomic_path
+from keras_transformer import cli
+
+if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
+    cli.quiet_startup()
+
+from keras_transformer.utils import atomic_path  # noqa: E402
 
 
 def read_lines(path=None):
@@ -68,6 +72,7 @@ def build_parser():
         "--max-extra-length", type=int, default=50, help="output tokens beyond the source length (default 50)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cli.add_verbose_argument(parser)
     return parser
 
 
@@ -77,7 +82,7 @@ def main(argv=None):
     # Checked before loading the model, so a refusal is immediate.
     if args.output is not None and os.path.exists(args.output) and not args.overwrite:
         parser.error(f"{args.output} already exists; pass --overwrite to replace it")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cli.setup_logging(args.verbose)
 
     from keras_transformer.translator import Translator
 

@@ -2,18 +2,18 @@
 # The main job end to end on the bundled English-German corpus:
 # train the small preset, translate, score on the test split, export to ONNX,
 # translate with ONNX Runtime. Interrupted training resumes when run again.
+# The training settings are keras_transformer/quickstart.py's (the notebook
+# colab/01_quickstart.ipynb reads the same ones).
 #   OUT=runs/small EPOCHS=6 bash scripts/quickstart.sh   (a quicker, worse model)
 set -euo pipefail
-export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/small}
-EPOCHS=${EPOCHS:-18}
 SENTENCE=${SENTENCE:-"Select the cells that you want to delete."}
 
 if [ ! -f "$OUT/config.json" ]; then
-  python -m keras_transformer.train --preset small --output "$OUT" --epochs "$EPOCHS" \
-    --tokens-per-batch 4096 --warmup-steps 400 --learning-rate-scale 0.5 --checkpoint-every 100 \
-    --keep-checkpoints 10 --average-last 3
+  TRAIN_OPTIONS=$(python keras_transformer/quickstart.py)
+  mapfile -t TRAIN_OPTIONS <<< "$TRAIN_OPTIONS"
+  python -m keras_transformer.train --output "$OUT" "${TRAIN_OPTIONS[@]}" ${EPOCHS:+--epochs "$EPOCHS"}
 fi
 echo "== Keras: $SENTENCE"
 echo "$SENTENCE" | python -m keras_transformer.translate --preset "$OUT"

@@ -50,6 +50,29 @@ def test_bundled_paths_are_gzip_files_in_bundled_dir():
     assert source.read_bytes()[:2] == b"\x1f\x8b"
 
 
+def test_portable_names_name_the_bundled_corpus_and_keep_other_paths_as_given(tmp_path, monkeypatch):
+    source, target = datasets.bundled_paths("train")
+    assert datasets.portable_name(source) == "bundled:libreoffice_en_de/train.en.gz"
+    # A relative path that resolves into the bundled corpus is still the corpus.
+    monkeypatch.chdir(datasets.BUNDLED_DIR.parent)
+    assert datasets.portable_name("libreoffice_en_de/valid.de.gz") == "bundled:libreoffice_en_de/valid.de.gz"
+    # Other files: exactly as given, relative or absolute, not resolved.
+    assert datasets.portable_name("../data/dev.en") == "../data/dev.en"
+    assert datasets.portable_name(tmp_path / "dev.en") == str(tmp_path / "dev.en")
+    assert datasets.portable_name(None) is None
+
+
+def test_data_record_adds_the_bundled_corpus_only_when_used():
+    manifest = datasets.load_manifest()
+    record = datasets.data_record({"train": datasets.bundled_paths("train"), "valid": ("dev.en", "dev.de")})
+    assert record["train"] == ["bundled:libreoffice_en_de/train.en.gz", "bundled:libreoffice_en_de/train.de.gz"]
+    assert record["valid"] == ["dev.en", "dev.de"]
+    assert record["bundled_corpus"]["name"] == manifest["name"]
+    assert record["bundled_corpus"]["version"] == manifest["packages"][0]["version"]
+    assert "site-packages" not in str(record) and str(datasets.BUNDLED_DIR) not in str(record)
+    assert "bundled_corpus" not in datasets.data_record({"train": ("a.en", "a.de"), "valid": (None, None)})
+
+
 @pytest.mark.parametrize("function", [datasets.load_bundled, datasets.bundled_paths])
 def test_bad_split_raises(function):
     with pytest.raises(ValueError, match=r"'dev'.*train, valid, test"):

@@ -1,5 +1,6 @@
 """Greedy and beam search (keras_transformer.generation) on every backend."""
 
+import logging
 import math
 
 import keras
@@ -366,6 +367,20 @@ def test_compiled_search_sees_new_weights(src):
     after = generate(model, src, beam_size=4, max_extra_length=EXTRA)
     np.testing.assert_array_equal(after, generate(model, src, beam_size=4, max_extra_length=EXTRA, compile=False))
     assert not np.array_equal(before, after)
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_only
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.function's retracing warning")
+def test_one_trace_per_length_bucket_is_not_reported_as_retracing(rng, caplog):
+    # Six source-length buckets: six traces by design. TensorFlow warns from
+    # the fifth trace of one tf.function within ten calls.
+    model = tiny_model(seed=7, max_sequence_length=64)
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        for length in (3, 11, 19, 27, 35, 43):
+            check_rows(generate(model, sources(rng, [length, 2]), beam_size=1, max_extra_length=2))
+    retracing = [record.getMessage()[:120] for record in caplog.records if "retracing" in record.getMessage()]
+    assert not retracing, retracing
 
 
 def test_output_respects_max_sequence_length(rng):

@@ -23,6 +23,7 @@ import gzip
 import hashlib
 import json
 import logging
+import os
 import pathlib
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,14 @@ __all__ = [
     "ManifestError",
     "bundled_paths",
     "load_bundled",
+    "data_record",
     "load_manifest",
+    "portable_name",
     "verify_manifest",
 ]
+
+BUNDLED_PREFIX = "bundled:"
+"""How `portable_name` marks a bundled file: `bundled:libreoffice_en_de/train.en.gz`."""
 
 
 class ManifestError(ValueError):
@@ -69,6 +75,60 @@ def bundled_paths(split):
         BUNDLED_DIR / f"{split}.{SOURCE_LANGUAGE}.gz",
         BUNDLED_DIR / f"{split}.{TARGET_LANGUAGE}.gz",
     )
+
+
+def portable_name(path):
+    """How a preset's metadata names a data file, so that it means the same on another machine.
+
+    A file of the bundled corpus is named by the corpus and file
+    (`bundled:libreoffice_en_de/train.en.gz`), not by where the package is
+    installed; any other file by the path as given.
+
+    Args:
+        path: str or path-like, or None.
+
+    Returns:
+        str, or None for None.
+    """
+    if path is None:
+        return None
+    given = os.fspath(path)
+    if pathlib.Path(given).resolve().parent == BUNDLED_DIR:
+        return f"{BUNDLED_PREFIX}{BUNDLED_DIR.name}/{pathlib.Path(given).name}"
+    return given
+
+
+def data_record(splits):
+    """The `data` entry of a preset's `metadata.json`: which files, named portably.
+
+    Args:
+        splits: dict of split name -> `(source_path, target_path)` (paths
+            or None).
+
+    Returns:
+        dict: split name -> `[source, target]` as `portable_name` writes
+        them, and, when a file of the bundled corpus is among them,
+        `bundled_corpus`: its name and version (the Debian version of the
+        LibreOffice packages it was built from) and the keras-aiayn version
+        that ships it.
+
+    Example:
+    >>> data_record({"train": bundled_paths("train"), "valid": ("dev.en", "dev.de")})["train"]
+    ['bundled:libreoffice_en_de/train.en.gz', 'bundled:libreoffice_en_de/train.de.gz']
+    """
+    record = {split: [portable_name(path) for path in paths] for split, paths in splits.items()}
+    names = [name for names in record.values() for name in names if name is not None]
+    if any(name.startswith(BUNDLED_PREFIX) for name in names):
+        from keras_transformer import __version__
+
+        manifest = load_manifest()
+        versions = sorted({package["version"] for package in manifest.get("packages", [])})
+        record["bundled_corpus"] = {
+            "name": manifest["name"],
+            "version": ", ".join(versions),
+            "keras_aiayn": __version__,
+        }
+    return record
 
 
 def _read_lines(path):
