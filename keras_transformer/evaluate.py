@@ -16,6 +16,8 @@ import json
 import logging
 import sys
 
+from keras_transformer.textio import read_lines
+
 
 def evaluate(
     translator,
@@ -112,7 +114,6 @@ def main(argv=None):
         parser.error(f"--limit={args.limit} must be a positive integer")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from keras_transformer.translate import read_lines
     from keras_transformer.translator import Translator
 
     try:
@@ -137,7 +138,7 @@ def main(argv=None):
             max_extra_length=args.max_extra_length,
             progress=not args.no_progress,
         )
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # Bad input or preset: one line, no traceback.
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     result.pop("hypotheses")
     result.update(preset=args.preset, src=source_name, ref=reference_name)

@@ -1,11 +1,22 @@
 """Small helpers shared by the package."""
 
 import contextlib
+import numbers
 import os
 import pathlib
 import shutil
 import tempfile
 import uuid
+
+
+def is_integer(value):
+    """True for Python and NumPy integers, False for bools (JSON `true` is not a layer count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value):
+    """True for Python and NumPy ints and floats, False for bools and strings."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,8 @@ import json
 import logging
 import pathlib
 
+from keras_transformer.textio import read_lines
+
 logger = logging.getLogger(__name__)
 
 BUNDLED_DIR = pathlib.Path(__file__).resolve().parent / "libreoffice_en_de"
@@ -71,11 +73,6 @@ def bundled_paths(split):
     )
 
 
-def _read_lines(path):
-    with gzip.open(path, "rt", encoding="utf-8", newline="\n") as f:
-        return f.read().splitlines()
-
-
 def load_bundled(split):
     """Loads one split of the bundled corpus.
 
@@ -87,8 +84,8 @@ def load_bundled(split):
         one being the translation of line i of the other.
     """
     source_path, target_path = bundled_paths(split)
-    english = _read_lines(source_path)
-    german = _read_lines(target_path)
+    english = read_lines(source_path)
+    german = read_lines(target_path)
     if len(english) != len(german):
         raise ManifestError(
             f"{source_path.name} has {len(english)} lines but {target_path.name} has "
