@@ -19,7 +19,7 @@ from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer, check_layer_args, head_dims
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 from keras_transformer.presets import PRESETS
-from keras_transformer.utils import atomic_directory, is_integer, is_real
+from keras_transformer.utils import atomic_directory, is_integer, is_real, open_hdf5
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
@@ -773,32 +773,31 @@ def _check_weights_file(model, weights_path, config_path):
     import h5py
 
     arrays, names = [], set()
-
-    def visit(name, item):
-        if name.split("/")[0] == "optimizer":  # Optimizer state saved with a compiled model.
+    with open_hdf5(weights_path) as handle:
+        handle.visititems(lambda name, item: arrays.append(name) if isinstance(item, h5py.Dataset) else None)
+        # Optimizer state, saved with a compiled model, is not a model weight.
+        arrays = [name for name in arrays if name.split("/")[0] != "optimizer"]
+        expected = len(model.weights)
+        if len(arrays) == expected:
             return
-        if isinstance(item, h5py.Dataset):
-            arrays.append(name)
-        elif name.split("/")[-1] == "vars" and len(item) and "name" in item.attrs:
-            names.add(str(item.attrs["name"]))  # A layer that has weights, by its Keras name.
-
-    try:
-        with h5py.File(weights_path, "r") as handle:
-            handle.visititems(visit)
-    except OSError as error:
-        raise ValueError(f"{weights_path} is not an HDF5 weights file (.weights.h5): {error}") from None
-    expected = len(model.weights)
-    if len(arrays) != expected:
-        # Weight paths read "model_name/layer_name/.../variable_name".
-        model_names = {part for weight in model.weights for part in weight.path.split("/")[1:-1]}
-        top_level = {weight.path.split("/")[1] for weight in model.weights if weight.path.count("/") > 1}
-        detail = ""
-        if names - model_names:
-            detail += f"; layers in the file that the model does not have: {', '.join(sorted(names - model_names))}"
-        if top_level - names:
-            detail += f"; layers of the model missing from the file: {', '.join(sorted(top_level - names))}"
-        raise ValueError(
-            f"{weights_path} holds {len(arrays)} weight arrays but the model described by "
-            f"{config_path} has {expected}{detail}. The weights were saved from a different "
-            "architecture (e.g. num_layers); use the config.json written with them."
-        )
+        # For the message, the Keras names of the layers holding the arrays:
+        # Keras stores each layer's name on its "vars" group.
+        for name in arrays:
+            parts = name.split("/")
+            for depth in range(1, len(parts) - 1):
+                group = handle.get("/".join(parts[:depth] + ["vars"]))
+                if group is not None and "name" in group.attrs:
+                    names.add(str(group.attrs["name"]))
+    # Weight paths read "model_name/layer_name/.../variable_name".
+    model_names = {part for weight in model.weights for part in weight.path.split("/")[1:-1]}
+    top_level = {weight.path.split("/")[1] for weight in model.weights if weight.path.count("/") > 1}
+    detail = ""
+    if names - model_names:
+        detail += f"; layers in the file that the model does not have: {', '.join(sorted(names - model_names))}"
+    if top_level - names:
+        detail += f"; layers of the model missing from the file: {', '.join(sorted(top_level - names))}"
+    raise ValueError(
+        f"{weights_path} holds {len(arrays)} weight arrays but the model described by "
+        f"{config_path} has {expected}{detail}. The weights were saved from a different "
+        "architecture (e.g. num_layers); use the config.json written with them."
+    )

@@ -44,9 +44,18 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    metadata = run_training(
+    try:
+        metadata = _run(args)
+    except (ValueError, OSError) as error:  # Bad input files, preset or output: one line, no traceback.
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    print(json.dumps({k: v for k, v in metadata.items() if k != "data"}, indent=2))
+
+
+def _run(args):
+    return run_training(
         args.output,
         preset=args.preset,
         train_src=args.train_src,
@@ -71,7 +80,6 @@ def main(argv=None):
         seed=args.seed,
         overwrite=args.overwrite,
     )
-    print(json.dumps({k: v for k, v in metadata.items() if k != "data"}, indent=2))
 
 
 if __name__ == "__main__":

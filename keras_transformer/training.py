@@ -28,7 +28,7 @@ import numpy as np
 
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.schedules import WarmupSchedule
-from keras_transformer.utils import atomic_path
+from keras_transformer.utils import atomic_path, open_hdf5
 
 logger = logging.getLogger(__name__)
 
@@ -210,13 +210,13 @@ def average_checkpoints(paths, output=None):
         if not path.is_file():
             raise FileNotFoundError(f"No such checkpoint: {path}")
     names = []
-    with h5py.File(paths[0], "r") as first:
+    with open_hdf5(paths[0]) as first:
         first.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
     averaged = {}
     for name in names:
         arrays = []
         for path in paths:
-            with h5py.File(path, "r") as handle:
+            with open_hdf5(path) as handle:
                 if name not in handle:
                     raise ValueError(f"{path} has no weight {name!r} (present in {paths[0]}): different models?")
                 arrays.append(np.asarray(handle[name]))
@@ -242,6 +242,22 @@ STATE_FILE = "state.json"
 TRAINING_DIR = "training"
 
 
+def _read_state(path):
+    """The resume state in `path`; a damaged file is a ValueError that names it."""
+    import json
+
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(
+            f"{path} is damaged ({error}), so the run in {path.parent.parent} cannot be resumed; "
+            "pass --overwrite to train again from the start"
+        ) from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} must hold a JSON object, received {type(state).__name__}; pass --overwrite to train again")
+    return state
+
+
 def _prepare_output(output_dir, overwrite):
     """Returns True when resuming an interrupted run in `output_dir`."""
     import json
@@ -254,7 +270,7 @@ def _prepare_output(output_dir, overwrite):
         shutil.rmtree(output_dir)
         return False
     if state_path.is_file():
-        state = json.loads(state_path.read_text())
+        state = _read_state(state_path)
         if state.get("finished"):
             raise FileExistsError(
                 f"{output_dir} holds a finished training run; pass --overwrite to train again"

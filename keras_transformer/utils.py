@@ -19,6 +19,23 @@ def is_real(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def open_hdf5(path):
+    """Opens an HDF5 file (a Keras `.weights.h5`) for reading.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: `path` is not HDF5 (or is damaged); the message names it.
+    """
+    import h5py
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"No such weights file: {path}")
+    try:
+        return h5py.File(path, "r")
+    except OSError as error:
+        raise ValueError(f"{path} is not an HDF5 weights file (.weights.h5): {error}") from None
+
+
 @contextlib.contextmanager
 def atomic_path(path, suffix=""):
     """Yields a temporary path beside `path`; renames it onto `path` on success.
