@@ -749,7 +749,10 @@ def _read_preset_config(cls, path):
         )
     config = saved["config"]
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: 'config' must be a JSON object of {cls.__name__} arguments, received a JSON {_json_type(config)}")
+        raise ValueError(
+            f"{path}: 'config' must be a JSON object of {cls.__name__} arguments, "
+            f"received a JSON {_json_type(config)}"
+        )
     unknown = sorted(set(config) - set(_constructor_args()) - {"trainable"})
     if unknown:
         raise ValueError(f"{path}: unknown {cls.__name__} argument(s) {unknown}")

@@ -254,7 +254,9 @@ def _read_state(path):
             "pass --overwrite to train again from the start"
         ) from None
     if not isinstance(state, dict):
-        raise ValueError(f"{path} must hold a JSON object, received {type(state).__name__}; pass --overwrite to train again")
+        raise ValueError(
+            f"{path} must hold a JSON object, received {type(state).__name__}; pass --overwrite to train again"
+        )
     return state
 
 

@@ -50,6 +50,12 @@ def _write(path, text_or_bytes):
     return path
 
 
+def _write_raw(path, raw):
+    """Bytes as they are, even to a name ending in .gz."""
+    path.write_bytes(raw)
+    return path
+
+
 def _stdin(monkeypatch, raw):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8"))
 
@@ -133,8 +139,8 @@ def test_reading_errors_name_the_file_and_line(tmp_path, monkeypatch, source, ma
         "file": lambda: _write(tmp_path / "bad.txt", BAD_UTF8),
         "gzip": lambda: _write(tmp_path / "bad.txt.gz", BAD_UTF8),
         "stdin": lambda: _stdin(monkeypatch, BAD_UTF8),
-        "not_gzip": lambda: (tmp_path / "fake.gz").write_bytes(b"plain text\n") and tmp_path / "fake.gz",
-        "truncated_gzip": lambda: (tmp_path / "cut.gz").write_bytes(gzip.compress(b"x\n" * 1000)[:30]) and tmp_path / "cut.gz",
+        "not_gzip": lambda: _write_raw(tmp_path / "fake.gz", b"plain text\n"),
+        "truncated_gzip": lambda: _write_raw(tmp_path / "cut.gz", gzip.compress(b"x\n" * 1000)[:30]),
         "missing": lambda: tmp_path / "missing.txt",
         "directory": lambda: tmp_path,
     }[source]()
@@ -486,7 +492,8 @@ def test_cli_user_errors_are_one_line_and_exit_2(case, translating_preset, tmp_p
     run = {
         "translate_stdin_not_utf8": lambda: translate_main(["--preset", preset]),
         "translate_input_not_utf8": lambda: translate_main(["--preset", preset, "--input", bad]),
-        "translate_input_missing": lambda: translate_main(["--preset", preset, "--input", str(tmp_path / "missing.en")]),
+        "translate_input_missing": lambda: translate_main(["--preset", preset, "--input",
+                                                           str(tmp_path / "missing.en")]),
         "evaluate_src_not_utf8": lambda: evaluate_main(["--preset", preset, "--src", bad, "--ref", ref]),
         "evaluate_config_list": lambda: evaluate_main(["--preset", preset, "--src", ref, "--ref", ref]),
         "average_not_hdf5": lambda: average_main([str(tmp_path / "notes.weights.h5"), "--output",
