@@ -155,8 +155,6 @@ def train_tokenizer(
             reading_errors.append(error)
             raise
 
-    # We call SentencePiece directly: keras-hub's `compute_sentence_piece_proto`
-    # cannot set the special ids, and we need pad=0, unk=1, start=2, end=3.
     try:
         _train_sentencepiece(guarded(sentences), model, vocabulary_size, model_type)
     except RuntimeError as error:
@@ -169,6 +167,8 @@ def train_tokenizer(
 
 
 def _train_sentencepiece(sentences, model_writer, vocabulary_size, model_type):
+    # We call SentencePiece directly: keras-hub's `compute_sentence_piece_proto`
+    # cannot set the special ids, and we need pad=0, unk=1, start=2, end=3.
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_writer=model_writer,
