@@ -36,7 +36,10 @@ def main(argv=None):
         paths = paths[-args.last:]
     if os.path.exists(args.output) and not args.overwrite:
         parser.error(f"{args.output} exists; pass --overwrite to replace it")
-    average_checkpoints(paths, args.output)
+    try:
+        average_checkpoints(paths, args.output)
+    except (ValueError, OSError) as error:  # A missing or non-HDF5 file, or different models.
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     print(f"averaged {len(paths)} checkpoints into {args.output}")
 
 

@@ -6,37 +6,28 @@ and `tokens_per_batch` target tokens (the paper used ~25000 of each). The
 same tf.data pipeline feeds the TensorFlow, JAX and PyTorch backends.
 """
 
-import gzip
 import logging
 import pathlib
 
 import numpy as np
 
+from keras_transformer import textio
+
 logger = logging.getLogger(__name__)
 
 
 def read_lines(path):
-    """Lines of a UTF-8 text file, plain or .gz, without line endings.
+    """Lines of a UTF-8 corpus file, plain or .gz, without line endings.
+
+    `keras_transformer.textio.read_lines` (lines end at "\\n" only), plus the
+    corpus rule that a file may not be empty.
 
     Raises:
         FileNotFoundError: the file does not exist.
         ValueError: the file is empty, or a line is not valid UTF-8 (the
             message names the file and the 1-based line number).
     """
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"No such corpus file: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    lines = []
-    with opener(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                lines.append(raw.decode("utf-8").rstrip("\r\n"))
-            except UnicodeDecodeError as error:
-                raise ValueError(
-                    f"{path}, line {number}: not valid UTF-8 ({error.reason} at byte "
-                    f"{error.start}). Convert the file to UTF-8."
-                ) from None
+    lines = textio.read_lines(pathlib.Path(path))
     if not lines:
         raise ValueError(f"{path} is empty; a corpus file needs one sentence per line")
     return lines

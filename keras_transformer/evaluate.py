@@ -20,6 +20,8 @@ from keras_transformer import cli
 if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
     cli.quiet_startup()
 
+from keras_transformer.textio import read_lines  # noqa: E402
+
 
 def evaluate(
     translator,
@@ -117,7 +119,6 @@ def main(argv=None):
         parser.error(f"--limit={args.limit} must be a positive integer")
     cli.setup_logging(args.verbose)
 
-    from keras_transformer.translate import read_lines
     from keras_transformer.translator import Translator
 
     try:
@@ -142,7 +143,7 @@ def main(argv=None):
             max_extra_length=args.max_extra_length,
             progress=not args.no_progress,
         )
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # Bad input or preset: one line, no traceback.
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     result.pop("hypotheses")
     result.update(preset=args.preset, src=source_name, ref=reference_name)

@@ -5,6 +5,7 @@ Shape legend: B batch, S source length, T target length, D hidden_dim
 key/value size (d_k, d_v).
 """
 
+import itertools
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer, check_layer_args, head_dims
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 from keras_transformer.presets import PRESETS
-from keras_transformer.utils import atomic_directory
+from keras_transformer.utils import atomic_directory, is_integer, is_real, open_hdf5
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
@@ -80,6 +81,48 @@ def check_token_ids(token_ids, name, vocabulary_size):
                 "and the model use the same vocabulary."
             )
     return ops.cast(token_ids, "int32")
+
+
+def check_batch_sizes(**tensors):
+    """Refuses tensors whose batch sizes (axis 0) differ, wherever they are known.
+
+    The encoder and decoder inputs are never broadcast against each other:
+    left to the backends, a batch of 1 against a batch of 2 broadcasts on
+    PyTorch and JAX and fails inside an einsum on TensorFlow.
+
+    Args:
+        **tensors: name -> tensor or array; unknown (traced) sizes are skipped.
+    """
+    sizes = {name: _batch_size(x) for name, x in tensors.items()}
+    sizes = {name: size for name, size in sizes.items() if size is not None}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{name} {size}" for name, size in sizes.items())
+        raise ValueError(f"Batch sizes differ ({listed}); every input must have the same batch size")
+
+
+def _batch_size(x):
+    """`x.shape[0]`, or None where it is unknown (traced) or `x` has no axes."""
+    shape = getattr(x, "shape", None)
+    try:
+        return None if shape is None or len(shape) == 0 else shape[0]
+    except (TypeError, ValueError):  # TensorFlow shape of unknown rank
+        return None
+
+
+def check_cache_index(index, cache_length):
+    """Refuses a `decode_step` position outside `[0, cache_length)` when it is concrete.
+
+    Without it a position past the cache is clamped or dropped, differently
+    on each backend, and decoding goes on with wrong keys and values.
+    """
+    if isinstance(index, (int, np.integer)):
+        value = int(index)
+    elif _is_symbolic(index):
+        return
+    else:
+        value = int(ops.convert_to_numpy(index))
+    if cache_length is not None and not 0 <= value < cache_length:
+        raise ValueError(f"index={value} is outside the cache of length {cache_length} (init_cache max_length)")
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -170,12 +213,19 @@ class TransformerModel(keras.Model):
             ("hidden_dim", hidden_dim),
             ("max_sequence_length", max_sequence_length),
         ):
-            if not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         for name, value in (("num_encoder_layers", num_encoder_layers), ("num_decoder_layers", num_decoder_layers)):
-            if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+            if value is not None and (not is_integer(value) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer or None")
         check_layer_args(intermediate_dim, num_heads, dropout, key_dim, value_dim, attention_window)
+        if not is_real(attention_dropout) or not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout={attention_dropout!r} must be a number in [0, 1)")
+        if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
+            raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
+        for name, value in (("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name}={value!r} must be True or False")
         key_dim_resolved, value_dim_resolved = head_dims(hidden_dim, num_heads, key_dim, value_dim)
         if position_encoding not in ("sinusoidal", "learned"):
             raise ValueError(
@@ -183,9 +233,17 @@ class TransformerModel(keras.Model):
             )
         if position_encoding == "sinusoidal" and hidden_dim % 2:
             raise ValueError(f"hidden_dim={hidden_dim} must be even for sinusoidal positions")
-        for name, value in (("pad_id", pad_id), ("unk_id", unk_id), ("start_id", start_id), ("end_id", end_id)):
-            if not 0 <= value < vocabulary_size:
-                raise ValueError(f"{name}={value} must be in [0, vocabulary_size={vocabulary_size})")
+        special_ids = {"pad_id": pad_id, "unk_id": unk_id, "start_id": start_id, "end_id": end_id}
+        for name, value in special_ids.items():
+            if not is_integer(value) or not 0 <= value < vocabulary_size:
+                raise ValueError(f"{name}={value!r} must be an integer in [0, vocabulary_size={vocabulary_size})")
+        for (name, value), (other, other_value) in itertools.combinations(special_ids.items(), 2):
+            # start_id == end_id would end every output at its first token.
+            if value == other_value:
+                raise ValueError(
+                    f"{name}={value} and {other}={other_value} must differ: the special ids "
+                    "pad_id, unk_id, start_id and end_id are four distinct tokens"
+                )
         if pad_id != 0:
             raise ValueError(f"pad_id={pad_id}: only 0 is supported (masks are built from ids > 0)")
         super().__init__(**kwargs)
@@ -207,7 +265,7 @@ class TransformerModel(keras.Model):
         self.num_encoder_layers = num_encoder_layers
         self.num_decoder_layers = num_decoder_layers
         self.use_fused_attention = use_fused_attention
-        self.pad_id, self.unk_id, self.start_id, self.end_id = pad_id, unk_id, start_id, end_id
+        self.pad_id, self.unk_id, self.start_id, self.end_id = (int(i) for i in special_ids.values())
         self.head_key_dim, self.head_value_dim = key_dim_resolved, value_dim_resolved
         self.tokenizer = None
 
@@ -267,6 +325,20 @@ class TransformerModel(keras.Model):
         # weights, e.g. for count_params) as soon as it is constructed.
         self.build()
 
+    def __call__(self, *args, **kwargs):
+        # NumPy inputs are checked before Keras converts them to backend
+        # tensors: JAX (without x64) casts int64 to int32, so the id
+        # 2**32 + 7 would reach `call` as 7. Tensors are checked in `call`.
+        inputs = args[0] if args else kwargs.get("inputs")
+        if isinstance(inputs, dict):
+            ids = {name: inputs[name] for name in ("encoder_token_ids", "decoder_token_ids") if name in inputs}
+            for name, value in ids.items():
+                if isinstance(value, (np.ndarray, list, tuple)):
+                    ids[name] = np.asarray(value)
+                    check_token_ids(ids[name], name, self.vocabulary_size)
+            check_batch_sizes(**ids)
+        return super().__call__(*args, **kwargs)
+
     def build(self, input_shape=None):
         sequence = (None, None, self.hidden_dim)
         self.token_embedding.build((None, None))
@@ -318,6 +390,9 @@ class TransformerModel(keras.Model):
         """
         decoder_token_ids = check_token_ids(decoder_token_ids, "decoder_token_ids", self.vocabulary_size)
         encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        check_batch_sizes(
+            encoder_token_ids=encoder_token_ids, encoder_outputs=encoder_outputs, decoder_token_ids=decoder_token_ids
+        )
         encoder_padding_mask = ops.not_equal(encoder_token_ids, self.pad_id)
         decoder_padding_mask = ops.not_equal(decoder_token_ids, self.pad_id)
         x = self._embed(decoder_token_ids, self.decoder_position, self.decoder_embedding_dropout, training=training)
@@ -361,6 +436,7 @@ class TransformerModel(keras.Model):
             before positions (see `layers.MultiHeadAttention`).
         """
         encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        check_batch_sizes(encoder_token_ids=encoder_token_ids, encoder_outputs=encoder_outputs)
         batch = ops.shape(encoder_outputs)[0]
         layers = len(self.decoder_layers)
         dtype = self.compute_dtype
@@ -383,10 +459,19 @@ class TransformerModel(keras.Model):
 
         Returns:
             `(logits [B, V] for position index + 1, updated cache)`.
+
+        Raises:
+            ValueError: when concrete (outside a traced search), ids outside
+                the vocabulary, a batch other than the cache's, or an `index`
+                outside the cache.
         """
+        if isinstance(token_ids, (list, tuple)):
+            token_ids = np.asarray(token_ids)
         if len(token_ids.shape) == 1:
-            token_ids = ops.expand_dims(token_ids, 1)  # [B] -> [B, 1]
-        token_ids = ops.cast(token_ids, "int32")
+            token_ids = token_ids[:, None]  # [B] -> [B, 1]
+        token_ids = check_token_ids(token_ids, "token_ids", self.vocabulary_size)
+        check_batch_sizes(token_ids=token_ids, cache=cache["self_key"])
+        check_cache_index(index, cache["self_key"].shape[3])
         x = self._embed(token_ids, self.decoder_position, self.decoder_embedding_dropout, start_index=index, training=False)
         keys, values = [], []
         for i, layer in enumerate(self.decoder_layers):
@@ -459,6 +544,7 @@ class TransformerModel(keras.Model):
         """
         encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
         decoder_token_ids = check_token_ids(decoder_token_ids, "decoder_token_ids", self.vocabulary_size)
+        check_batch_sizes(encoder_token_ids=encoder_token_ids, decoder_token_ids=decoder_token_ids)
         encoder_padding_mask = ops.not_equal(encoder_token_ids, self.pad_id)  # [B, S]
         decoder_padding_mask = ops.not_equal(decoder_token_ids, self.pad_id)  # [B, T]
         scores = {"encoder_self_attention": [], "decoder_self_attention": [], "cross_attention": []}
@@ -608,32 +694,113 @@ def _load_preset_directory(cls, directory, overrides):
                 f"Preset directory {directory} has no {name}; a preset directory "
                 f"written by save_to_preset holds {CONFIG_FILE} and {WEIGHTS_FILE}."
             )
-    try:
-        saved = json.loads((directory / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{directory / CONFIG_FILE} is not valid JSON: {error}") from None
-    if saved.get("class_name") != cls.__name__ or "config" not in saved:
-        raise ValueError(
-            f"{directory / CONFIG_FILE} does not describe a {cls.__name__} "
-            f"(class_name={saved.get('class_name')!r})"
-        )
-    if saved.get("format_version") != PRESET_FORMAT_VERSION:
-        raise ValueError(
-            f"{directory / CONFIG_FILE} has format_version={saved.get('format_version')!r}; "
-            f"this version of keras_transformer reads format {PRESET_FORMAT_VERSION}"
-        )
-    config = {**saved["config"], **overrides}
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    config = {**_read_preset_config(cls, config_path), **overrides}
     config.pop("name", None)
-    model = cls.from_config(config)
     try:
-        model.load_weights(str(directory / WEIGHTS_FILE))
+        model = cls.from_config(config)
+    except (TypeError, ValueError) as error:
+        where = f"{config_path} with overrides {sorted(overrides)}" if overrides else str(config_path)
+        raise ValueError(f"Cannot build a {cls.__name__} from {where}: {error}") from None
+    _check_weights_file(model, weights_path, config_path)
+    try:
+        model.load_weights(str(weights_path))
     except Exception as error:  # noqa: BLE001 - re-raised with the file named
+        # Keras lists every layer that failed on several lines; its first lines say why.
+        reason = " ".join(str(error).split("List of objects")[0].split())
         raise ValueError(
-            f"Could not load {directory / WEIGHTS_FILE} into a model built from "
-            f"{directory / CONFIG_FILE}: {error}"
+            f"Could not load {weights_path} into a model built from {config_path}: {reason}"
         ) from error
     if (directory / TOKENIZER_FILE).is_file():
         from keras_transformer.tokenizer import Tokenizer
 
         model.tokenizer = Tokenizer.load(directory)
     return model
+
+
+def _read_preset_config(cls, path):
+    """The constructor arguments stored in a preset's config.json, checked for shape.
+
+    Raises:
+        ValueError: naming `path`: not UTF-8, not JSON, not an object, another
+            class or format, or keys that are not constructor arguments (the
+            values themselves are checked by the constructor).
+    """
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"{path} must hold a JSON object with 'class_name' and 'config', received a JSON "
+            f"{_json_type(saved)}"
+        )
+    if saved.get("class_name") != cls.__name__ or "config" not in saved:
+        raise ValueError(
+            f"{path} does not describe a {cls.__name__} "
+            f"(class_name={saved.get('class_name')!r})"
+        )
+    if saved.get("format_version") != PRESET_FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has format_version={saved.get('format_version')!r}; "
+            f"this version of keras_transformer reads format {PRESET_FORMAT_VERSION}"
+        )
+    config = saved["config"]
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{path}: 'config' must be a JSON object of {cls.__name__} arguments, "
+            f"received a JSON {_json_type(config)}"
+        )
+    unknown = sorted(set(config) - set(_constructor_args()) - {"trainable"})
+    if unknown:
+        raise ValueError(f"{path}: unknown {cls.__name__} argument(s) {unknown}")
+    return config
+
+
+def _json_type(value):
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _check_weights_file(model, weights_path, config_path):
+    """Refuses a weights file with arrays the model would not load.
+
+    Keras' `load_weights` fails when the model has a weight that the file
+    lacks, but silently ignores what the file has beyond the model (a file
+    saved with more layers than `config_path` describes). Every array of the
+    file except the optimizer's must therefore be one of the model's weights:
+    with Keras' per-layer checks, equal counts mean every array is used.
+    """
+    import h5py
+
+    arrays, names = [], set()
+    with open_hdf5(weights_path) as handle:
+        handle.visititems(lambda name, item: arrays.append(name) if isinstance(item, h5py.Dataset) else None)
+        # Optimizer state, saved with a compiled model, is not a model weight.
+        arrays = [name for name in arrays if name.split("/")[0] != "optimizer"]
+        expected = len(model.weights)
+        if len(arrays) == expected:
+            return
+        # For the message, the Keras names of the layers holding the arrays:
+        # Keras stores each layer's name on its "vars" group.
+        for name in arrays:
+            parts = name.split("/")
+            for depth in range(1, len(parts) - 1):
+                group = handle.get("/".join(parts[:depth] + ["vars"]))
+                if group is not None and "name" in group.attrs:
+                    names.add(str(group.attrs["name"]))
+    # Weight paths read "model_name/layer_name/.../variable_name".
+    model_names = {part for weight in model.weights for part in weight.path.split("/")[1:-1]}
+    top_level = {weight.path.split("/")[1] for weight in model.weights if weight.path.count("/") > 1}
+    detail = ""
+    if names - model_names:
+        detail += f"; layers in the file that the model does not have: {', '.join(sorted(names - model_names))}"
+    if top_level - names:
+        detail += f"; layers of the model missing from the file: {', '.join(sorted(top_level - names))}"
+    raise ValueError(
+        f"{weights_path} holds {len(arrays)} weight arrays but the model described by "
+        f"{config_path} has {expected}{detail}. The weights were saved from a different "
+        "architecture (e.g. num_layers); use the config.json written with them."
+    )

@@ -10,16 +10,17 @@ Reserved ids: 0 = padding (the model builds its masks from `ids > 0`),
 1 = unknown, 2 = start, 3 = end.
 """
 
-import gzip
 import io
 import itertools
 import logging
 import os
 import random
+import re
 
 import numpy as np
 import sentencepiece as spm
 
+from keras_transformer.textio import iter_lines
 from keras_transformer.utils import atomic_path
 from tqdm.auto import tqdm
 
@@ -37,19 +38,6 @@ def _is_file(item):
     return isinstance(item, str) and "\n" not in item and os.path.isfile(item)
 
 
-def _read_lines(path):
-    """Yields the non-empty lines of a UTF-8 text file, plain or `.gz`."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"No such corpus file: {path!r}")
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                yield line
-
-
 def _sentences(texts_or_files):
     """Yields sentences, interleaving the sources line by line.
 
@@ -63,7 +51,7 @@ def _sentences(texts_or_files):
     sources, texts = [], []
     for item in texts_or_files:
         if _is_file(item):
-            sources.append(_read_lines(item))
+            sources.append(line.strip() for line in iter_lines(item) if line.strip())
         elif isinstance(item, str):
             if item.strip():
                 texts.append(item.strip())
@@ -156,11 +144,34 @@ def train_tokenizer(
         "Training a %s vocabulary of %d pieces with SentencePiece", model_type, vocabulary_size
     )
     model = io.BytesIO()
+    # SentencePiece turns an exception raised by the iterator (a missing or
+    # non-UTF-8 file) into its own RuntimeError; the original is kept here.
+    reading_errors = []
+
+    def guarded(sentences):
+        try:
+            yield from sentences
+        except Exception as error:
+            reading_errors.append(error)
+            raise
+
+    try:
+        _train_sentencepiece(guarded(sentences), model, vocabulary_size, model_type)
+    except RuntimeError as error:
+        if reading_errors:
+            raise reading_errors[0] from None
+        raise _training_error(error, vocabulary_size) from None
+    tokenizer = Tokenizer(model.getvalue())
+    logger.info("Trained a vocabulary of %d pieces", tokenizer.vocabulary_size)
+    return tokenizer
+
+
+def _train_sentencepiece(sentences, model_writer, vocabulary_size, model_type):
     # We call SentencePiece directly: keras-hub's `compute_sentence_piece_proto`
     # cannot set the special ids, and we need pad=0, unk=1, start=2, end=3.
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
-        model_writer=model,
+        model_writer=model_writer,
         vocab_size=vocabulary_size,
         model_type=model_type,
         pad_id=PAD_ID,
@@ -183,9 +194,22 @@ def train_tokenizer(
         shuffle_input_sentence=False,
         minloglevel=2,  # SentencePiece's INFO lines are very chatty.
     )
-    tokenizer = Tokenizer(model.getvalue())
-    logger.info("Trained a vocabulary of %d pieces", tokenizer.vocabulary_size)
-    return tokenizer
+
+
+def _training_error(error, vocabulary_size):
+    """SentencePiece's INTERNAL errors, as the advice a user can act on."""
+    message = str(error)
+    too_large = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", message)
+    if too_large:
+        limit = int(too_large.group(2))
+        return ValueError(
+            f"vocabulary_size={vocabulary_size} is too large for this corpus: SentencePiece can "
+            f"build at most {limit} pieces from it. Use a vocabulary of at most {limit} "
+            "(--vocabulary-size) or train on more text."
+        )
+    if "sentences_.empty()" in message:
+        return ValueError("No sentence to train the vocabulary on: the corpus is empty or has only blank lines")
+    return RuntimeError(f"SentencePiece could not train a vocabulary of {vocabulary_size} pieces: {message.strip()}")
 
 
 class Tokenizer:
@@ -216,7 +240,14 @@ class Tokenizer:
                 f"received {type(proto).__name__}"
             )
         self._proto = bytes(proto)
-        self._processor = spm.SentencePieceProcessor(model_proto=self._proto)
+        try:
+            self._processor = spm.SentencePieceProcessor(model_proto=self._proto)
+        except RuntimeError:  # SentencePiece's "INTERNAL: ... ParseFromArray" says no more.
+            raise ValueError(
+                f"Not a serialized SentencePiece model: SentencePiece cannot parse these {len(self._proto)} bytes"
+            ) from None
+        if self.vocabulary_size == 0:
+            raise ValueError(f"Not a SentencePiece model: {len(self._proto)} bytes without any piece")
         if self.pad_id != PAD_ID:
             raise ValueError(
                 f"The SentencePiece model has pad_id={self.pad_id}; this "
@@ -332,6 +363,7 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: naming the missing file.
+            ValueError: the file is not a usable SentencePiece model (named).
         """
         path = os.path.join(os.fspath(directory), TOKENIZER_FILENAME)
         if not os.path.isfile(path):
@@ -339,7 +371,11 @@ class Tokenizer:
                 f"No tokenizer in {os.fspath(directory)!r}: expected the file {path!r}"
             )
         with open(path, "rb") as f:
-            return cls(f.read())
+            proto = f.read()
+        try:
+            return cls(proto)
+        except ValueError as error:
+            raise ValueError(f"Cannot load the tokenizer {path}: {error}") from None
 
     def to_keras_hub(self):
         """A `keras_hub.tokenizers.SentencePieceTokenizer` on the same proto.

@@ -31,7 +31,7 @@ from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.presets import PRESETS
 from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
-from keras_transformer.utils import atomic_path, remove_stale_temporaries, stale_temporaries, temporary_sibling
+from keras_transformer.utils import atomic_path, open_hdf5, remove_stale_temporaries, stale_temporaries, temporary_sibling
 
 logger = logging.getLogger(__name__)
 
@@ -213,13 +213,13 @@ def average_checkpoints(paths, output=None):
         if not path.is_file():
             raise FileNotFoundError(f"No such checkpoint: {path}")
     names = []
-    with h5py.File(paths[0], "r") as first:
+    with open_hdf5(paths[0]) as first:
         first.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
     averaged = {}
     for name in names:
         arrays = []
         for path in paths:
-            with h5py.File(path, "r") as handle:
+            with open_hdf5(path) as handle:
                 if name not in handle:
                     raise ValueError(f"{path} has no weight {name!r} (present in {paths[0]}): different models?")
                 arrays.append(np.asarray(handle[name]))

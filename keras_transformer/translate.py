@@ -10,7 +10,6 @@ python -m keras_transformer.translate --preset runs/small --input test.en --outp
 """
 
 import argparse
-import gzip
 import os
 import sys
 
@@ -19,20 +18,11 @@ from keras_transformer import cli
 if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
     cli.quiet_startup()
 
+# `read_lines` is re-exported: export/runtime.py imports it from here.
+from keras_transformer.textio import read_lines  # noqa: E402
 from keras_transformer.utils import atomic_path  # noqa: E402
 
-
-def read_lines(path=None):
-    """Lines of a UTF-8 file (plain or `.gz`), or of stdin when `path` is None or "-".
-
-    Only the line ends are removed; empty lines are kept (they translate to
-    empty lines, so the output stays aligned with the input).
-    """
-    if path is None or path == "-":
-        return sys.stdin.read().splitlines()
-    opener = gzip.open if os.fspath(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", newline="") as f:
-        return f.read().splitlines()
+__all__ = ["build_parser", "main", "read_lines", "write_lines"]
 
 
 def write_lines(path, lines, overwrite=False):
@@ -87,8 +77,8 @@ def main(argv=None):
     from keras_transformer.translator import Translator
 
     try:
-        translator = Translator.from_preset(args.preset)
         sources = read_lines(args.input)
+        translator = Translator.from_preset(args.preset)
         translations = translator.translate(
             sources,
             beam_size=args.beam_size,
@@ -97,7 +87,7 @@ def main(argv=None):
             max_extra_length=args.max_extra_length,
             progress=not args.no_progress,
         )
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # Bad input or preset: one line, no traceback.
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.output is None:
         sys.stdout.write("".join(line + "\n" for line in translations))

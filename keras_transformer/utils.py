@@ -3,12 +3,40 @@
 import argparse
 import contextlib
 import math
+import numbers
 import os
 import pathlib
 import re
 import shutil
 import tempfile
 import uuid
+
+
+def is_integer(value):
+    """True for Python and NumPy integers, False for bools (JSON `true` is not a layer count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value):
+    """True for Python and NumPy ints and floats, False for bools and strings."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def open_hdf5(path):
+    """Opens an HDF5 file (a Keras `.weights.h5`) for reading.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: `path` is not HDF5 (or is damaged); the message names it.
+    """
+    import h5py
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"No such weights file: {path}")
+    try:
+        return h5py.File(path, "r")
+    except OSError as error:
+        raise ValueError(f"{path} is not an HDF5 weights file (.weights.h5): {error}") from None
 
 
 @contextlib.contextmanager

@@ -26,6 +26,8 @@ import logging
 import os
 import pathlib
 
+from keras_transformer.textio import read_lines
+
 logger = logging.getLogger(__name__)
 
 BUNDLED_DIR = pathlib.Path(__file__).resolve().parent / "libreoffice_en_de"
@@ -131,11 +133,6 @@ def data_record(splits):
     return record
 
 
-def _read_lines(path):
-    with gzip.open(path, "rt", encoding="utf-8", newline="\n") as f:
-        return f.read().splitlines()
-
-
 def load_bundled(split):
     """Loads one split of the bundled corpus.
 
@@ -147,8 +144,8 @@ def load_bundled(split):
         one being the translation of line i of the other.
     """
     source_path, target_path = bundled_paths(split)
-    english = _read_lines(source_path)
-    german = _read_lines(target_path)
+    english = read_lines(source_path)
+    german = read_lines(target_path)
     if len(english) != len(german):
         raise ManifestError(
             f"{source_path.name} has {len(english)} lines but {target_path.name} has "

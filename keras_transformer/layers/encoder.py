@@ -3,19 +3,24 @@
 import keras
 
 from keras_transformer.layers.attention import MultiHeadAttention, clone_initializer
+from keras_transformer.utils import is_real
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON `true` is not a size.
 
 
 def check_layer_args(intermediate_dim, num_heads, dropout, key_dim, value_dim, attention_window):
-    if not isinstance(intermediate_dim, int) or intermediate_dim < 1:
+    if not _is_int(intermediate_dim) or intermediate_dim < 1:
         raise ValueError(f"intermediate_dim={intermediate_dim!r} must be a positive integer")
-    if not isinstance(num_heads, int) or num_heads < 1:
+    if not _is_int(num_heads) or num_heads < 1:
         raise ValueError(f"num_heads={num_heads!r} must be a positive integer")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
+    if not is_real(dropout) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout={dropout!r} must be a number in [0, 1)")
     for name, value in (("key_dim", key_dim), ("value_dim", value_dim)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (not _is_int(value) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer or None")
-    if attention_window is not None and (not isinstance(attention_window, int) or attention_window < 0):
+    if attention_window is not None and (not _is_int(attention_window) or attention_window < 0):
         raise ValueError(f"attention_window={attention_window!r} must be a non-negative integer or None")
 
 
