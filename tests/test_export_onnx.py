@@ -383,7 +383,7 @@ def test_bad_arguments_are_rejected_before_any_work(tmp_path):
 @pytest.mark.slow
 def test_a_failed_validation_leaves_no_directory(model, tmp_path, monkeypatch):
     def failing_validation(directory, model, atol):
-        assert sorted(p.name for p in directory.iterdir()) == sorted(GRAPH_FILES + ["config.json"])
+        assert sorted(p.name for p in directory.iterdir()) == sorted(GRAPH_FILES + ["config.json", "weights.bin"])
         raise ValidationError("simulated mismatch")
 
     monkeypatch.setattr(onnx_export, "validate_onnx", failing_validation)
