@@ -118,6 +118,43 @@ r = t.translate_batch(p, beam_size=4, length_penalty=0.6, min_decoding_length=0,
 print("\\n".join(sp.decode(x.hypotheses[0]) for x in r), flush=True)
 """
 
+# Runs one serving command and measures it from a small process of its own:
+# Linux carries a process's peak RSS across fork and exec into `ru_maxrss`,
+# so a child of the benchmark (which may hold TensorFlow) would report at
+# least the benchmark's own peak. Standard library only, started with -I -S.
+COLD_START_SCRIPT = r"""
+import json, os, select, subprocess, sys, time
+command, cwd, text, timeout, log = json.loads(sys.argv[1])
+with open(log, "wb") as errors:
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors)
+    process.stdin.write(text.encode() + b"\n")
+    process.stdin.close()
+    output, seconds, deadline = b"", None, start + timeout
+    while True:
+        ready = select.select([process.stdout], [], [], max(deadline - time.perf_counter(), 0))[0]
+        if not ready:
+            process.kill()
+            break
+        chunk = os.read(process.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        output += chunk
+        if seconds is None and b"\n" in output:
+            seconds = time.perf_counter() - start
+    process.stdout.close()
+    _, status, usage = os.wait4(process.pid, 0)
+print(json.dumps({"seconds": seconds, "exit": os.waitstatus_to_exitcode(status), "peak_rss_kb": usage.ru_maxrss,
+                  "output": output.split(b"\n", 1)[0].decode(errors="replace")}))
+"""
+
+# The serving paths: name of the command, and the distributions it needs (with their dependencies).
+PATHS = {
+    "ort": "python -m export.runtime --threads 1",
+    "keras": "python -m keras_transformer.translate",
+    "ct2": "CTranslate2 + SentencePiece script",
+}
+
 
 # ---------------------------------------------------------------------- #
 # Token rows
@@ -223,6 +260,21 @@ class Ct2System:
 
 
 SYSTEMS = {"keras": KerasSystem, "ort": OrtSystem, "ct2": Ct2System}
+
+
+def peak_rss_mb():
+    """This process's peak resident memory since it started (exec), in MB.
+
+    `VmHWM` (Linux) belongs to the process image, so unlike `ru_maxrss` it
+    does not include the parent's peak inherited across fork and exec.
+    """
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _cpu_seconds():
@@ -348,7 +400,7 @@ def worker_main(system, directory, threads, max_extra_length):
         except Exception as error:  # noqa: BLE001 - reported to the parent
             logger.exception("request failed")
             answer({"error": f"{type(error).__name__}: {error}"})
-    answer({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    answer({"peak_rss_mb": peak_rss_mb()})
     return 0
 
 
@@ -636,58 +688,48 @@ def agreement(measured, workers):
     return result
 
 
-def cold_start(command, cwd, env, text, timeout=COLD_START_TIMEOUT_SECONDS):
-    """Seconds from process start to its first line on stdout, that line, and the process's peak RSS (MB)."""
-    start = time.perf_counter()
-    process = subprocess.Popen(
-        command, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def cold_start(command, env, text, log, timeout=COLD_START_TIMEOUT_SECONDS):
+    """Seconds from process start to its first line on stdout, that line, and the process's peak RSS (MB).
+
+    Measured by `COLD_START_SCRIPT` in a process of its own (see there);
+    the command's stderr goes to `log`.
+    """
+    arguments = json.dumps([command, str(REPO), text, timeout, str(log)])
+    launcher = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", COLD_START_SCRIPT, arguments],
+        env=env, capture_output=True, text=True, timeout=timeout + 60,
     )
-    process.stdin.write(text.encode() + b"\n")
-    process.stdin.close()
-    first, seconds, deadline = b"", None, start + timeout
-    while seconds is None:
-        ready, _, _ = select.select([process.stdout], [], [], max(deadline - time.perf_counter(), 0))
-        if not ready:
-            process.kill()
-            break
-        chunk = os.read(process.stdout.fileno(), 65536)
-        if not chunk:
-            break
-        first += chunk
-        if b"\n" in first:
-            seconds = time.perf_counter() - start
-            first = first.split(b"\n", 1)[0]
-    process.stdout.close()
-    errors = process.stderr.read().decode(errors="replace")
-    process.stderr.close()
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if seconds is None or process.returncode != 0:
-        raise RuntimeError(f"{command[:4]} failed (exit {process.returncode}): {errors[-2000:]}")
-    return {"seconds": seconds, "peak_rss_mb": usage.ru_maxrss / 1024, "output": first.decode(errors="replace")}
+    try:
+        result = json.loads(launcher.stdout)
+    except json.JSONDecodeError:
+        raise RuntimeError(f"the cold-start launcher failed: {launcher.stderr[-2000:]}") from None
+    if result["seconds"] is None or result["exit"] != 0:
+        tail = pathlib.Path(log).read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{command[:4]} failed (exit {result['exit']}); its stderr ends:\n{tail}")
+    return {"seconds": result["seconds"], "peak_rss_mb": result["peak_rss_kb"] / 1024, "output": result["output"]}
 
 
-def cold_starts(directories, text, repeats, warm_page_cache):
-    """The serving commands, interleaved; medians of `repeats` runs each."""
+def cold_starts(directories, text, repeats, warm_page_cache, work):
+    """The serving commands, interleaved; medians of `repeats` runs each (keyed as `PATHS`)."""
     python = sys.executable
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2", OMP_WAIT_POLICY="PASSIVE")
     commands = {}
     if "ort-float32" in directories:
-        commands["python -m export.runtime --threads 1"] = [
+        commands["ort"] = [
             python, "-m", "export.runtime", "--model", str(directories["ort-float32"]), "--threads", "1"]
-    commands["python -m keras_transformer.translate"] = [
+    commands["keras"] = [
         python, "-m", "keras_transformer.translate", "--preset", str(directories[KERAS]), "--no-progress"]
     if "ct2-float32" in directories:
-        commands["ctranslate2 + sentencepiece script"] = [python, "-c", CT2_SCRIPT, str(directories["ct2-float32"])]
+        commands["ct2"] = [python, "-c", CT2_SCRIPT, str(directories["ct2-float32"])]
     runs = {name: [] for name in commands}
     failed = {}
     for repeat in range(repeats + int(warm_page_cache)):
         for name, command in commands.items():
             if name in failed:
                 continue
-            logger.info("Cold start %d: %s", repeat + 1, name)
+            logger.info("Cold start %d: %s", repeat + 1, PATHS[name])
             try:
-                result = cold_start(command, REPO, env, text)
+                result = cold_start(command, env, text, work / f"cold-start-{name}.log")
             except RuntimeError as error:
                 logger.error("%s", error)
                 failed[name] = str(error)
@@ -697,10 +739,11 @@ def cold_starts(directories, text, repeats, warm_page_cache):
     results = []
     for name, command in commands.items():
         if not runs[name]:
-            results.append({"command": name, "error": failed.get(name, "no run")})
+            results.append({"path": name, "command": PATHS[name], "error": failed.get(name, "no run")})
             continue
         results.append({
-            "command": name,
+            "path": name,
+            "command": PATHS[name],
             "argv": [os.path.relpath(part, REPO) if os.path.isabs(part) and part != python else part
                      for part in command if part != CT2_SCRIPT],
             "seconds": statistics.median(r["seconds"] for r in runs[name]),
@@ -757,9 +800,9 @@ def installed_sizes():
     except metadata.PackageNotFoundError:
         keras_path = ["tensorflow", "keras", "keras-hub", "tensorflow-text", "sentencepiece", "h5py", "tqdm"]
     return {
-        "python -m export.runtime": dict(installed_size([ort, "numpy", "sentencepiece", "tqdm"]), onnxruntime=ort),
-        "python -m keras_transformer.translate": installed_size(keras_path),
-        "ctranslate2 + sentencepiece script": installed_size(["ctranslate2", "sentencepiece"]),
+        "ort": dict(installed_size([ort, "numpy", "sentencepiece", "tqdm"]), onnxruntime=ort),
+        "keras": installed_size(keras_path),
+        "ct2": installed_size(["ctranslate2", "sentencepiece"]),
     }
 
 
@@ -788,7 +831,7 @@ def goals(rows, cold):
             add(f"{system} time / ct2-{system[4:]} time (worst setting)", worst[0], f"<= {limit}x",
                 worst[0] <= limit, worst[1])
     for entry in cold:
-        if entry["command"].startswith("python -m export.runtime") and "seconds" in entry:
+        if entry["path"] == "ort" and "seconds" in entry:
             add("export.runtime cold start, one sentence", entry["seconds"], f"<= {GOAL_COLD_START_SECONDS} s",
                 entry["seconds"] <= GOAL_COLD_START_SECONDS, "process start to first line")
             add("export.runtime peak resident memory", entry["peak_rss_mb"], f"<= {GOAL_RSS_MB} MB",
@@ -812,7 +855,7 @@ def markdown(results):
     if results["cold_start"]:
         lines += ["", "| serving path | cold start (s) | peak RSS (MB) | installed (MB) |", "|---|---:|---:|---:|"]
         for entry in results["cold_start"]:
-            size = results["installed"].get(entry["command"], {}).get("mb")
+            size = results["installed"].get(entry["path"], {}).get("mb")
             size = f"{size:,.0f}" if size is not None else "-"
             if "seconds" in entry:
                 lines.append(f"| `{entry['command']}` | {entry['seconds']:.2f} | {entry['peak_rss_mb']:.0f} | {size} |")
@@ -915,7 +958,7 @@ def run_benchmark(args):
         from keras_transformer.datasets import load_bundled
 
         sentence = load_bundled("test")[0][0]
-        cold = cold_starts(directories, sentence, args.cold_repeats, warm_page_cache=not args.quick)
+        cold = cold_starts(directories, sentence, args.cold_repeats, warm_page_cache=not args.quick, work=work)
     load_after = os.getloadavg()
     busy = max(load_before[0], load_after[0]) > 0.5 * (os.cpu_count() or 1)
     return {
@@ -964,9 +1007,10 @@ def print_report(results):
               f"{a['rows_identical_to_keras']}/{a['rows']}  equal lengths: {a['equal_lengths']}")
     print("\nInstalled size (distributions with their dependencies):")
     for name, size in results["installed"].items():
-        print(f"  {name}: {size['mb']:,.0f} MB ({len(size['distributions'])} distributions)")
+        print(f"  {PATHS[name]}: {size['mb']:,.0f} MB ({len(size['distributions'])} distributions)")
     if results["profile"]:
-        print("\nONNX Runtime profile of beam_search.onnx (float32, beam 4), top op types by time:")
+        print("\nONNX Runtime profile of beam_search.onnx (float32, beam 4, 1 thread), top op types by summed node time"
+              " (profiling slows every node: read the shares, not the times):")
         for batch, report in results["profile"].items():
             print(f"  batch {batch}: {report['seconds_per_call'] * 1e3:.1f} ms per call "
                   f"(node time {report['node_us'] / 1e3 / report['calls']:.1f} ms per call)")
