@@ -30,7 +30,9 @@ Reported per system and setting: the median over `--rounds` rounds of the
 seconds per call, ms per generated token (call time / tokens generated in
 the whole batch, end ids not counted), sentences per second, the speed-up
 over Keras and the ONNX Runtime / CTranslate2 time ratios (same run), and
-the CPU time / wall time of the worker while it ran (1.0 = one busy core).
+the CPU time / wall time of the worker while it ran (1.0 = one busy core),
+and CPU ms per token (the worker's CPU time per call / tokens: with one
+thread, less sensitive to other load on the machine than the wall time).
 
 Then the serving paths as a user starts them, one sentence on stdin, each
 run `--cold-repeats` times (after one untimed run that fills the page cache):
@@ -615,7 +617,7 @@ def measure_throughput(workers, sources, batch_sizes, rounds):
                 names.remove(name)
                 continue
             calls[name, batch, search] = max(1, int(np.ceil(MIN_MEASUREMENT_SECONDS / second["seconds"][0])))
-            measured[name, batch, search] = {"seconds": [], "cpu": [], "tokens": second["tokens"]}
+            measured[name, batch, search] = {"seconds": [], "cpu": [], "cpu_seconds": [], "tokens": second["tokens"]}
     for round_index in range(rounds):
         logger.info("Round %d of %d", round_index + 1, rounds)
         for batch, search in settings:
@@ -634,6 +636,7 @@ def measure_throughput(workers, sources, batch_sizes, rounds):
                 entry = measured[name, batch, search]
                 entry["seconds"].append(statistics.mean(answer["seconds"]))
                 entry["cpu"].append(answer["cpu_seconds"] / sum(answer["seconds"]))
+                entry["cpu_seconds"].append(answer["cpu_seconds"] / len(answer["seconds"]))
                 if answer["tokens"] != entry["tokens"]:
                     entry["nondeterministic"] = True
     return measured, calls
@@ -654,6 +657,7 @@ def summarize(measured, calls, workers):
             "tokens_per_row": sorted(set(lengths)), "tokens": sum(lengths),
             "ms_per_token": 1e3 * seconds / max(sum(lengths), 1), "sentences_per_second": batch / seconds,
             "cpu_per_wall": statistics.median(entry["cpu"]),
+            "cpu_ms_per_token": 1e3 * statistics.median(entry["cpu_seconds"]) / max(sum(lengths), 1),
             "deterministic": not entry.get("nondeterministic", False),
         })
     index = {(r["threads"], r["batch"], r["search"], r["system"]): r for r in rows}
@@ -841,8 +845,9 @@ def goals(rows, cold):
 
 def markdown(results):
     lines = [
-        "| threads | batch | search | system | tokens/row | ms/token | sentences/s | vs Keras | ORT / CT2 time |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|",
+        "| threads | batch | search | system | tokens/row | ms/token | sentences/s | vs Keras | ORT / CT2 time "
+        "| CPU ms/token |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["throughput"]:
         tokens = "/".join(str(t) for t in r["tokens_per_row"])
@@ -850,7 +855,7 @@ def markdown(results):
         ratio = f"{r['time_over_ct2']:.2f}x" if r.get("time_over_ct2") else ""
         lines.append(
             f"| {r['threads']} | {r['batch']} | {r['search']} | {r['system']} | {tokens} | {r['ms_per_token']:.3f} "
-            f"| {r['sentences_per_second']:.1f} | {speedup} | {ratio} |"
+            f"| {r['sentences_per_second']:.1f} | {speedup} | {ratio} | {r['cpu_ms_per_token']:.3f} |"
         )
     if results["cold_start"]:
         lines += ["", "| serving path | cold start (s) | peak RSS (MB) | installed (MB) |", "|---|---:|---:|---:|"]

@@ -65,6 +65,7 @@ def test_summary_ratios_and_goals():
             factor = 1 if batch == 1 else 4
             measured[name, batch, search] = {
                 "seconds": [seconds[worker.system_name] * factor] * 3, "cpu": [1.0] * 3,
+                "cpu_seconds": [seconds[worker.system_name] * factor / 2] * 3,
                 "tokens": [[5] * 10] * batch,
             }
             calls[name, batch, search] = 1
@@ -73,6 +74,7 @@ def test_summary_ratios_and_goals():
     assert row["speedup_vs_keras"] == pytest.approx(1.6)
     assert row["time_over_ct2"] == pytest.approx(2.0)
     assert row["ms_per_token"] == pytest.approx(20.0)  # 0.2 s / 10 tokens
+    assert row["cpu_ms_per_token"] == pytest.approx(10.0)
     big = next(r for r in rows if (r["system"], r["batch"]) == ("ct2-int8", 16))
     assert big["sentences_per_second"] == pytest.approx(16 / 0.32)
     assert big["ms_per_token"] == pytest.approx(1e3 * 0.32 / 160)
