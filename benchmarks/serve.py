@@ -911,6 +911,26 @@ def _versions():
     return versions
 
 
+def profile_in_worker(directories, sources, batch_sizes, max_extra_length, work):
+    """`profile_search` in a fresh ONNX Runtime worker (the profiler's events would inflate a measured one's memory)."""
+    if "ort-float32" not in directories:
+        logger.warning("--profile needs the ort-float32 export")
+        return None
+    logger.info("Profiling beam_search.onnx")
+    worker = Worker("ort-float32-profile", "ort-float32", directories["ort-float32"], 1, max_extra_length,
+                    work / "worker-ort-float32-profile.log")
+    try:
+        return worker.request(
+            op="profile", beam_size=4, prefix=str(work / "ort_profile"),
+            sources_by_batch={str(b): sources[:b] for b in batch_sizes},
+        )["profile"]
+    except RuntimeError as error:
+        logger.error("%s", error)
+        return None
+    finally:
+        worker.close()
+
+
 def run_benchmark(args):
     """Prepares the model and exports, measures everything; returns the results dict."""
     started = time.time()
@@ -942,20 +962,12 @@ def run_benchmark(args):
                 skipped[name] = str(error)
     try:
         measured, calls = measure_throughput(workers, sources, args.batch_sizes, args.rounds)
-        profile = None
-        if args.profile:
-            ort = next((w for w in workers.values() if w.system_name == "ort-float32"), None)
-            if ort is None:
-                logger.warning("--profile needs the ort-float32 system")
-            else:
-                logger.info("Profiling beam_search.onnx")
-                profile = ort.request(
-                    op="profile", beam_size=4, prefix=str(work / "ort_profile"),
-                    sources_by_batch={str(b): sources[:b] for b in args.batch_sizes},
-                )["profile"]
     finally:
         for worker in workers.values():
             worker.close()
+    profile = None
+    if args.profile:
+        profile = profile_in_worker(directories, sources, args.batch_sizes, args.max_extra_length, work)
     rows = summarize(measured, calls, workers)
     same = agreement(measured, workers)
     cold = []
@@ -1010,6 +1022,10 @@ def print_report(results):
     for a in results["agreement"]:
         print(f"  {a['threads']} thr B={a['batch']:<2d} {a['search']:6s} {a['system']:12s} "
               f"{a['rows_identical_to_keras']}/{a['rows']}  equal lengths: {a['equal_lengths']}")
+    print("\nPeak resident memory of each worker over the whole benchmark (largest batch and beam included):")
+    for name, worker in results["workers"].items():
+        if worker["peak_rss_mb"] is not None:
+            print(f"  {name}: {worker['peak_rss_mb']:.0f} MB")
     print("\nInstalled size (distributions with their dependencies):")
     for name, size in results["installed"].items():
         print(f"  {PATHS[name]}: {size['mb']:,.0f} MB ({len(size['distributions'])} distributions)")
