@@ -441,8 +441,12 @@ class Worker:
         return message
 
     def request(self, **request):
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+        except OSError as error:  # the worker has exited
+            raise RuntimeError(f"{self.name}: worker is gone ({error}); last lines of {self.log_path}:\n"
+                               f"{self.log_tail()}") from None
         return self._read()
 
     def log_tail(self, lines=15):
@@ -1048,7 +1052,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default=None, help="built-in preset name (random weights) or preset directory "
                         "(default small; tiny with --quick)")
-    parser.add_argument("--work", default=str(DEFAULT_WORK), help=f"cache of presets and exports (default {DEFAULT_WORK})")
+    parser.add_argument(
+        "--work", default=str(DEFAULT_WORK), help=f"cache of presets and exports (default {DEFAULT_WORK})"
+    )
     parser.add_argument("--results", default=str(RESULTS), help="directory for serve.json and serve.png")
     parser.add_argument("--quick", action="store_true", help="tiny preset, short sources, 2 rounds, 1 cold start")
     parser.add_argument("--threads", type=int, nargs="+", default=[1], help="thread counts (default 1; e.g. 1 2)")
