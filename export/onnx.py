@@ -611,12 +611,48 @@ def _quantize_int8(path):
     `quant_pre_process` that ONNX Runtime suggests in a warning: its
     symbolic shape inference cannot follow these graphs' shape arithmetic.
     """
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     float_path = path.with_name(path.stem + ".float32.onnx")
-    os.replace(path, float_path)
-    quantize_dynamic(str(float_path), str(path), weight_type=QuantType.QInt8)
+    model_proto = onnx.load(str(path))
+    _copy_outer_weights_into_loops(model_proto)
+    onnx.save(model_proto, str(float_path))
+    path.unlink()
+    # EnableSubgraph: also the matrix products inside the search's Loop body.
+    quantize_dynamic(
+        str(float_path), str(path), weight_type=QuantType.QInt8, extra_options={"EnableSubgraph": True}
+    )
     float_path.unlink()
+
+
+def _copy_outer_weights_into_loops(model_proto):
+    """Gives each Loop body its own copy of the outer initializers it reads.
+
+    ONNX Runtime's quantizer only quantizes a subgraph's matrix products
+    whose weights are initializers of that subgraph; after
+    `_hoist_loop_invariants` the decoder inside the search's Loop reads them
+    from the outer graph, and would stay float32. The copies are renamed
+    (ONNX names are unique across scopes); `_share_weights` stores equal
+    bytes once.
+    """
+    from onnx import numpy_helper
+
+    outer = {tensor.name: tensor for tensor in model_proto.graph.initializer}
+    for node in model_proto.graph.node:
+        if node.op_type != "Loop":
+            continue
+        body = next(attribute.g for attribute in node.attribute if attribute.name == "body")
+        read = {name for inner in _graphs(body) for n in inner.node for name in n.input if name in outer}
+        renamed = {name: f"{name}/in_loop" for name in read}
+        for name in sorted(read):
+            body.initializer.append(numpy_helper.from_array(numpy_helper.to_array(outer[name]), renamed[name]))
+        for inner in _graphs(body):
+            for n in inner.node:
+                for i, name in enumerate(n.input):
+                    if name in renamed:
+                        n.input[i] = renamed[name]
+    _remove_unused_initializers(model_proto.graph)
 
 
 # Every graph holds the weights it uses (the search graphs hold the whole
