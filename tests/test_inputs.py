@@ -464,10 +464,10 @@ CLI_CASES = {
     "evaluate_src_not_utf8": r"bad\.en, line 2: not valid UTF-8",
     "evaluate_config_list": r"config\.json must hold a JSON object",
     "average_not_hdf5": r"notes\.weights\.h5 is not an HDF5 weights file",
-    "average_missing": r"No such checkpoint: .*gone\.weights\.h5",
+    "average_missing": r"(?i)no such checkpoint( file)?: .*gone\.weights\.h5",
     "train_src_not_utf8": r"bad\.en, line 2: not valid UTF-8",
     "train_src_missing": r"No such file: .*missing\.en",
-    "train_truncated_state": r"state\.json is damaged .* pass --overwrite",
+    "train_truncated_state": r"state\.json is (damaged|not readable JSON) .* pass --overwrite",
     "train_vocabulary_too_large": r"vocabulary_size=5000 is too large for this corpus.*--vocabulary-size",
 }
 
