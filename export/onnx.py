@@ -788,6 +788,8 @@ def main(argv=None):
     parser.add_argument("--quantize", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="dynamic int8 quantization of the weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--with-tokenizer", action="store_true",
+                        help="also write translate.onnx: text in, text out (needs onnxruntime-extensions)")
     args = parser.parse_args(argv)
     # Our progress at INFO; tf2onnx's and the quantizer's INFO lines are noise here.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -796,7 +798,11 @@ def main(argv=None):
         parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")
     try:
         export_onnx(args.preset, args.output, opset=args.opset, quantize=args.quantize, overwrite=args.overwrite)
-    except (FileNotFoundError, ValueError) as error:
+        if args.with_tokenizer:
+            from export.text_graph import write_text_graph
+
+            write_text_graph(args.output)
+    except (FileNotFoundError, ValueError, ImportError) as error:
         parser.exit(1, f"error: {error}\n")
     return 0
 

@@ -297,7 +297,6 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
             {"beam_size": beam_size, "alpha": length_penalty, "max_extra_length": max_extra_length}),
         "keras_transformer.needs": "onnxruntime-extensions (domain ai.onnx.contrib)",
     })
-    onnx.checker.check_model(model)
     return model
 
 
@@ -404,7 +403,8 @@ def write_text_graph(directory, beam_size=4, length_penalty=0.6, max_extra_lengt
         _require_extensions()
     config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
     model = build_text_graph(
-        onnx.load(str(directory / SEARCH_FILE)),
+        # Weights stay where they are: in `weights.bin` (or the graph), shared with the other graphs.
+        onnx.load(str(directory / SEARCH_FILE), load_external_data=False),
         (directory / TOKENIZER_FILE).read_bytes(),
         config,
         beam_size=beam_size,
@@ -415,10 +415,13 @@ def write_text_graph(directory, beam_size=4, length_penalty=0.6, max_extra_lengt
     temporary = path.with_name(path.name + ".partial")
     onnx.save(model, str(temporary))
     try:
+        # Checked from its file: the weights it names in weights.bin are read from beside it.
+        onnx.checker.check_model(str(temporary))
         temporary.replace(path)
         if validate:
             validate_text_graph(directory)
     except BaseException:
+        temporary.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         raise
     logger.info("Wrote %s", path)
