@@ -121,7 +121,6 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
     Returns:
         `onnx.ModelProto`.
     """
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     pad_id, start_id, end_id = int(config["pad_id"]), int(config["start_id"]), int(config["end_id"])
@@ -323,8 +322,71 @@ def translate_texts(session, texts, **inputs):
     return [text.decode("utf-8") if isinstance(text, bytes) else str(text) for text in translation]
 
 
+def _child_main():
+    """The child process of `translate_in_subprocess`: JSON request on stdin, JSON answer on stdout."""
+    request = json.load(sys.stdin)
+    directory = pathlib.Path(request["directory"])
+    session = _session(directory / TEXT_GRAPH_FILE)
+    answer = {"graph": [translate_texts(session, texts, **inputs) for texts, inputs in request["calls"]]}
+    if request.get("compare"):
+        from export.runtime import OnnxTranslator
+
+        translator = OnnxTranslator(directory, providers=["CPUExecutionProvider"])
+        search = {"beam_size": 4, "length_penalty": 0.6, "max_extra_length": 50}
+        answer["translator"] = [
+            translator.translate(texts, **{**search, **{_TRANSLATOR_NAMES[k]: v for k, v in inputs.items()}})
+            for texts, inputs in request["calls"]
+        ]
+    json.dump(answer, sys.stdout)
+
+
+# Graph input -> Translator.translate argument.
+_TRANSLATOR_NAMES = {"beam_size": "beam_size", "alpha": "length_penalty", "max_extra_length": "max_extra_length"}
+
+
+def translate_in_subprocess(directory, calls, compare=False, timeout=600):
+    """Runs `translate.onnx` in a fresh Python process; returns its translations.
+
+    onnxruntime-extensions' SentencePiece kernels crash the process (a
+    segmentation fault while the session is created: two protobuf
+    libraries) when TensorFlow was imported first (checked with
+    onnxruntime-extensions 0.15.2 and TensorFlow 2.21), as it is during an
+    export. A serving process has no TensorFlow; the export checks the graph
+    in a child process that imports only onnxruntime, the extensions, NumPy
+    and SentencePiece.
+
+    Args:
+        directory: the exported directory holding `translate.onnx`.
+        calls: list of `(texts, inputs)`: a list of str and a dict of the
+            optional graph inputs (`beam_size`, `alpha`, `max_extra_length`).
+        compare: bool, also translate with `export.runtime.OnnxTranslator`
+            (the same search arguments).
+
+    Returns:
+        `{"graph": [list of str per call]}`, with `"translator"` alongside
+        when `compare` is true.
+    """
+    import os
+    import subprocess
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    request = {"directory": str(pathlib.Path(directory).resolve()), "calls": [list(c) for c in calls],
+               "compare": compare}
+    result = subprocess.run(
+        [sys.executable, "-c", "from export.text_graph import _child_main; _child_main()"],
+        input=json.dumps(request), capture_output=True, text=True, timeout=timeout, env=env, cwd=root,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"Running {TEXT_GRAPH_FILE} in a child process failed (exit status {result.returncode}): "
+            f"{result.stderr.strip()[-2000:]}"
+        )
+    return json.loads(result.stdout)
+
+
 def _validation_texts(tokenizer, limit):
-    """Sentences for the check after writing: an empty one, a long one, pieces of the vocabulary."""
+    """Sentences for the check after writing: empty ones, pieces of the vocabulary, non-ASCII, a long one."""
     pieces = [tokenizer.decode([[i]])[0] for i in range(4, min(tokenizer.vocabulary_size, 40))]
     words = [piece for piece in pieces if piece.strip()]
     texts = ["", "  ", " ".join(words[:3]), " ".join(words[3:12]) + ".", "Größe, ça, naïve, 東京."]
@@ -334,12 +396,12 @@ def _validation_texts(tokenizer, limit):
 
 
 def validate_text_graph(directory, texts=None, beam_sizes=(1, 2), max_extra_length=5):
-    """Checks that `translate.onnx` gives `OnnxTranslator`'s strings.
+    """Checks that `translate.onnx` gives `OnnxTranslator`'s strings (in a child process).
 
     Args:
         directory: an exported directory holding `translate.onnx`.
         texts: list of str, or None for a few sentences built from the
-            vocabulary (with an empty one, non-ASCII text and, when
+            vocabulary (with empty ones, non-ASCII text and, when
             `max_sequence_length` <= 64, one to truncate).
         beam_sizes: the beam sizes to compare at.
         max_extra_length: int, kept small to keep the check fast.
@@ -348,20 +410,19 @@ def validate_text_graph(directory, texts=None, beam_sizes=(1, 2), max_extra_leng
         export.validate.ValidationError: naming the text, the beam size and
             both strings.
     """
-    from export.runtime import OnnxTranslator
+    from keras_transformer.tokenizer import Tokenizer
 
     directory = pathlib.Path(directory)
-    translator = OnnxTranslator(directory, providers=["CPUExecutionProvider"])
     if texts is None:
-        texts = _validation_texts(translator.tokenizer, translator.model.max_sequence_length)
-    session = _session(directory / TEXT_GRAPH_FILE)
-    for beam_size in beam_sizes:
-        expected = translator.translate(texts, beam_size=beam_size, max_extra_length=max_extra_length)
-        received = translate_texts(session, texts, beam_size=beam_size, max_extra_length=max_extra_length)
-        for text, want, got in zip(texts, expected, received, strict=True):
+        config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+        texts = _validation_texts(Tokenizer.load(directory), int(config["max_sequence_length"]))
+    calls = [(list(texts), {"beam_size": beam_size, "max_extra_length": max_extra_length}) for beam_size in beam_sizes]
+    answer = translate_in_subprocess(directory, calls, compare=True)
+    for (_, inputs), received, expected in zip(calls, answer["graph"], answer["translator"], strict=True):
+        for text, got, want in zip(texts, received, expected, strict=True):
             if want != got:
                 raise ValidationError(
-                    f"{TEXT_GRAPH_FILE} translates {text!r} (beam_size={beam_size}) as {got!r}; "
+                    f"{TEXT_GRAPH_FILE} translates {text!r} (beam_size={inputs['beam_size']}) as {got!r}; "
                     f"OnnxTranslator gives {want!r}"
                 )
     logger.info("Validated %s on %d texts against OnnxTranslator", TEXT_GRAPH_FILE, len(texts))

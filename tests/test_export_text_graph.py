@@ -5,7 +5,6 @@ import json
 import shutil
 
 import keras
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(
@@ -21,7 +20,6 @@ pytest.importorskip(
 import keras_transformer as kt  # noqa: E402
 from export import onnx as onnx_export  # noqa: E402
 from export import text_graph  # noqa: E402
-from export.runtime import OnnxTranslator  # noqa: E402
 from export.validate import ValidationError  # noqa: E402
 from keras_transformer.translator import Translator  # noqa: E402
 
@@ -64,13 +62,37 @@ def exported(tmp_path_factory, preset_dir):
 
 
 @pytest.fixture(scope="module")
-def session(exported):
-    return text_graph._session(exported / text_graph.TEXT_GRAPH_FILE)
+def tokenizer(preset_dir):
+    return kt.Tokenizer.load(preset_dir)
+
+
+def prefix_of_long(tokenizer):
+    """LONG cut as the Translator cuts it, as text: its first 15 pieces."""
+    pieces = tokenizer.encode([LONG], add_end=False)[0]
+    return tokenizer.decode([pieces[: MAX_SEQUENCE_LENGTH - 1]])[0]
 
 
 @pytest.fixture(scope="module")
-def translators(exported, preset_dir):
-    return OnnxTranslator(exported, providers=["CPUExecutionProvider"]), Translator.from_preset(preset_dir)
+def results(exported, tokenizer):
+    """translate.onnx's and OnnxTranslator's strings, from one child process (see translate_in_subprocess)."""
+    calls = {
+        "default": (TEXTS, {}),
+        "greedy": (TEXTS, {"beam_size": 1, "max_extra_length": 6, "alpha": 1.0}),
+        "beam2": (TEXTS, {"beam_size": 2, "max_extra_length": 6, "alpha": 1.0}),
+        "long": ([LONG, "a dog.", LONG + " and more words"], {"max_extra_length": 4}),
+        "prefix": ([prefix_of_long(tokenizer)], {"max_extra_length": 4}),
+        "no_texts": ([], {}),
+        "no_pieces": (["", " ", "\t", "\u3000"], {}),
+        "next_line": (["\x85", " \x85 "], {"max_extra_length": 4}),
+    }
+    answer = text_graph.translate_in_subprocess(exported, list(calls.values()), compare=True)
+    return {label: (graph, translator) for label, graph, translator in zip(
+        calls, answer["graph"], answer["translator"], strict=True)}
+
+
+@pytest.fixture(scope="module")
+def keras_translator(preset_dir):
+    return Translator.from_preset(preset_dir)
 
 
 def test_the_graph_takes_strings_and_optional_search_arguments(exported):
@@ -99,38 +121,45 @@ def test_the_graph_takes_strings_and_optional_search_arguments(exported):
     assert json.loads(props["keras_transformer.defaults"]) == {"beam_size": 4, "alpha": 0.6, "max_extra_length": 50}
 
 
-@pytest.mark.parametrize("beam_size", [None, 1, 2])
-def test_strings_equal_both_translators(session, translators, beam_size):
-    """Mixed lengths, empty and whitespace-only texts, non-ASCII, <unk>; None: the graph's default (4)."""
-    onnx_translator, keras_translator = translators
-    inputs = {} if beam_size is None else {"beam_size": beam_size, "max_extra_length": 6, "alpha": 1.0}
-    search = {"beam_size": beam_size or 4, "max_extra_length": inputs.get("max_extra_length", 50),
-              "length_penalty": inputs.get("alpha", 0.6)}
-    received = text_graph.translate_texts(session, TEXTS, **inputs)
-    expected = onnx_translator.translate(TEXTS, **search)
+@pytest.mark.parametrize(
+    "label, search",
+    [
+        ("default", {"beam_size": 4, "length_penalty": 0.6, "max_extra_length": 50}),
+        ("greedy", {"beam_size": 1, "length_penalty": 1.0, "max_extra_length": 6}),
+        ("beam2", {"beam_size": 2, "length_penalty": 1.0, "max_extra_length": 6}),
+    ],
+)
+def test_strings_equal_both_translators(results, keras_translator, label, search):
+    """Mixed lengths, empty and whitespace-only texts, non-ASCII, <unk>; "default": the graph's defaults."""
+    received, expected = results[label]
     assert received == expected
     # Batches of 2 sorted by length in the Translator, one batch of 7 in the graph.
     assert received == keras_translator.translate(TEXTS, batch_size=2, **search)
     assert received[1] == received[3] == "" and all(received[i] for i in (0, 2, 4, 5, 6))
 
 
-def test_long_sources_are_cut_as_the_translator_cuts_them(session, translators, caplog):
-    onnx_translator, keras_translator = translators
-    assert len(onnx_translator.tokenizer.encode([LONG])[0]) > MAX_SEQUENCE_LENGTH + 2
-    # Cut to the first 15 pieces: what follows them does not change the translation.
-    pieces = onnx_translator.tokenizer.encode([LONG], add_end=False)[0]
-    prefix = onnx_translator.tokenizer._processor.decode(pieces[: MAX_SEQUENCE_LENGTH - 1])
+def test_long_sources_are_cut_as_the_translator_cuts_them(results, keras_translator, tokenizer, caplog):
+    assert len(tokenizer.encode([LONG])[0]) > MAX_SEQUENCE_LENGTH + 2
+    received, expected = results["long"]
+    assert received == expected
     texts = [LONG, "a dog.", LONG + " and more words"]
-    received = text_graph.translate_texts(session, texts, max_extra_length=4)
-    assert received == onnx_translator.translate(texts, max_extra_length=4)
     assert received == keras_translator.translate(texts, max_extra_length=4)
-    assert received[0] == received[2] == text_graph.translate_texts(session, [prefix], max_extra_length=4)[0]
     assert "keeping the first 15" in caplog.text  # The Translator warns; the graph cannot.
+    # What follows the first 15 pieces does not change the translation.
+    assert received[0] == received[2] == results["prefix"][0][0]
 
 
-def test_empty_batches_and_batches_without_pieces(session):
-    assert text_graph.translate_texts(session, []) == []
-    assert text_graph.translate_texts(session, ["", " ", "\t"]) == ["", "", ""]
+def test_empty_batches_and_texts_without_pieces(results):
+    assert results["no_texts"] == ([], [])
+    assert results["no_pieces"] == (["", "", "", ""], ["", "", "", ""])
+
+
+def test_the_one_known_difference_next_line_alone(results, tokenizer):
+    """U+0085 alone: Python's str.strip() removes it (the Translator returns ""), SentencePiece keeps it (<unk>)."""
+    assert "\x85".strip() == "" and tokenizer.encode(["\x85"], add_end=False)[0]  # Not in the vocabulary: <unk>.
+    received, expected = results["next_line"]
+    assert expected == ["", ""]
+    assert all(received)  # The graph translates the <unk> piece.
 
 
 def test_cli_writes_the_graph_and_names_what_is_missing(exported, tmp_path, capsys):
@@ -138,10 +167,9 @@ def test_cli_writes_the_graph_and_names_what_is_missing(exported, tmp_path, caps
     shutil.copytree(exported, copy)
     (copy / "translate.onnx").unlink()
     assert text_graph.main(["--model", str(copy), "--beam-size", "2", "--no-validate"]) == 0
-    session = text_graph._session(copy / "translate.onnx")
-    assert text_graph.translate_texts(session, ["a dog."]) == text_graph.translate_texts(
-        text_graph._session(exported / "translate.onnx"), ["a dog."], beam_size=2
-    )
+    # The copy's default beam size is 2.
+    default = text_graph.translate_in_subprocess(copy, [(["a dog."], {})])["graph"]
+    assert default == text_graph.translate_in_subprocess(exported, [(["a dog."], {"beam_size": 2})])["graph"]
     (copy / "tokenizer.model").unlink()
     with pytest.raises(SystemExit):
         text_graph.main(["--model", str(copy)])
