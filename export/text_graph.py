@@ -173,8 +173,8 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
     row_starts = node("Compress", [starts, has_pieces], [name("row_starts")], axis=0)  # [B']
     row_kept = node("Compress", [kept, has_pieces], [name("row_kept")], axis=0)  # [B']
     # Width: the longest kept row + the end id (the 0 keeps ReduceMax defined for B = 0).
-    longest = node("ReduceMax", [node("Concat", [kept, zero_1], [name("kept_or_0")], axis=0)], [name("longest")],
-                   keepdims=0)
+    kept_or_0 = node("Concat", [kept, zero_1], [name("kept_or_0")], axis=0)  # [B + 1]
+    longest = node("ReduceMax", [kept_or_0], [name("longest")], keepdims=0)
     width = node("Add", [longest, const("one", 1, np.int64)], [name("width")])
     positions = node("Range", [const("zero_", 0, np.int64), width, const("one_", 1, np.int64)], [name("positions")])
     positions = node("Unsqueeze", [positions, zero_1], [name("positions_1w")])  # [1, W]
@@ -183,8 +183,8 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
     is_piece = node("Less", [positions, row_kept], [name("is_piece")])  # [B', W]
     # Index N (one past the pieces) reads an appended 0, the padding.
     total = node("Shape", [pieces], [name("total")])  # [1]
-    index = node("Where", [is_piece, node("Add", [row_starts, positions], [name("offsets")]), total],
-                 [name("index")])
+    offsets = node("Add", [row_starts, positions], [name("offsets")])  # [B', W]
+    index = node("Where", [is_piece, offsets, total], [name("index")])
     padded_pieces = node("Concat", [pieces, const("pad_1", [pad_id], np.int32)], [name("padded_pieces")], axis=0)
     ids = node("Gather", [padded_pieces, index], [name("ids")], axis=0)  # [B', W]
     is_end = node("Equal", [positions, row_kept], [name("is_end")])
@@ -192,7 +192,8 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
 
     # 3. The search, only when some text has pieces. Its nodes read
     # `encoder_token_ids`, `beam_size`, `alpha` and `max_extra_length` from
-    # this graph by name; its weights become this graph's initializers.
+    # this graph by name; its weights become this graph's initializers
+    # (still stored in weights.bin when the export put them there).
     rows = node("Shape", ["encoder_token_ids"], [name("ids_shape")])
     rows = node("Gather", [rows, zero_1], [name("rows")], axis=0)  # [1]
     any_rows = node("Greater", [rows, const("zero_rows", [0], np.int64)], [name("any_rows")])
@@ -209,35 +210,29 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
 
     # 4. Decode row by row: SentencepieceDecoder takes one sequence.
     # row_of[b]: the row of text b among those with pieces.
-    row_of = node(
-        "Sub",
-        [node("CumSum", [node("Cast", [has_pieces], [name("has_pieces_int")], to=TensorProto.INT64), const(
-            "axis0", 0, np.int64)], [name("rows_so_far")]), const("one_r", 1, np.int64)],
-        [name("row_of")],
-    )
-    decode_nodes = []
-    row = node("Gather", [sequences, node("Gather", [row_of, name("b")], [name("row_b")], axis=0, into=decode_nodes)],
-               [name("row")], axis=0, into=decode_nodes)  # [L] int32
-    # Tokenizer.decode: up to the first end id, without padding and start ids.
-    before_end = node(
-        "Equal",
-        [node("CumSum", [node("Cast", [node("Equal", [row, const("end_i", end_id, np.int32)], [name("row_is_end")],
-                                            into=decode_nodes)], [name("row_is_end_int")], to=TensorProto.INT32,
-                               into=decode_nodes), const("axis0_", 0, np.int64)], [name("ends_so_far")],
-              into=decode_nodes), const("zero_i", 0, np.int32)],
-        [name("before_end")], into=decode_nodes,
-    )
-    special = node("Or", [node("Equal", [row, const("pad_i", pad_id, np.int32)], [name("row_is_pad")], into=decode_nodes),
-                          node("Equal", [row, const("start_i", start_id, np.int32)], [name("row_is_start")],
-                               into=decode_nodes)], [name("row_is_special")], into=decode_nodes)
-    keep = node("And", [before_end, node("Not", [special], [name("row_not_special")], into=decode_nodes)],
-                [name("row_keep")], into=decode_nodes)
-    tokens = node("Cast", [node("Compress", [row, keep], [name("row_tokens")], axis=0, into=decode_nodes)],
-                  [name("row_tokens_64")], to=TensorProto.INT64, into=decode_nodes)
+    has_pieces_int = node("Cast", [has_pieces], [name("has_pieces_int")], to=TensorProto.INT64)
+    rows_so_far = node("CumSum", [has_pieces_int, const("axis_0", 0, np.int64)], [name("rows_so_far")])
+    row_of = node("Sub", [rows_so_far, const("one_r", 1, np.int64)], [name("row_of")])  # [B]
+    # The body of the Loop's If, for text b: its row of `sequences`, decoded.
+    decode = []
+    row_b = node("Gather", [row_of, name("b")], [name("row_b")], axis=0, into=decode)
+    row = node("Gather", [sequences, row_b], [name("row")], axis=0, into=decode)  # [L] int32
+    # Tokenizer.decode: the ids before the first end id, without padding and start ids.
+    row_is_end = node("Equal", [row, const("end_i", end_id, np.int32)], [name("row_is_end")], into=decode)
+    row_is_end = node("Cast", [row_is_end], [name("row_is_end_int")], to=TensorProto.INT32, into=decode)
+    ends_so_far = node("CumSum", [row_is_end, const("axis_0_", 0, np.int64)], [name("ends_so_far")], into=decode)
+    before_end = node("Equal", [ends_so_far, const("zero_i", 0, np.int32)], [name("before_end")], into=decode)
+    is_pad = node("Equal", [row, const("pad_i", pad_id, np.int32)], [name("row_is_pad")], into=decode)
+    is_start = node("Equal", [row, const("start_i", start_id, np.int32)], [name("row_is_start")], into=decode)
+    special = node("Or", [is_pad, is_start], [name("row_is_special")], into=decode)
+    not_special = node("Not", [special], [name("row_not_special")], into=decode)
+    keep = node("And", [before_end, not_special], [name("row_keep")], into=decode)
+    tokens = node("Compress", [row, keep], [name("row_tokens")], axis=0, into=decode)
+    tokens = node("Cast", [tokens], [name("row_tokens_64")], to=TensorProto.INT64, into=decode)
     node("SentencepieceDecoder", [tokens], [name("decoded")], domain=EXTENSIONS_DOMAIN, model=tokenizer_proto,
-         into=decode_nodes)
+         into=decode)  # [1] string
     string_1 = helper.make_tensor_value_info
-    decode_row = helper.make_graph(decode_nodes, "decode", [], [string_1(name("decoded"), TensorProto.STRING, [1])])
+    decode_row = helper.make_graph(decode, "decode", [], [string_1(name("decoded"), TensorProto.STRING, [1])])
     no_text = helper.make_graph(
         [helper.make_node("Constant", [], [name("empty_text")],
                           value=helper.make_tensor("empty", TensorProto.STRING, [1], [b""]))],
