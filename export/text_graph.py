@@ -32,12 +32,31 @@ does in Python (`translator.py`, `tokenizer.py`):
    the end id appended and is right-padded with 0 into an int32
    `[batch', width]` matrix, where batch' counts the texts with at least
    one piece (Gather from the values with per-row offsets; no Python).
-3. If batch' > 0, the search graph's nodes (embedded unchanged, its weights
-   as initializers) run on that matrix; texts without pieces (empty or
-   whitespace-only) never reach the model, as in the Translator.
+3. If batch' > 0, the search graph's nodes (embedded unchanged; its weights
+   stay in the export's `weights.bin`, shared, not copied) run on that
+   matrix; texts without pieces (empty or whitespace-only) never reach the
+   model, as in the Translator.
 4. A Loop over the batch decodes each row: ids up to the first end id,
    pad and start ids dropped, then `SentencepieceDecoder` (which decodes
    one sequence per call); texts without pieces give "".
+
+Where it differs from `export.runtime.OnnxTranslator` (the tests pin each):
+
+- A text that only Python's `str.strip()` sees as whitespace: of the
+  Unicode whitespace characters, U+0085 (NEL) alone is kept by
+  SentencePiece's `nmt_nfkc` normalisation (as <unk>). The Translator
+  returns "" for `"\x85"`; the graph translates the <unk> piece.
+- The request is one batch (the Translator sorts by length and searches
+  32 at a time): the same tokens, but memory grows with the request.
+- The search arguments are not checked in the graph (ONNX has no assert):
+  `beam_size` < 1 or negative `alpha`/`max_extra_length` are undefined.
+- Nothing is logged (the Translator warns when it cuts a long source).
+
+Do not create the session in a process that imported TensorFlow first:
+onnxruntime-extensions 0.15.2 and TensorFlow 2.21 carry two protobuf
+libraries and the process crashes (segmentation fault) when the session
+is created. This module checks the graph in a child process for that
+reason (`translate_in_subprocess`).
 
 Example:
 
@@ -66,11 +85,12 @@ import sys
 import numpy as np
 
 from export.validate import CONFIG_FILE, ValidationError
+from keras_transformer.tokenizer import TOKENIZER_FILENAME as TOKENIZER_FILE
+from keras_transformer.tokenizer import Tokenizer
 
 logger = logging.getLogger("export.text_graph")
 
 TEXT_GRAPH_FILE = "translate.onnx"
-TOKENIZER_FILE = "tokenizer.model"
 SEARCH_FILE = "beam_search.onnx"
 # The custom-op domain of onnxruntime-extensions.
 EXTENSIONS_DOMAIN = "ai.onnx.contrib"
@@ -327,9 +347,12 @@ def _child_main():
         from export.runtime import OnnxTranslator
 
         translator = OnnxTranslator(directory, providers=["CPUExecutionProvider"])
-        search = {"beam_size": 4, "length_penalty": 0.6, "max_extra_length": 50}
+        # The graph's defaults for the inputs a call leaves out.
+        defaults = json.loads(session.get_modelmeta().custom_metadata_map["keras_transformer.defaults"])
         answer["translator"] = [
-            translator.translate(texts, **{**search, **{_TRANSLATOR_NAMES[k]: v for k, v in inputs.items()}})
+            translator.translate(
+                texts, **{_TRANSLATOR_NAMES[key]: value for key, value in {**defaults, **inputs}.items()}
+            )
             for texts, inputs in request["calls"]
         ]
     json.dump(answer, sys.stdout)
@@ -405,8 +428,6 @@ def validate_text_graph(directory, texts=None, beam_sizes=(1, 2), max_extra_leng
         export.validate.ValidationError: naming the text, the beam size and
             both strings.
     """
-    from keras_transformer.tokenizer import Tokenizer
-
     directory = pathlib.Path(directory)
     if texts is None:
         config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
