@@ -836,6 +836,8 @@ def main(argv=None):
                         help="dynamic int8 quantization of the weights")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     cli.add_verbose_argument(parser)
+    parser.add_argument("--with-tokenizer", action="store_true",
+                        help="also write translate.onnx: text in, text out (needs onnxruntime-extensions)")
     args = parser.parse_args(argv)
     # Our progress at INFO; tf2onnx's and the quantizer's INFO lines are noise here.
     cli.setup_logging(args.verbose)
@@ -844,7 +846,11 @@ def main(argv=None):
         parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")
     try:
         export_onnx(args.preset, args.output, opset=args.opset, quantize=args.quantize, overwrite=args.overwrite)
-    except (FileNotFoundError, ValueError) as error:
+        if args.with_tokenizer:
+            from export.text_graph import write_text_graph
+
+            write_text_graph(args.output)
+    except (FileNotFoundError, ValueError, ImportError) as error:
         parser.exit(1, f"error: {error}\n")
     return 0
 

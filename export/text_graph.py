@@ -1,0 +1,532 @@
+"""Text in, text out in one ONNX model: `translate.onnx`.
+
+`write_text_graph(directory)` adds `translate.onnx` to a directory written
+by `python -m export.onnx` from a preset with a tokenizer. The graph wraps
+the exported `beam_search.onnx` in SentencePiece encoding and decoding (the
+`SentencepieceTokenizer` and `SentencepieceDecoder` custom operators of
+onnxruntime-extensions, domain `ai.onnx.contrib`, with the directory's
+`tokenizer.model` as their `model` attribute), so that any ONNX Runtime
+binding (C++, C#, Java, JavaScript, Triton's ONNX Runtime backend) can
+translate strings with no Python of ours, given the extensions library.
+
+Inputs and outputs of `translate.onnx`:
+
+- `text`: string `[batch]`, UTF-8 sentences.
+- `beam_size`: int32 scalar, optional (default 4; 1 is greedy search).
+- `alpha`: float32 scalar, optional, the GNMT length penalty (default 0.6).
+- `max_extra_length`: int32 scalar, optional, output tokens beyond the
+  source length (default 50).
+- `translation`: string `[batch]`, in the order of `text`.
+
+The optional inputs are graph inputs with an initializer of the same name
+(ONNX's way of giving an input a default); the defaults are those of
+`write_text_graph`'s arguments.
+
+What the graph computes, step by step, as `keras_transformer.Translator`
+does in Python (`translator.py`, `tokenizer.py`):
+
+1. `SentencepieceTokenizer` encodes every text (no start or end id) into
+   ragged pieces: values `[N]` and row splits `[batch + 1]`.
+2. Each row keeps at most `max_sequence_length - 1` pieces (the
+   Translator's truncation of long sources, which keeps the end id), gets
+   the end id appended and is right-padded with 0 into an int32
+   `[batch', width]` matrix, where batch' counts the texts with at least
+   one piece (Gather from the values with per-row offsets; no Python).
+3. If batch' > 0, the search graph's nodes (embedded unchanged; its weights
+   stay in the export's `weights.bin`, shared, not copied) run on that
+   matrix; texts without pieces (empty or whitespace-only) never reach the
+   model, as in the Translator.
+4. A Loop over the batch decodes each row: ids up to the first end id,
+   pad and start ids dropped, then `SentencepieceDecoder` (which decodes
+   one sequence per call); texts without pieces give "".
+
+Where it differs from `export.runtime.OnnxTranslator` (the tests pin each):
+
+- A text that only Python's `str.strip()` sees as whitespace: of the
+  Unicode whitespace characters, U+0085 (NEL) alone is kept by
+  SentencePiece's `nmt_nfkc` normalisation (as <unk>). The Translator
+  returns "" for `"\x85"`; the graph translates the <unk> piece.
+- The request is one batch (the Translator sorts by length and searches
+  32 at a time): the same tokens, but memory grows with the request.
+- The search arguments are not checked in the graph (ONNX has no assert):
+  `beam_size` < 1 or negative `alpha`/`max_extra_length` are undefined.
+- Nothing is logged (the Translator warns when it cuts a long source).
+
+Do not create the session in a process that imported TensorFlow first:
+onnxruntime-extensions 0.15.2 and TensorFlow 2.21 carry two protobuf
+libraries and the process crashes (segmentation fault) when the session
+is created. This module checks the graph in a child process for that
+reason (`translate_in_subprocess`).
+
+Example:
+
+```python
+import numpy as np
+import onnxruntime as ort
+import onnxruntime_extensions
+
+options = ort.SessionOptions()
+options.register_custom_ops_library(onnxruntime_extensions.get_library_path())
+session = ort.InferenceSession("exported/onnx/translate.onnx", options)
+(translation,) = session.run(None, {"text": np.array(["A sentence."], dtype=object)})
+```
+
+```
+python -m export.text_graph --model exported/onnx
+```
+"""
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+
+import numpy as np
+
+from export.validate import CONFIG_FILE, ValidationError
+from keras_transformer.tokenizer import TOKENIZER_FILENAME as TOKENIZER_FILE
+from keras_transformer.tokenizer import Tokenizer
+
+logger = logging.getLogger("export.text_graph")
+
+TEXT_GRAPH_FILE = "translate.onnx"
+SEARCH_FILE = "beam_search.onnx"
+# The custom-op domain of onnxruntime-extensions.
+EXTENSIONS_DOMAIN = "ai.onnx.contrib"
+# Version of the graph's layout, stored in its metadata.
+TEXT_GRAPH_VERSION = 1
+# Our own value names start with this; the search graph's keep theirs.
+_PREFIX = "translate/"
+
+
+def _require_extensions():
+    try:
+        import onnxruntime_extensions
+    except ImportError:
+        raise ImportError(
+            "translate.onnx needs onnxruntime-extensions (SentencePiece operators): "
+            "pip install onnxruntime-extensions"
+        ) from None
+    return onnxruntime_extensions
+
+
+def _graph_names(graph):
+    """Every value name used in `graph` and its subgraphs."""
+    names = {value.name for value in (*graph.input, *graph.output, *graph.value_info)}
+    names.update(init.name for init in graph.initializer)
+    for node in graph.node:
+        names.update(node.input)
+        names.update(node.output)
+        for attribute in node.attribute:
+            if attribute.type == attribute.GRAPH:
+                names |= _graph_names(attribute.g)
+            for subgraph in attribute.graphs:
+                names |= _graph_names(subgraph)
+    names.discard("")
+    return names
+
+
+def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_penalty=0.6, max_extra_length=50):
+    """The `translate.onnx` ModelProto around an exported beam search.
+
+    Args:
+        search_model: `onnx.ModelProto` of `beam_search.onnx`.
+        tokenizer_proto: bytes, the serialized SentencePiece model.
+        config: dict, the directory's `config.json` (ids and
+            `max_sequence_length`).
+        beam_size, length_penalty, max_extra_length: the defaults of the
+            optional inputs `beam_size`, `alpha` and `max_extra_length`.
+
+    Returns:
+        `onnx.ModelProto`.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    pad_id, start_id, end_id = int(config["pad_id"]), int(config["start_id"]), int(config["end_id"])
+    limit = int(config["max_sequence_length"])
+    search = search_model.graph
+    expected_inputs = {"encoder_token_ids", "beam_size", "alpha", "max_extra_length"}
+    if {value.name for value in search.input} != expected_inputs:
+        raise ValueError(
+            f"The search graph has inputs {sorted(v.name for v in search.input)}; expected "
+            f"{sorted(expected_inputs)} (beam_search.onnx of export format 3)"
+        )
+    if "sequences" not in {value.name for value in search.output}:
+        raise ValueError("The search graph has no `sequences` output")
+    # Our nodes take the search's opset: they are the same from opset 13 to 18.
+    opset = next(o.version for o in search_model.opset_import if o.domain in ("", "ai.onnx"))
+    if opset < 13:
+        raise ValueError(f"The search graph has opset {opset}; translate.onnx needs 13 or newer")
+
+    nodes, initializers = [], []
+
+    def name(label):
+        return _PREFIX + label
+
+    def const(label, value, dtype):
+        tensor = numpy_helper.from_array(np.array(value, dtype), name(label))
+        initializers.append(tensor)
+        return tensor.name
+
+    def node(op, inputs, outputs, into=None, **attributes):
+        made = helper.make_node(op, inputs, outputs, name=outputs[0], **attributes)
+        (nodes if into is None else into).append(made)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # 1. Pieces, ragged: values [N] int32, row splits [B + 1] int64.
+    false = const("false", False, np.bool_)
+    pieces, splits = node(
+        "SentencepieceTokenizer",
+        ["text", const("nbest_size", 0, np.int64), const("sampling_alpha", 0.0, np.float32), false, false, false],
+        [name("pieces"), name("row_splits")],
+        domain=EXTENSIONS_DOMAIN,
+        model=tokenizer_proto,
+    )
+    zero_1, one_1 = const("zero_1", [0], np.int64), const("one_1", [1], np.int64)
+    starts = node("Slice", [splits, zero_1, const("minus_one_1", [-1], np.int64)], [name("starts")])  # [B]
+    ends = node("Slice", [splits, one_1, const("max_1", [np.iinfo(np.int64).max], np.int64)], [name("ends")])
+    counts = node("Sub", [ends, starts], [name("counts")])  # [B]
+    # 2. The Translator's truncation: at most limit - 1 pieces, then the end id.
+    kept = node("Min", [counts, const("max_pieces", limit - 1, np.int64)], [name("kept")])
+    has_pieces = node("Greater", [counts, const("zero", 0, np.int64)], [name("has_pieces")])  # [B]
+    row_starts = node("Compress", [starts, has_pieces], [name("row_starts")], axis=0)  # [B']
+    row_kept = node("Compress", [kept, has_pieces], [name("row_kept")], axis=0)  # [B']
+    # Width: the longest kept row + the end id (the 0 keeps ReduceMax defined for B = 0).
+    kept_or_0 = node("Concat", [kept, zero_1], [name("kept_or_0")], axis=0)  # [B + 1]
+    longest = node("ReduceMax", [kept_or_0], [name("longest")], keepdims=0)
+    width = node("Add", [longest, const("one", 1, np.int64)], [name("width")])
+    positions = node("Range", [const("zero_", 0, np.int64), width, const("one_", 1, np.int64)], [name("positions")])
+    positions = node("Unsqueeze", [positions, zero_1], [name("positions_1w")])  # [1, W]
+    row_kept = node("Unsqueeze", [row_kept, one_1], [name("row_kept_b1")])  # [B', 1]
+    row_starts = node("Unsqueeze", [row_starts, one_1], [name("row_starts_b1")])  # [B', 1]
+    is_piece = node("Less", [positions, row_kept], [name("is_piece")])  # [B', W]
+    # Index N (one past the pieces) reads an appended 0, the padding.
+    total = node("Shape", [pieces], [name("total")])  # [1]
+    offsets = node("Add", [row_starts, positions], [name("offsets")])  # [B', W]
+    index = node("Where", [is_piece, offsets, total], [name("index")])
+    padded_pieces = node("Concat", [pieces, const("pad_1", [pad_id], np.int32)], [name("padded_pieces")], axis=0)
+    ids = node("Gather", [padded_pieces, index], [name("ids")], axis=0)  # [B', W]
+    is_end = node("Equal", [positions, row_kept], [name("is_end")])
+    node("Where", [is_end, const("end_id", end_id, np.int32), ids], ["encoder_token_ids"])
+
+    # 3. The search, only when some text has pieces. Its nodes read
+    # `encoder_token_ids`, `beam_size`, `alpha` and `max_extra_length` from
+    # this graph by name; its weights become this graph's initializers
+    # (still stored in weights.bin when the export put them there).
+    rows = node("Shape", ["encoder_token_ids"], [name("ids_shape")])
+    rows = node("Gather", [rows, zero_1], [name("rows")], axis=0)  # [1]
+    any_rows = node("Greater", [rows, const("zero_rows", [0], np.int64)], [name("any_rows")])
+    run_search = helper.make_graph(
+        list(search.node), "search", [], [helper.make_tensor_value_info("sequences", TensorProto.INT32, None)],
+        value_info=list(search.value_info),
+    )
+    skip_search = helper.make_graph(
+        [helper.make_node("Constant", [], [name("no_sequences")],
+                          value=numpy_helper.from_array(np.zeros((0, 1), np.int32)))],
+        "no_search", [], [helper.make_tensor_value_info(name("no_sequences"), TensorProto.INT32, None)],
+    )
+    sequences = node("If", [any_rows], [name("sequences")], then_branch=run_search, else_branch=skip_search)
+
+    # 4. Decode row by row: SentencepieceDecoder takes one sequence.
+    # row_of[b]: the row of text b among those with pieces.
+    has_pieces_int = node("Cast", [has_pieces], [name("has_pieces_int")], to=TensorProto.INT64)
+    rows_so_far = node("CumSum", [has_pieces_int, const("axis_0", 0, np.int64)], [name("rows_so_far")])
+    row_of = node("Sub", [rows_so_far, const("one_r", 1, np.int64)], [name("row_of")])  # [B]
+    # The body of the Loop's If, for text b: its row of `sequences`, decoded.
+    decode = []
+    row_b = node("Gather", [row_of, name("b")], [name("row_b")], axis=0, into=decode)
+    row = node("Gather", [sequences, row_b], [name("row")], axis=0, into=decode)  # [L] int32
+    # Tokenizer.decode: the ids before the first end id, without padding and start ids.
+    row_is_end = node("Equal", [row, const("end_i", end_id, np.int32)], [name("row_is_end")], into=decode)
+    row_is_end = node("Cast", [row_is_end], [name("row_is_end_int")], to=TensorProto.INT32, into=decode)
+    ends_so_far = node("CumSum", [row_is_end, const("axis_0_", 0, np.int64)], [name("ends_so_far")], into=decode)
+    before_end = node("Equal", [ends_so_far, const("zero_i", 0, np.int32)], [name("before_end")], into=decode)
+    is_pad = node("Equal", [row, const("pad_i", pad_id, np.int32)], [name("row_is_pad")], into=decode)
+    is_start = node("Equal", [row, const("start_i", start_id, np.int32)], [name("row_is_start")], into=decode)
+    special = node("Or", [is_pad, is_start], [name("row_is_special")], into=decode)
+    not_special = node("Not", [special], [name("row_not_special")], into=decode)
+    keep = node("And", [before_end, not_special], [name("row_keep")], into=decode)
+    tokens = node("Compress", [row, keep], [name("row_tokens")], axis=0, into=decode)
+    tokens = node("Cast", [tokens], [name("row_tokens_64")], to=TensorProto.INT64, into=decode)
+    node("SentencepieceDecoder", [tokens], [name("decoded")], domain=EXTENSIONS_DOMAIN, model=tokenizer_proto,
+         into=decode)  # [1] string
+    string_1 = helper.make_tensor_value_info
+    decode_row = helper.make_graph(decode, "decode", [], [string_1(name("decoded"), TensorProto.STRING, [1])])
+    no_text = helper.make_graph(
+        [helper.make_node("Constant", [], [name("empty_text")],
+                          value=helper.make_tensor("empty", TensorProto.STRING, [1], [b""]))],
+        "empty", [], [string_1(name("empty_text"), TensorProto.STRING, [1])],
+    )
+    body_nodes = [
+        helper.make_node("Gather", [has_pieces, name("b")], [name("text_has_pieces")], axis=0),
+        helper.make_node("If", [name("text_has_pieces")], [name("text_b")], then_branch=decode_row,
+                         else_branch=no_text),
+        helper.make_node("Identity", [name("loop_condition")], [name("loop_condition_out")]),
+    ]
+    body = helper.make_graph(
+        body_nodes, "decode_loop",
+        [helper.make_tensor_value_info(name("b"), TensorProto.INT64, []),
+         helper.make_tensor_value_info(name("loop_condition"), TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(name("loop_condition_out"), TensorProto.BOOL, []),
+         string_1(name("text_b"), TensorProto.STRING, [1])],
+    )
+    batch = node("Squeeze", [node("Shape", ["text"], [name("batch_1")])], [name("batch")])
+    texts = node("Loop", [batch, ""], [name("translations_b1")], body=body)  # [B, 1]
+    node("Reshape", [texts, node("Shape", ["text"], [name("text_shape")])], ["translation"])
+
+    # Optional inputs: inputs with an initializer of the same name.
+    defaults = [
+        numpy_helper.from_array(np.array(beam_size, np.int32), "beam_size"),
+        numpy_helper.from_array(np.array(length_penalty, np.float32), "alpha"),
+        numpy_helper.from_array(np.array(max_extra_length, np.int32), "max_extra_length"),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("text", TensorProto.STRING, ["batch"]),
+        helper.make_tensor_value_info("beam_size", TensorProto.INT32, []),
+        helper.make_tensor_value_info("alpha", TensorProto.FLOAT, []),
+        helper.make_tensor_value_info("max_extra_length", TensorProto.INT32, []),
+    ]
+    outputs = [helper.make_tensor_value_info("translation", TensorProto.STRING, ["batch"])]
+
+    clash = sorted(n for n in _graph_names(search) if n.startswith(_PREFIX) or n in ("text", "translation"))
+    if clash:
+        raise ValueError(f"The search graph uses names reserved for translate.onnx: {clash[:5]}")
+    graph = helper.make_graph(
+        nodes, "translate", inputs, outputs, initializer=defaults + initializers + list(search.initializer)
+    )
+    opsets = [o for o in search_model.opset_import if o.domain != EXTENSIONS_DOMAIN]
+    model = helper.make_model(
+        graph,
+        opset_imports=opsets + [helper.make_opsetid(EXTENSIONS_DOMAIN, 1)],
+        ir_version=search_model.ir_version,
+        producer_name="keras_transformer export.text_graph",
+        doc_string="Text in, text out: SentencePiece encoding, the beam search, SentencePiece decoding. "
+        "Needs onnxruntime-extensions (register its library in the session options).",
+    )
+    model.functions.extend(search_model.functions)
+    helper.set_model_props(model, {
+        "keras_transformer.text_graph_version": str(TEXT_GRAPH_VERSION),
+        "keras_transformer.defaults": json.dumps(
+            {"beam_size": beam_size, "alpha": length_penalty, "max_extra_length": max_extra_length}),
+        "keras_transformer.needs": "onnxruntime-extensions (domain ai.onnx.contrib)",
+    })
+    return model
+
+
+def _session(path):
+    import onnxruntime as ort
+
+    extensions = _require_extensions()
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.register_custom_ops_library(extensions.get_library_path())
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def translate_texts(session, texts, **inputs):
+    """Runs a `translate.onnx` session on a list of str; returns a list of str.
+
+    `inputs`: optional `beam_size`, `alpha`, `max_extra_length` (Python numbers).
+    """
+    dtypes = {"beam_size": np.int32, "alpha": np.float32, "max_extra_length": np.int32}
+    feeds = {"text": np.array(list(texts), dtype=object).reshape(-1)}
+    feeds.update({key: np.array(value, dtypes[key]) for key, value in inputs.items()})
+    (translation,) = session.run(["translation"], feeds)
+    return [text.decode("utf-8") if isinstance(text, bytes) else str(text) for text in translation]
+
+
+def _child_main():
+    """The child process of `translate_in_subprocess`: JSON request on stdin, JSON answer on stdout."""
+    request = json.load(sys.stdin)
+    directory = pathlib.Path(request["directory"])
+    session = _session(directory / TEXT_GRAPH_FILE)
+    answer = {"graph": [translate_texts(session, texts, **inputs) for texts, inputs in request["calls"]]}
+    if request.get("compare"):
+        from export.runtime import OnnxTranslator
+
+        translator = OnnxTranslator(directory, providers=["CPUExecutionProvider"])
+        # The graph's defaults for the inputs a call leaves out.
+        defaults = json.loads(session.get_modelmeta().custom_metadata_map["keras_transformer.defaults"])
+        answer["translator"] = [
+            translator.translate(
+                texts, **{_TRANSLATOR_NAMES[key]: value for key, value in {**defaults, **inputs}.items()}
+            )
+            for texts, inputs in request["calls"]
+        ]
+    json.dump(answer, sys.stdout)
+
+
+# Graph input -> Translator.translate argument.
+_TRANSLATOR_NAMES = {"beam_size": "beam_size", "alpha": "length_penalty", "max_extra_length": "max_extra_length"}
+
+
+def translate_in_subprocess(directory, calls, compare=False, timeout=600):
+    """Runs `translate.onnx` in a fresh Python process; returns its translations.
+
+    onnxruntime-extensions' SentencePiece kernels crash the process (a
+    segmentation fault while the session is created: two protobuf
+    libraries) when TensorFlow was imported first (checked with
+    onnxruntime-extensions 0.15.2 and TensorFlow 2.21), as it is during an
+    export. A serving process has no TensorFlow; the export checks the graph
+    in a child process that imports only onnxruntime, the extensions, NumPy
+    and SentencePiece.
+
+    Args:
+        directory: the exported directory holding `translate.onnx`.
+        calls: list of `(texts, inputs)`: a list of str and a dict of the
+            optional graph inputs (`beam_size`, `alpha`, `max_extra_length`).
+        compare: bool, also translate with `export.runtime.OnnxTranslator`
+            (the same search arguments).
+
+    Returns:
+        `{"graph": [list of str per call]}`, with `"translator"` alongside
+        when `compare` is true.
+    """
+    import os
+    import subprocess
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    request = {"directory": str(pathlib.Path(directory).resolve()), "calls": [list(c) for c in calls],
+               "compare": compare}
+    result = subprocess.run(
+        [sys.executable, "-c", "from export.text_graph import _child_main; _child_main()"],
+        input=json.dumps(request), capture_output=True, text=True, timeout=timeout, env=env, cwd=root,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"Running {TEXT_GRAPH_FILE} in a child process failed (exit status {result.returncode}): "
+            f"{result.stderr.strip()[-2000:]}"
+        )
+    return json.loads(result.stdout)
+
+
+def _validation_texts(tokenizer, limit):
+    """Sentences for the check after writing: empty ones, pieces of the vocabulary, non-ASCII, a long one."""
+    pieces = [tokenizer.decode([[i]])[0] for i in range(4, min(tokenizer.vocabulary_size, 40))]
+    words = [piece for piece in pieces if piece.strip()]
+    texts = ["", "  ", " ".join(words[:3]), " ".join(words[3:12]) + ".", "Größe, ça, naïve, 東京."]
+    if limit <= 64:  # A source cut at max_sequence_length (longer searches would be slow here).
+        texts.append(" ".join(words * (limit // max(len(words), 1) + 2)))
+    return texts
+
+
+def validate_text_graph(directory, texts=None, beam_sizes=(1, 2), max_extra_length=5):
+    """Checks that `translate.onnx` gives `OnnxTranslator`'s strings (in a child process).
+
+    Args:
+        directory: an exported directory holding `translate.onnx`.
+        texts: list of str, or None for a few sentences built from the
+            vocabulary (with empty ones, non-ASCII text and, when
+            `max_sequence_length` <= 64, one to truncate).
+        beam_sizes: the beam sizes to compare at.
+        max_extra_length: int, kept small to keep the check fast.
+
+    Raises:
+        export.validate.ValidationError: naming the text, the beam size and
+            both strings.
+    """
+    directory = pathlib.Path(directory)
+    if texts is None:
+        config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+        texts = _validation_texts(Tokenizer.load(directory), int(config["max_sequence_length"]))
+    calls = [(list(texts), {"beam_size": beam_size, "max_extra_length": max_extra_length}) for beam_size in beam_sizes]
+    answer = translate_in_subprocess(directory, calls, compare=True)
+    for (_, inputs), received, expected in zip(calls, answer["graph"], answer["translator"], strict=True):
+        for text, got, want in zip(texts, received, expected, strict=True):
+            if want != got:
+                raise ValidationError(
+                    f"{TEXT_GRAPH_FILE} translates {text!r} (beam_size={inputs['beam_size']}) as {got!r}; "
+                    f"OnnxTranslator gives {want!r}"
+                )
+    logger.info("Validated %s on %d texts against OnnxTranslator", TEXT_GRAPH_FILE, len(texts))
+
+
+def write_text_graph(directory, beam_size=4, length_penalty=0.6, max_extra_length=50, validate=True):
+    """Writes `translate.onnx` (text in, text out) into an exported ONNX directory.
+
+    Args:
+        directory: written by `python -m export.onnx` from a preset with a
+            tokenizer (it holds `beam_search.onnx`, `tokenizer.model` and
+            `config.json`).
+        beam_size: int >= 1, default of the graph's `beam_size` input.
+        length_penalty: float >= 0, default of its `alpha` input.
+        max_extra_length: int >= 0, default of its `max_extra_length` input.
+        validate: bool, compare the graph's strings with `OnnxTranslator`'s
+            afterwards (`validate_text_graph`); a mismatch removes the file.
+
+    Returns:
+        `pathlib.Path` of `translate.onnx`.
+
+    Raises:
+        FileNotFoundError: the directory lacks one of the files above.
+        ImportError: onnxruntime-extensions is not installed (validation).
+        export.validate.ValidationError: the graph's strings differ.
+    """
+    import onnx
+
+    from keras_transformer.decoding import check_search_args
+
+    check_search_args(beam_size, length_penalty, max_extra_length)
+    directory = pathlib.Path(directory)
+    for file in (CONFIG_FILE, SEARCH_FILE, TOKENIZER_FILE):
+        if not (directory / file).is_file():
+            hint = " (export a preset directory that holds its tokenizer)" if file == TOKENIZER_FILE else ""
+            raise FileNotFoundError(f"{directory} has no {file}{hint}; expected a directory written by "
+                                    f"`python -m export.onnx`")
+    if validate:
+        _require_extensions()
+    config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+    model = build_text_graph(
+        # Weights stay where they are: in `weights.bin` (or the graph), shared with the other graphs.
+        onnx.load(str(directory / SEARCH_FILE), load_external_data=False),
+        (directory / TOKENIZER_FILE).read_bytes(),
+        config,
+        beam_size=beam_size,
+        length_penalty=length_penalty,
+        max_extra_length=max_extra_length,
+    )
+    path = directory / TEXT_GRAPH_FILE
+    temporary = path.with_name(path.name + ".partial")
+    onnx.save(model, str(temporary))
+    try:
+        # Checked from its file: the weights it names in weights.bin are read from beside it.
+        onnx.checker.check_model(str(temporary))
+        temporary.replace(path)
+        if validate:
+            validate_text_graph(directory)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        raise
+    logger.info("Wrote %s", path)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m export.text_graph",
+        description=f"Add {TEXT_GRAPH_FILE} (string text -> string translation, SentencePiece and the beam "
+        "search in one ONNX graph; needs onnxruntime-extensions) to a directory written by `python -m export.onnx`.",
+    )
+    parser.add_argument("--model", required=True, help="directory written by `python -m export.onnx`")
+    parser.add_argument("--beam-size", type=int, default=4, help="default of the beam_size input (default 4)")
+    parser.add_argument("--length-penalty", type=float, default=0.6, help="default of the alpha input (default 0.6)")
+    parser.add_argument("--max-extra-length", type=int, default=50,
+                        help="default of the max_extra_length input (default 50)")
+    parser.add_argument("--no-validate", action="store_true", help="skip the comparison with OnnxTranslator")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("export").setLevel(logging.INFO)
+    try:
+        write_text_graph(args.model, beam_size=args.beam_size, length_penalty=args.length_penalty,
+                         max_extra_length=args.max_extra_length, validate=not args.no_validate)
+    except (FileNotFoundError, ValueError, ImportError) as error:
+        parser.exit(1, f"error: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
