@@ -188,7 +188,19 @@ def generated_tokens(rows, start_id, end_id):
 # ---------------------------------------------------------------------- #
 # The systems, as run inside a worker process
 # ---------------------------------------------------------------------- #
-class KerasSystem:
+class _ModelSystem:
+    """A system whose model has `generate` with `TransformerModel.generate`'s arguments."""
+
+    def generate(self, sources, beam_size):
+        model = self.model
+        rows = model.generate(
+            id_batch(sources, model.end_id), beam_size=beam_size, length_penalty=LENGTH_PENALTY,
+            max_extra_length=self.max_extra_length,
+        )
+        return generated_tokens(rows, model.start_id, model.end_id)
+
+
+class KerasSystem(_ModelSystem):
     """`TransformerModel.generate` on TensorFlow (XLA), `threads` intra-op threads, 1 inter-op."""
 
     def __init__(self, directory, threads, max_extra_length):
@@ -203,16 +215,8 @@ class KerasSystem:
         self.model = TransformerModel.from_preset(directory, dropout=0.0)
         self.max_extra_length = max_extra_length
 
-    def generate(self, sources, beam_size):
-        model = self.model
-        rows = model.generate(
-            id_batch(sources, model.end_id), beam_size=beam_size, length_penalty=LENGTH_PENALTY,
-            max_extra_length=self.max_extra_length,
-        )
-        return generated_tokens(rows, model.start_id, model.end_id)
 
-
-class OrtSystem:
+class OrtSystem(_ModelSystem):
     """`OnnxSeq2Seq.generate` on the CPU execution provider."""
 
     def __init__(self, directory, threads, max_extra_length):
@@ -220,14 +224,6 @@ class OrtSystem:
 
         self.model = OnnxSeq2Seq(directory, providers=[CPU], intra_op_threads=threads)
         self.max_extra_length = max_extra_length
-
-    def generate(self, sources, beam_size):
-        model = self.model
-        rows = model.generate(
-            id_batch(sources, model.end_id), beam_size=beam_size, length_penalty=LENGTH_PENALTY,
-            max_extra_length=self.max_extra_length,
-        )
-        return generated_tokens(rows, model.start_id, model.end_id)
 
 
 class Ct2System:

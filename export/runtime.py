@@ -108,6 +108,7 @@ def read_config(directory):
 
 # Providers whose use has been tried in this process: name -> whether it works.
 _PROVIDER_WORKS = {}
+_CPU_FALLBACK_SAID = False
 
 
 def _provider_works(ort, provider, path):
@@ -156,8 +157,9 @@ def resolve_providers(providers=None, probe_path=None):
     if CUDA in available:
         if probe_path is None or _provider_works(ort, CUDA, probe_path):
             return [CUDA, CPU]
-        if not _PROVIDER_WORKS.get("warned"):
-            _PROVIDER_WORKS["warned"] = True
+        global _CPU_FALLBACK_SAID
+        if not _CPU_FALLBACK_SAID:
+            _CPU_FALLBACK_SAID = True
             logger.info("onnxruntime-gpu cannot use CUDA on this machine (no GPU or CUDA libraries); using the CPU")
     return [CPU]
 

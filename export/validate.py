@@ -79,8 +79,7 @@ _SEARCH_INPUTS = {"encoder_token_ids": ("batch", "source_length"), "alpha": (), 
 _SEARCH_OUTPUTS = {"sequences": ("batch", "output_length"), "scores": ("batch",)}
 GRAPHS["greedy_search"] = (_SEARCH_INPUTS, _SEARCH_OUTPUTS)
 GRAPHS["beam_search"] = ({**_SEARCH_INPUTS, "beam_size": ()}, _SEARCH_OUTPUTS)
-# The graphs of the decoding protocol, and those running the whole search.
-MODEL_GRAPHS = ("encoder", "init_cache", "decoder_step")
+# The graphs running the whole search (the others are the decoding protocol's).
 SEARCH_GRAPHS = ("greedy_search", "beam_search")
 CACHE_KEYS = ("self_key", "self_value", "cross_key", "cross_value", "encoder_padding_mask")
 
