@@ -8,9 +8,19 @@
 #
 #   bash benchmarks/gpu.sh
 #   KT_GPU_SMOKE=1 bash benchmarks/gpu.sh   # tiny sizes on any machine, to check the script
+#
+# On a GPU machine, install the GPU extra first (it replaces [all]; CPU-only TensorFlow and
+# jax[cpu] see no GPU):
+#   python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[gpu]"
+#   KT_GPU_INSTALL=1 bash benchmarks/gpu.sh   # does that install into the active environment first
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL=2
+
+if [[ "${KT_GPU_INSTALL:-0}" == 1 ]]; then
+  python -m pip uninstall --quiet --yes onnxruntime jax-cuda12-plugin >/dev/null 2>&1 || true
+  python -m pip install --quiet -e ".[gpu]"
+fi
 
 if [[ "${KT_GPU_SMOKE:-0}" == 1 ]]; then
   out=${KT_GPU_RESULTS:-$(mktemp -d)}
@@ -25,8 +35,8 @@ python - <<'EOF'
 import sys
 import tensorflow as tf
 if not tf.config.list_physical_devices("GPU"):
-    sys.exit("benchmarks/gpu.sh: TensorFlow sees no GPU. Install a CUDA build of TensorFlow "
-             "(pip install 'tensorflow[and-cuda]'), or run KT_GPU_SMOKE=1 bash benchmarks/gpu.sh to check the script.")
+    sys.exit("benchmarks/gpu.sh: TensorFlow sees no GPU. Install the GPU extra (pip install -e '.[gpu]', "
+             "or KT_GPU_INSTALL=1 bash benchmarks/gpu.sh), or run KT_GPU_SMOKE=1 bash benchmarks/gpu.sh to check the script.")
 EOF
 
 out=benchmarks/results/gpu

@@ -1,7 +1,8 @@
 """Built-in architecture presets: data, not code.
 
-Each entry: `config` (TransformerModel arguments), `description`, and the
-paper's reference. Paper: Vaswani et al., "Attention Is All You Need",
+Each entry: `config` (TransformerModel arguments), `description`, the
+paper's reference, and `average_last`: how many of the last checkpoints
+`run_training` averages by default (section 6.1: 5 for base, 20 for big). Paper: Vaswani et al., "Attention Is All You Need",
 NeurIPS 2017, arXiv:1706.03762; Table 3 lists base and big.
 """
 
@@ -14,6 +15,7 @@ PRESETS = {
             "d_k=d_v=64, P_drop=0.1, shared 37000-token BPE vocabulary (EN-DE). Random init."
         ),
         "reference": PAPER + ", Table 3 'base'",
+        "average_last": 5,
         "config": {
             "vocabulary_size": 37000,
             "num_layers": 6,
@@ -30,6 +32,7 @@ PRESETS = {
             "h=16, d_k=d_v=64, P_drop=0.3, shared 37000-token BPE vocabulary. Random init."
         ),
         "reference": PAPER + ", Table 3 'big' and section 6.1",
+        "average_last": 20,
         "config": {
             "vocabulary_size": 37000,
             "num_layers": 6,
@@ -46,6 +49,7 @@ PRESETS = {
             "the 32000 word-piece vocabulary the paper used for EN-FR (section 5.1). Random init."
         ),
         "reference": PAPER + ", sections 5.1 and 6.1",
+        "average_last": 20,
         "config": {
             "vocabulary_size": 32000,
             "num_layers": 6,
@@ -62,6 +66,7 @@ PRESETS = {
             "P_drop=0.1, 8000-token vocabulary. Trains on the bundled corpus on a laptop CPU."
         ),
         "reference": "Not in the paper; the paper's architecture at a smaller size.",
+        "average_last": 5,
         "config": {
             "vocabulary_size": 8000,
             "num_layers": 3,
@@ -78,6 +83,7 @@ PRESETS = {
             "1000-token vocabulary. Seconds per step on a CPU."
         ),
         "reference": "Not in the paper; for tests and smoke runs.",
+        "average_last": 5,
         "config": {
             "vocabulary_size": 1000,
             "num_layers": 2,

@@ -14,7 +14,7 @@ from keras import ops
 logger = logging.getLogger(__name__)
 
 
-def _validate(hidden_dim, warmup_steps, scale):
+def _validate(hidden_dim, warmup_steps, scale, gradient_accumulation_steps=None):
     if isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim <= 0:
         raise ValueError(f"hidden_dim={hidden_dim!r} must be a positive int")
     if (
@@ -25,6 +25,9 @@ def _validate(hidden_dim, warmup_steps, scale):
         raise ValueError(f"warmup_steps={warmup_steps!r} must be a positive int")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
         raise ValueError(f"scale={scale!r} must be a positive number")
+    k = gradient_accumulation_steps
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"gradient_accumulation_steps={k!r} must be None or a positive int")
 
 
 def warmup_learning_rate(step, hidden_dim, warmup_steps=4000, scale=1.0):
@@ -67,17 +70,29 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """The paper's warmup schedule as a Keras `LearningRateSchedule`.
 
     `lrate = scale * hidden_dim^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)`,
-    computed by `warmup_learning_rate`. Keras calls a schedule with the
-    optimizer's 0-based `iterations` (the number of updates already applied),
-    while the paper counts steps from 1, so this evaluates the formula at
-    `step = iterations + 1`: the first update uses the paper's step 1 (a small
-    positive rate, never 0). The rate follows `optimizer.iterations`, so it
-    resumes at the right step when a checkpoint restores the optimizer.
+    computed by `warmup_learning_rate`, where `step` counts optimizer
+    updates from 1 (the paper's "training steps").
+
+    Keras calls a schedule with the optimizer's 0-based counter of the
+    batches it has been given (`optimizer._iterations`): without gradient
+    accumulation that is the number of updates already applied, so the
+    formula is evaluated at `step = counter + 1`. With
+    `gradient_accumulation_steps=k` the counter advances once per
+    micro-batch (Keras 3.15, `BaseOptimizer._get_current_learning_rate`), so
+    the schedule must be told `k` to count updates: `step = counter // k + 1`.
+    Without it, update u would get the rate of step u*k: k times too high in
+    warmup, warmup over after `warmup_steps / k` updates. Pass the same `k` as
+    the optimizer's `gradient_accumulation_steps` (`compile_model` does).
+    The rate follows the optimizer's counter, so it resumes at the right step
+    when a checkpoint restores the optimizer.
 
     Args:
         hidden_dim: int. The model width (`d_model`; 512 for "base").
-        warmup_steps: int. Steps of linear warmup. Defaults to `4000`.
+        warmup_steps: int. Updates of linear warmup. Defaults to `4000`.
         scale: float. Multiplier on the paper's rate. Defaults to `1.0`.
+        gradient_accumulation_steps: optional int, the optimizer's
+            `gradient_accumulation_steps` (micro-batches per update).
+            Defaults to `None` (one batch per update).
 
     Example:
 
@@ -86,28 +101,38 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     optimizer = keras.optimizers.Adam(
         learning_rate=schedule, beta_1=0.9, beta_2=0.98, epsilon=1e-9
     )
+    # Four micro-batches per update: tell the schedule too.
+    optimizer = keras.optimizers.Adam(
+        learning_rate=keras_transformer.WarmupSchedule(512, gradient_accumulation_steps=4),
+        beta_1=0.9, beta_2=0.98, epsilon=1e-9, gradient_accumulation_steps=4,
+    )
     ```
 
     References:
         - [Vaswani et al., 2017](https://arxiv.org/abs/1706.03762), Sec. 5.3.
     """
 
-    def __init__(self, hidden_dim, warmup_steps=4000, scale=1.0):
-        _validate(hidden_dim, warmup_steps, scale)
+    def __init__(self, hidden_dim, warmup_steps=4000, scale=1.0, gradient_accumulation_steps=None):
+        _validate(hidden_dim, warmup_steps, scale, gradient_accumulation_steps)
         self.hidden_dim = hidden_dim
         self.warmup_steps = warmup_steps
         self.scale = float(scale)
+        self.gradient_accumulation_steps = gradient_accumulation_steps
 
     def __call__(self, step):
-        # `step` is Keras' 0-based iteration count; the paper's step is 1-based.
-        step = ops.cast(step, "float32") + 1.0
-        return warmup_learning_rate(step, self.hidden_dim, self.warmup_steps, self.scale)
+        # `step` is Keras' 0-based count of batches (micro-batches under
+        # accumulation); the paper's step is the 1-based count of updates.
+        step = ops.cast(step, "int32")
+        if self.gradient_accumulation_steps:
+            step = ops.floor_divide(step, self.gradient_accumulation_steps)
+        return warmup_learning_rate(step + 1, self.hidden_dim, self.warmup_steps, self.scale)
 
     def get_config(self):
         return {
             "hidden_dim": self.hidden_dim,
             "warmup_steps": self.warmup_steps,
             "scale": self.scale,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
         }
 
 

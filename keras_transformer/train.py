@@ -33,16 +33,21 @@ def build_parser():
                         help="train the vocabulary on a sample of this many sentences (default: all)")
     parser.add_argument("--tokens-per-batch", type=positive_int, default=25000, help="token budget per batch side (paper: 25000)")
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=positive_int, help="training steps")
+    length.add_argument("--steps", type=positive_int, help="training length in optimizer updates")
     length.add_argument("--epochs", type=positive_int, help="passes over the training data (default 10)")
     parser.add_argument("--max-length", type=positive_int, default=128, help="drop pairs longer than this many tokens")
-    parser.add_argument("--warmup-steps", type=positive_int, default=4000, help="learning-rate warmup (paper: 4000)")
+    parser.add_argument("--warmup-steps", type=positive_int, default=4000, help="learning-rate warmup in updates (paper: 4000)")
     parser.add_argument("--learning-rate-scale", type=positive_float, default=1.0, help="multiplies the paper's learning rate")
     parser.add_argument("--label-smoothing", type=unit_interval, default=0.1)
-    parser.add_argument("--gradient-accumulation-steps", type=positive_int)
-    parser.add_argument("--checkpoint-every", type=positive_int, default=500, help="steps between checkpoints")
+    parser.add_argument("--gradient-accumulation-steps", type=positive_int, metavar="K",
+                        help="one update per K batches, from their mean gradient (an update sees K x --tokens-per-batch)")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=500,
+                        help="updates between resume points and checkpoints (default: 500)")
+    parser.add_argument("--checkpoint-every-minutes", type=positive_float, metavar="M",
+                        help="write the averaged checkpoints every M minutes of training instead (paper: 10)")
     parser.add_argument("--keep-checkpoints", type=positive_int, default=5)
-    parser.add_argument("--average-last", type=positive_int, default=5, help="average the last K checkpoints (paper: 5 base, 20 big)")
+    parser.add_argument("--average-last", type=positive_int,
+                        help="average the last K checkpoints (default: the preset's; paper: 5 base, 20 big)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--mixed-precision", choices=["mixed_bfloat16", "mixed_float16"])
     parser.add_argument("--seed", type=non_negative_int, default=0)
@@ -83,6 +88,7 @@ def _train(args):
         label_smoothing=args.label_smoothing,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         checkpoint_every=args.checkpoint_every,
+        checkpoint_every_minutes=args.checkpoint_every_minutes,
         keep_checkpoints=args.keep_checkpoints,
         average_last=args.average_last,
         strategy=args.strategy,

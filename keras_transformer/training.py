@@ -22,6 +22,7 @@ import os
 import pathlib
 import re
 import shutil
+import time
 
 import h5py
 import keras
@@ -105,15 +106,17 @@ def compile_model(
         warmup_steps: int, the schedule's warmup (4000 in the paper).
         learning_rate_scale: float, multiplies the paper's learning rate.
         label_smoothing: float, epsilon_ls (0.1 in the paper).
-        gradient_accumulation_steps: optional int, apply the update every
-            k batches (simulates the paper's ~25k-token batches on one device).
+        gradient_accumulation_steps: optional int k: one update every k
+            batches, from their mean gradient (the paper's ~25k-token batches
+            on one device). The schedule counts updates (`WarmupSchedule`
+            is told k); 1 or None: no accumulation.
         jit_compile: "auto" (Keras' choice, but off under MirroredStrategy,
             see the module docstring, and off on CPU TensorFlow, where it
             was slower here), or a bool.
         strategy_name: the name returned by `resolve_strategy`.
     """
+    accumulation = accumulation_steps(gradient_accumulation_steps)
     if jit_compile == "auto":
-        jit_compile = "auto"
         if strategy_name == "mirrored":
             jit_compile = False
         elif keras.backend.backend() == "tensorflow":
@@ -121,11 +124,14 @@ def compile_model(
 
             jit_compile = bool(tf.config.list_logical_devices("GPU"))
     optimizer = keras.optimizers.Adam(
-        learning_rate=WarmupSchedule(model.hidden_dim, warmup_steps=warmup_steps, scale=learning_rate_scale),
+        learning_rate=WarmupSchedule(
+            model.hidden_dim, warmup_steps=warmup_steps, scale=learning_rate_scale,
+            gradient_accumulation_steps=accumulation,
+        ),
         beta_1=0.9,
         beta_2=0.98,
         epsilon=1e-9,
-        gradient_accumulation_steps=gradient_accumulation_steps,
+        gradient_accumulation_steps=accumulation,
     )
     model.compile(
         optimizer=optimizer,
@@ -134,6 +140,14 @@ def compile_model(
         jit_compile=jit_compile,
     )
     return model
+
+
+def accumulation_steps(gradient_accumulation_steps):
+    """Micro-batches per update as Keras' optimizer takes it: None for 1 (Keras refuses 1)."""
+    k = gradient_accumulation_steps
+    if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1):
+        raise ValueError(f"gradient_accumulation_steps={k!r} must be None or an integer >= 1")
+    return int(k) if k and k > 1 else None
 
 
 def _atomic_save_weights(model, path):
@@ -151,30 +165,70 @@ def list_checkpoints(directory):
 
 
 class PeriodicCheckpoint(keras.callbacks.Callback):
-    """Saves `ckpt-{step}.weights.h5` every `every_steps` optimizer steps, keeping the last `keep`.
+    """Saves `ckpt-{update}.weights.h5` every `every_steps` updates or `every_minutes` minutes.
+
+    Counts optimizer updates (`optimizer.iterations`), not batches: under
+    gradient accumulation a checkpoint is written once, after the batch that
+    completes its update, and never before the first update (the untrained
+    weights are not a checkpoint). With `every_minutes` (the paper wrote one
+    every 10 minutes) a checkpoint is written at the first update boundary
+    after that much training time, and after the last update of the run;
+    `every_steps` is then not used. The last `keep` files are kept.
 
     Files are written to a temporary name and renamed, so a kill never
     leaves a truncated checkpoint.
     """
 
-    def __init__(self, directory, every_steps, keep=5):
+    def __init__(self, directory, every_steps=None, keep=5, every_minutes=None):
         super().__init__()
-        if every_steps < 1 or keep < 1:
+        if every_steps is None and every_minutes is None:
+            raise ValueError("PeriodicCheckpoint needs every_steps or every_minutes")
+        if (every_steps is not None and every_steps < 1) or keep < 1:
             raise ValueError(f"every_steps={every_steps} and keep={keep} must be positive")
+        if every_minutes is not None and not every_minutes > 0:
+            raise ValueError(f"every_minutes={every_minutes!r} must be a positive number")
         self.directory = pathlib.Path(directory)
         self.every_steps = every_steps
+        self.every_minutes = every_minutes
         self.keep = keep
+        self._last_step = None  # the update count seen after the previous batch
+        self._last_time = None
 
     def _step(self):
         return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
 
+    def on_train_begin(self, logs=None):
+        self._last_step = self._step()
+        self._last_time = time.monotonic()
+
     def on_train_batch_end(self, batch, logs=None):
         step = self._step()
-        if step % self.every_steps == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            _atomic_save_weights(self.model, self.directory / f"ckpt-{step:08d}.weights.h5")
-            for old in list_checkpoints(self.directory)[: -self.keep]:
-                old.unlink()
+        if step == self._last_step:
+            return  # a micro-batch that did not complete an update
+        self._last_step = step
+        if self.every_minutes is not None:
+            due = time.monotonic() - self._last_time >= 60.0 * self.every_minutes
+        else:
+            due = step % self.every_steps == 0
+        if due:
+            self.save(step)
+
+    def on_train_end(self, logs=None):
+        step = self._step()
+        if self.every_minutes is not None and step > 0 and not (self.directory / self._name(step)).exists():
+            self.save(step)
+
+    @staticmethod
+    def _name(step):
+        return f"ckpt-{step:08d}.weights.h5"
+
+    def save(self, step):
+        """Writes the checkpoint of update `step` and removes all but the last `keep`."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        _atomic_save_weights(self.model, self.directory / self._name(step))
+        self._last_time = time.monotonic()
+        for old in list_checkpoints(self.directory)[: -self.keep]:
+            old.unlink()
 
 
 class StopOnNaN(keras.callbacks.Callback):
@@ -248,7 +302,10 @@ RESUME_ATTRIBUTE = "keras_transformer_resume"
 # Arguments that may differ when an interrupted run is resumed: they do not
 # change what was already trained (the total length may grow or shrink down
 # to what is done). Every other recorded argument must be repeated as given.
-RESUMABLE_CHANGES = ("steps", "epochs", "keep_checkpoints", "average_last", "strategy", "jit_compile", "bleu_beam_size")
+RESUMABLE_CHANGES = (
+    "steps", "epochs", "keep_checkpoints", "average_last", "checkpoint_every_minutes", "strategy", "jit_compile",
+    "bleu_beam_size",
+)
 
 
 class UserInputError(Exception):
@@ -464,8 +521,9 @@ def run_training(
     label_smoothing=0.1,
     gradient_accumulation_steps=None,
     checkpoint_every=500,
+    checkpoint_every_minutes=None,
     keep_checkpoints=5,
-    average_last=5,
+    average_last=None,
     strategy="auto",
     mixed_precision=None,
     jit_compile="auto",
@@ -498,16 +556,27 @@ def run_training(
         train_src, train_tgt, valid_src, valid_tgt: parallel text files.
         vocabulary_size: shared subword vocabulary; default: the preset's.
         tokens_per_batch: token budget per side of a batch (paper: ~25000).
-        steps, epochs: training length (exactly one may be given; default
-            10 epochs), rounded up to a multiple of `checkpoint_every`.
+            With gradient accumulation this is the micro-batch: an update
+            sees `gradient_accumulation_steps * tokens_per_batch` tokens.
+        steps, epochs: training length in optimizer updates or passes over
+            the data (at most one may be given; default 10 epochs), rounded
+            up to a multiple of `checkpoint_every`.
         max_length: longest sequence in tokens; longer pairs are dropped.
         warmup_steps, learning_rate_scale: the paper's schedule.
         label_smoothing: epsilon_ls.
-        gradient_accumulation_steps: optional int.
-        checkpoint_every: steps between checkpoints (and resume points).
+        gradient_accumulation_steps: optional int k: each update averages
+            the gradients of k batches. Every count in this function
+            (`steps`, `warmup_steps`, `checkpoint_every`, checkpoint names,
+            `metadata.json`) is of updates, not batches.
+        checkpoint_every: updates between resume points, and between
+            checkpoints unless `checkpoint_every_minutes` is given.
+        checkpoint_every_minutes: optional number: write the checkpoints
+            that are averaged every this many minutes of training instead
+            (the paper: 10), and after the last update.
         keep_checkpoints: checkpoints kept on disk.
-        average_last: average the last K checkpoints into the final weights
-            (paper: 5 for base, 20 for big).
+        average_last: average the last K checkpoints into the final weights;
+            default: the preset's (`PRESETS[name]["average_last"]`: 5 for
+            base, 20 for big, as in the paper), 5 for a preset directory.
         strategy: see `resolve_strategy`.
         mixed_precision: None, "mixed_bfloat16" or "mixed_float16" (loss
             scaling is added by Keras for float16).
@@ -531,8 +600,6 @@ def run_training(
     Returns:
         dict: the metadata written to `metadata.json`.
     """
-    import time
-
     from keras_transformer import data as data_lib
     from keras_transformer import datasets
     from keras_transformer.model import TransformerModel
@@ -550,10 +617,14 @@ def run_training(
             tokens_per_batch=tokens_per_batch, max_length=max_length, warmup_steps=warmup_steps,
             learning_rate_scale=learning_rate_scale, label_smoothing=label_smoothing,
             gradient_accumulation_steps=gradient_accumulation_steps, checkpoint_every=checkpoint_every,
+            checkpoint_every_minutes=checkpoint_every_minutes,
             keep_checkpoints=keep_checkpoints, average_last=average_last, strategy=strategy,
             mixed_precision=mixed_precision, jit_compile=jit_compile, bleu_beam_size=bleu_beam_size,
             seed=seed, tokenizer_max_sentences=tokenizer_max_sentences,
         )
+        accumulation = accumulation_steps(gradient_accumulation_steps)
+        if average_last is None:
+            average_last = default_average_last(preset)
         if (train_src is None) != (train_tgt is None) or (valid_src is None) != (valid_tgt is None):
             raise BadArgumentError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
         root, state = _choose_work_root(output_dir, overwrite)
@@ -580,7 +651,8 @@ def run_training(
             tokenizer_max_sentences=tokenizer_max_sentences, tokens_per_batch=tokens_per_batch, steps=steps,
             epochs=epochs, max_length=max_length, warmup_steps=warmup_steps,
             learning_rate_scale=learning_rate_scale, label_smoothing=label_smoothing,
-            gradient_accumulation_steps=gradient_accumulation_steps, checkpoint_every=checkpoint_every,
+            gradient_accumulation_steps=accumulation, checkpoint_every=checkpoint_every,
+            checkpoint_every_minutes=checkpoint_every_minutes,
             keep_checkpoints=keep_checkpoints, average_last=average_last, strategy=strategy,
             mixed_precision=mixed_precision, jit_compile=jit_compile, bleu_beam_size=bleu_beam_size, seed=seed,
             model_overrides=dict(model_overrides or {}),
@@ -635,10 +707,12 @@ def run_training(
         train_ids = data_lib.encode_pairs(tokenizer, train_sources, train_targets, max_length)
         train_data = data_lib.make_dataset(*train_ids, tokens_per_batch=tokens_per_batch, seed=seed, max_length=max_length)
         batches_per_epoch = int(train_data.cardinality())
-        total_steps = steps if steps is not None else (epochs or 10) * batches_per_epoch
+        # Everything counts optimizer updates; one update is `micro` batches.
+        micro = accumulation or 1
+        total_steps = steps if steps is not None else -(-(epochs or 10) * batches_per_epoch // micro)
         interval = state["interval"] if resume is not None else max(1, min(checkpoint_every, total_steps))
         fit_epochs = -(-total_steps // interval)
-        # Keras runs whole "epochs" of `interval` steps (the resume points), so
+        # Keras runs whole "epochs" of `interval` updates (the resume points), so
         # the total is rounded up to a multiple of the checkpoint interval.
         total_steps = fit_epochs * interval
         if resume is not None and fit_epochs < resume["intervals"]:
@@ -679,7 +753,7 @@ def run_training(
     initial_epoch = resume["intervals"] if resume is not None else 0
     if initial_epoch:
         # The same batches as an uninterrupted run: skip what was trained.
-        train_data = train_data.skip(initial_epoch * interval)
+        train_data = train_data.skip(initial_epoch * interval * micro)
     valid_data = None
     if valid_sources:
         valid_ids = data_lib.encode_pairs(tokenizer, valid_sources, valid_targets, max_length)
@@ -705,7 +779,7 @@ def run_training(
                 warmup_steps=warmup_steps,
                 learning_rate_scale=learning_rate_scale,
                 label_smoothing=label_smoothing,
-                gradient_accumulation_steps=gradient_accumulation_steps,
+                gradient_accumulation_steps=accumulation,
                 jit_compile=jit_compile,
                 strategy_name=strategy_name,
             )
@@ -717,13 +791,17 @@ def run_training(
         nan_guard = StopOnNaN()
         callbacks = [
             ResumePoint(resume_path),
-            PeriodicCheckpoint(work / "checkpoints", every_steps=interval, keep=max(keep_checkpoints, average_last)),
+            PeriodicCheckpoint(
+                work / "checkpoints", every_steps=interval, every_minutes=checkpoint_every_minutes,
+                keep=max(keep_checkpoints, average_last),
+            ),
             nan_guard,
             keras.callbacks.CSVLogger(str(work / "log.csv"), append=True),
         ]
         logger.info(
-            "Training %s (%d parameters) for %d steps (%d batches per pass over the data), strategy=%s",
-            preset, model.count_params(), total_steps, batches_per_epoch, strategy_name,
+            "Training %s (%d parameters) for %d updates of %d batch%s (%d batches per pass over the data), strategy=%s",
+            preset, model.count_params(), total_steps, micro, "" if micro == 1 else "es", batches_per_epoch,
+            strategy_name,
         )
         if verbose is None:
             import sys
@@ -733,14 +811,17 @@ def run_training(
         if verbose:
             # In steps and passes over the data, not Keras' fit epochs (checkpoint intervals).
             callbacks.append(
-                TrainingProgress(total_steps, batches_per_epoch, checkpoint_every=interval, bar=verbose == 1)
+                TrainingProgress(
+                    total_steps, batches_per_epoch, checkpoint_every=None if checkpoint_every_minutes else interval,
+                    bar=verbose == 1,
+                )
             )
         if initial_epoch < fit_epochs:
             history = model.fit(
                 train_data,
                 epochs=fit_epochs,
                 initial_epoch=initial_epoch,
-                steps_per_epoch=interval,
+                steps_per_epoch=interval * micro,  # Keras counts batches
                 validation_data=valid_data,
                 callbacks=callbacks,
                 shuffle=False,  # the tf.data pipeline shuffles
@@ -776,8 +857,9 @@ def run_training(
             "tokens_per_batch": tokens_per_batch,
             "hyperparameters": {
                 "warmup_steps": warmup_steps, "learning_rate_scale": learning_rate_scale,
-                "label_smoothing": label_smoothing, "gradient_accumulation_steps": gradient_accumulation_steps,
-                "checkpoint_every": interval, "average_last": average_last, "max_length": max_length,
+                "label_smoothing": label_smoothing, "gradient_accumulation_steps": accumulation,
+                "checkpoint_every": interval, "checkpoint_every_minutes": checkpoint_every_minutes,
+                "average_last": average_last, "max_length": max_length,
                 "seed": seed,
             },
             "averaged_checkpoints": [p.name for p in checkpoints],
@@ -801,6 +883,13 @@ def run_training(
         keras.mixed_precision.set_global_policy(previous_policy)
 
 
+def default_average_last(preset):
+    """Checkpoints averaged by default: the built-in preset's `average_last` (paper 6.1), else 5."""
+    if isinstance(preset, str) and preset in PRESETS:
+        return PRESETS[preset].get("average_last", 5)
+    return 5
+
+
 def _path_or_name(value):
     """A file or directory as an absolute path (the comparison on resume), a name or None as it is."""
     if value is None or (isinstance(value, str) and value in PRESETS):
@@ -809,13 +898,16 @@ def _path_or_name(value):
 
 
 def _check_arguments(preset, strategy, mixed_precision, jit_compile, label_smoothing, learning_rate_scale, steps,
-                     epochs, **positive):
+                     epochs, checkpoint_every_minutes, **positive):
     """Raises `BadArgumentError` naming the first nonsense argument."""
     if steps is not None and epochs is not None:
         raise BadArgumentError(f"Pass steps or epochs, not both (received steps={steps}, epochs={epochs})")
     positive.update(steps=steps, epochs=epochs)
     for name, value in positive.items():
-        allowed_none = name in ("steps", "epochs", "vocabulary_size", "gradient_accumulation_steps", "tokenizer_max_sentences")
+        allowed_none = name in (
+            "steps", "epochs", "vocabulary_size", "gradient_accumulation_steps", "tokenizer_max_sentences",
+            "average_last",
+        )
         if value is None and allowed_none:
             continue
         minimum = 0 if name == "seed" else 1
@@ -823,6 +915,11 @@ def _check_arguments(preset, strategy, mixed_precision, jit_compile, label_smoot
             raise BadArgumentError(f"{name}={value!r} must be an integer >= {minimum}")
     if not (isinstance(learning_rate_scale, (int, float)) and np.isfinite(learning_rate_scale) and learning_rate_scale > 0):
         raise BadArgumentError(f"learning_rate_scale={learning_rate_scale!r} must be a number > 0")
+    if checkpoint_every_minutes is not None and not (
+        isinstance(checkpoint_every_minutes, (int, float)) and not isinstance(checkpoint_every_minutes, bool)
+        and np.isfinite(checkpoint_every_minutes) and checkpoint_every_minutes > 0
+    ):
+        raise BadArgumentError(f"checkpoint_every_minutes={checkpoint_every_minutes!r} must be a number > 0")
     if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
         raise BadArgumentError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
     if strategy not in STRATEGIES:

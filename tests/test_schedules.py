@@ -60,7 +60,7 @@ def test_peak_is_at_the_end_of_warmup():
 def test_serialization_round_trip():
     schedule = WarmupSchedule(hidden_dim=256, warmup_steps=100, scale=2.0)
     config = schedule.get_config()
-    assert config == {"hidden_dim": 256, "warmup_steps": 100, "scale": 2.0}
+    assert config == {"hidden_dim": 256, "warmup_steps": 100, "scale": 2.0, "gradient_accumulation_steps": None}
     assert WarmupSchedule.from_config(config).get_config() == config
 
     serialized = keras.saving.serialize_keras_object(schedule)
@@ -159,3 +159,44 @@ def test_callback_rate_is_the_one_used_by_the_update():
     model.fit(x, x, batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
     rates = sum(paper_lrate(s, 4, 2) for s in (1, 2, 3))
     np.testing.assert_allclose(model.get_weights()[0], [[-rates]], rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_schedule_counts_updates_under_gradient_accumulation(k):
+    """Keras hands the schedule its micro-batch counter; told k, it evaluates update u = counter // k + 1."""
+    schedule = WarmupSchedule(HIDDEN_DIM, warmup_steps=WARMUP, gradient_accumulation_steps=k)
+    counters = np.arange(0, 5 * k)
+    values = keras.ops.convert_to_numpy(schedule(counters))
+    np.testing.assert_allclose(values, [paper_lrate(c // k + 1) for c in counters], rtol=1e-6)
+    assert schedule.get_config()["gradient_accumulation_steps"] == k
+    assert WarmupSchedule.from_config(schedule.get_config()).gradient_accumulation_steps == k
+
+
+@pytest.mark.parametrize("k", [None, 2, 3])
+def test_accumulated_updates_use_the_rate_of_their_update(k):
+    """SGD on loss = mean(w * x), x = 1: each update moves w by -lr(update), whatever k is.
+
+    Without `gradient_accumulation_steps` in the schedule, Keras 3.15 would
+    give update u the rate of step u * k (the bug of issue 14).
+    """
+    model = keras.Sequential(
+        [keras.Input(shape=(1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(
+            learning_rate=WarmupSchedule(4, warmup_steps=3, gradient_accumulation_steps=k),
+            gradient_accumulation_steps=k,
+        ),
+        loss=lambda y_true, y_pred: keras.ops.mean(y_pred),
+    )
+    updates = 4
+    x = np.ones((updates * (k or 1), 1), "float32")
+    model.fit(x, x, batch_size=1, epochs=1, shuffle=False, verbose=0)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == updates
+    expected = -sum(paper_lrate(step, 4, 3) for step in range(1, updates + 1))
+    np.testing.assert_allclose(model.get_weights()[0], [[expected]], rtol=1e-5)
+
+
+def test_invalid_accumulation_steps():
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=0 must be None or a positive int"):
+        WarmupSchedule(512, gradient_accumulation_steps=0)

@@ -104,6 +104,99 @@ def test_periodic_checkpoint_keeps_the_last_k(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 
+def _fixed_batches(rng, batches, rows, vocabulary_size=20):
+    """Batches without padding (every micro-batch then has the same number of target tokens)."""
+    x = {"encoder_token_ids": rng.integers(4, vocabulary_size, (batches, rows, 6)).astype("int32"),
+         "decoder_token_ids": rng.integers(4, vocabulary_size, (batches, rows, 5)).astype("int32")}
+    return x, rng.integers(4, vocabulary_size, (batches, rows, 5)).astype("int32")
+
+
+def _fit_batches(model, x, y, callbacks=()):
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    model.fit(dataset, epochs=1, callbacks=list(callbacks), shuffle=False, verbose=0)
+
+
+def test_k_micro_batches_train_exactly_like_one_batch_of_k_times_the_rows():
+    """Issue 14, bug 1: with accumulation k, k micro-batches of n rows == one batch of k*n rows.
+
+    Same data, dropout 0, 3 updates in warmup (where a rate evaluated per
+    micro-batch would be k times too high). Key-projection biases are left
+    out: their true gradient is zero, so Adam (epsilon 1e-9) turns rounding
+    noise into full-size steps (see test_two_jax_processes_train_like_one).
+    """
+    k, rows, updates = 2, 3, 3
+    x, y = _fixed_batches(np.random.default_rng(0), updates * k, rows)
+    big = {name: value.reshape(updates, k * rows, -1) for name, value in x.items()}
+    models = {}
+    for name, accumulation, inputs, labels in (
+        ("one batch", None, big, y.reshape(updates, k * rows, -1)),
+        ("micro-batches", k, x, y),
+    ):
+        model = tiny_model(vocabulary_size=20, seed=7)
+        model({key: value[0] for key, value in inputs.items()})  # builds it
+        initial = [to_numpy(w) for w in model.weights]
+        training.compile_model(model, warmup_steps=10, gradient_accumulation_steps=accumulation)
+        _fit_batches(model, inputs, labels)
+        assert int(to_numpy(model.optimizer.iterations)) == updates, name
+        models[name] = model
+    for before, a, b in zip(initial, models["one batch"].weights, models["micro-batches"].weights):
+        name = a.path.split("/", 1)[1]
+        assert name == b.path.split("/", 1)[1]
+        if name.endswith("key/bias"):
+            continue
+        a, b = to_numpy(a), to_numpy(b)
+        assert np.abs(a - before).max() > 0, name  # the updates moved it
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_no_checkpoint_before_the_first_update_and_one_per_update(tmp_path):
+    """Issue 14, bug 2: under accumulation the counter stays 0 for k-1 batches; that is not a checkpoint."""
+    model = tiny_model(vocabulary_size=20)
+    training.compile_model(model, warmup_steps=10, gradient_accumulation_steps=3)
+    x, y = _fixed_batches(np.random.default_rng(0), 12, 2)
+    saved = []
+    callback = training.PeriodicCheckpoint(tmp_path, every_steps=2, keep=10)
+    original = callback.save
+    callback.save = lambda step: (saved.append(step), original(step))
+    _fit_batches(model, x, y, [callback])
+    assert saved == [2, 4]  # 12 batches = 4 updates; no step 0, no update saved twice
+    assert [p.name for p in training.list_checkpoints(tmp_path)] == ["ckpt-00000002.weights.h5", "ckpt-00000004.weights.h5"]
+
+
+def test_checkpoints_every_minutes(tmp_path, monkeypatch):
+    """Time-based checkpoints (the paper's every 10 minutes): at the first update after the interval, and at the end."""
+    clock = [0.0]
+    monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
+    model = tiny_model(vocabulary_size=20)
+    training.compile_model(model, warmup_steps=10)
+
+    class Tick(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            clock[0] += 4 * 60.0  # four minutes a batch
+
+    x, y = _fixed_batches(np.random.default_rng(0), 7, 2)
+    callback = training.PeriodicCheckpoint(tmp_path, every_minutes=10, keep=10)
+    _fit_batches(model, x, y, [Tick(), callback])
+    # 4, 8, 12 (>= 10 since the start: save), 16, 20, 24 (>= 10 since 12: save), 28, end: save 7.
+    assert [p.name for p in training.list_checkpoints(tmp_path)] == [
+        f"ckpt-{step:08d}.weights.h5" for step in (3, 6, 7)]
+    with pytest.raises(ValueError, match="every_minutes=0 must be a positive number"):
+        training.PeriodicCheckpoint(tmp_path, every_minutes=0)
+
+
+def test_average_last_defaults_to_the_paper_per_preset():
+    assert training.default_average_last("base") == 5
+    assert training.default_average_last("big") == 20
+    assert training.default_average_last("big_en_fr") == 20
+    assert training.default_average_last("/some/preset/directory") == 5
+    from keras_transformer.train import build_parser
+
+    args = build_parser().parse_args(["--output", "x", "--checkpoint-every-minutes", "10"])
+    assert (args.average_last, args.checkpoint_every_minutes) == (None, 10.0)
+
+
 def test_nan_loss_stops_training():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss=lambda y, p: keras.ops.mean(p) * float("nan"))
@@ -279,6 +372,10 @@ def test_mixed_precision_with_gradient_accumulation_trains_and_writes_a_float32_
     assert keras.mixed_precision.global_policy().name == before
     assert metadata["mixed_precision"] == "mixed_bfloat16"
     assert metadata["hyperparameters"]["gradient_accumulation_steps"] == 2
+    # Updates everywhere (issue 14, bug 2): 20 updates of 2 batches, checkpoints at updates 10 and 20.
+    assert metadata["steps"] == 20
+    assert metadata["averaged_checkpoints"] == ["ckpt-00000010.weights.h5", "ckpt-00000020.weights.h5"]
+    assert training.read_resume_point(out / "training" / "backup" / training.RESUME_FILE)["step"] == 20
     assert np.isfinite(metadata["final_train_loss"])
     log = (out / "training" / "log.csv").read_text().splitlines()
     losses = [float(line.split(",")[1]) for line in log[1:]]

@@ -335,6 +335,41 @@ def test_an_interrupted_run_resumes_with_its_optimizer_state(tmp_path, monkeypat
 
 
 @pytest.mark.slow
+def test_a_resumed_run_with_accumulation_skips_whole_updates(tmp_path, monkeypatch):
+    """Under accumulation k an interval of n updates is n * k batches: a resume skips that many, counts updates.
+
+    (Two runs in one process are not bit-identical, so the data position is
+    checked where it is chosen: the number of batches the resumed run skips.)
+    """
+    import tensorflow as tf
+
+    src, tgt = _small_corpus(tmp_path, n=100)
+    arguments = dict(preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300, tokens_per_batch=256,
+                     steps=4, checkpoint_every=2, warmup_steps=10, max_length=32, verbose=0,
+                     gradient_accumulation_steps=3, average_last=1,
+                     model_overrides={"max_sequence_length": 32, "num_layers": 1})
+    save = training.ResumePoint.on_epoch_end
+
+    def save_then_stop(self, epoch, logs=None):
+        save(self, epoch, logs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training.ResumePoint, "on_epoch_end", save_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            training.run_training(tmp_path / "run", **arguments)
+    resume = training.read_resume_point(tmp_path / "run" / "training" / "backup" / training.RESUME_FILE)
+    assert (resume["intervals"], resume["step"]) == (1, 2)  # 6 batches, 2 updates
+    skipped = []
+    skip = tf.data.Dataset.skip
+    monkeypatch.setattr(tf.data.Dataset, "skip", lambda self, count, **kw: (skipped.append(count), skip(self, count, **kw))[1])
+    metadata = training.run_training(tmp_path / "run", **arguments)
+    assert skipped == [2 * 3]
+    assert metadata["steps"] == 4 and metadata["averaged_checkpoints"] == ["ckpt-00000004.weights.h5"]
+    assert training.read_resume_point(tmp_path / "run" / "training" / "backup" / training.RESUME_FILE)["step"] == 4
+
+
+@pytest.mark.slow
 def test_overwrite_replaces_the_old_run_only_when_the_new_one_is_complete(tmp_path, monkeypatch):
     src, tgt = _small_corpus(tmp_path, n=100)
     output = tmp_path / "run"
