@@ -144,7 +144,7 @@ def test_commands_print_no_noise_and_train_reports_steps(tmp_path):
     _assert_quiet(evaluate, "evaluate")
     assert '"src": "bundled:libreoffice_en_de/test.en.gz"' in evaluate.stdout
 
-    average = _run("keras_transformer.average_checkpoints", str(run / "training" / "checkpoints"),
+    average = _run("keras_transformer.average", str(run / "training" / "checkpoints"),
                    "--output", str(tmp_path / "average.weights.h5"))
     _assert_quiet(average, "average_checkpoints")
 

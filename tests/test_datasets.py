@@ -1,6 +1,9 @@
 """The bundled LibreOffice en-de corpus, its build helpers and its baselines."""
 
 import gzip
+import importlib.util
+import pathlib
+import sys
 import hashlib
 import shutil
 import struct
@@ -10,7 +13,13 @@ import pytest
 
 from keras_transformer import datasets
 from keras_transformer.datasets import baselines
-from keras_transformer.datasets import build_libreoffice_corpus as build
+
+# The corpus builder is a maintainer's script, not part of the installed package.
+_BUILDER = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "build_libreoffice_corpus.py"
+_spec = importlib.util.spec_from_file_location("build_libreoffice_corpus", _BUILDER)
+build = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = build  # dataclasses and pickling look modules up by name
+_spec.loader.exec_module(build)
 
 
 # --- The shipped data -------------------------------------------------------

@@ -27,9 +27,7 @@ from keras_transformer.generation import generate
 from keras_transformer.tokenizer import _sentences, train_tokenizer
 from keras_transformer.train import main as train_main
 from keras_transformer.translate import main as translate_main
-
-# `keras_transformer.average_checkpoints` is also the function's public name.
-average_main = importlib.import_module("keras_transformer.average_checkpoints").main
+from keras_transformer.average import main as average_main
 
 # ---------------------------------------------------------------------- #
 # Item 6: one line reader, lines end at "\n" only

@@ -1,7 +1,6 @@
 """Nothing lost, nothing silent: bad input, --overwrite, resume and kills (issue 13, items 1-5 and 7)."""
 
 import hashlib
-import importlib
 import json
 import os
 import signal
@@ -103,7 +102,7 @@ def test_train_cli_refuses_nonsense_numbers(tmp_path, capsys, argv, name):
 @pytest.mark.parametrize("last", ["0", "-1", "x"])
 def test_average_checkpoints_cli_refuses_nonsense_last(tmp_path, capsys, last):
     tiny_model().save_weights(str(tmp_path / "ckpt-00000001.weights.h5"))
-    cli = importlib.import_module("keras_transformer.average_checkpoints")
+    from keras_transformer import average as cli
     with pytest.raises(SystemExit) as exit_info:
         cli.main([str(tmp_path), "--last", last, "--output", str(tmp_path / "avg.weights.h5")])
     assert exit_info.value.code == 2
@@ -112,7 +111,7 @@ def test_average_checkpoints_cli_refuses_nonsense_last(tmp_path, capsys, last):
 
 
 def test_average_checkpoints_cli_names_a_missing_input(tmp_path, capsys):
-    cli = importlib.import_module("keras_transformer.average_checkpoints")
+    from keras_transformer import average as cli
     with pytest.raises(SystemExit) as exit_info:
         cli.main([str(tmp_path / "nope.weights.h5"), "--output", str(tmp_path / "avg.weights.h5")])
     assert exit_info.value.code == 2

@@ -2,7 +2,7 @@
 
 LibreOffice's English and German help pages and UI messages (MPL-2.0), taken
 from Debian's `libreoffice-help-en-us`, `libreoffice-help-de` and
-`libreoffice-l10n-de` packages by `build_libreoffice_corpus`. It lets the
+`libreoffice-l10n-de` packages by `scripts/build_libreoffice_corpus.py`. It lets the
 Quick start, notebooks and tests train and evaluate offline.
 
 Example:

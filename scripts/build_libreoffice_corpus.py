@@ -22,7 +22,7 @@ byte-identical files.
 
 Usage:
 
-    python -m keras_transformer.datasets.build_libreoffice_corpus \\
+    python scripts/build_libreoffice_corpus.py \\
         --output keras_transformer/datasets/libreoffice_en_de [--workdir DIR] \\
         [--deb PATH.deb ...] [--package-version 4:7.4.7-1+deb12u14]
 """

@@ -1,4 +1,7 @@
-"""`python -m keras_transformer.average_checkpoints`: average Keras weight files.
+"""`python -m keras_transformer.average`: average Keras weight files.
+
+(Not named `average_checkpoints`: importing a submodule of that name would
+replace the function `keras_transformer.average_checkpoints` with the module.)
 
 The paper averages the last 5 (base) or 20 (big) checkpoints (section 6.1).
 """
@@ -16,7 +19,7 @@ from keras_transformer.utils import positive_int  # noqa: E402
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m keras_transformer.average_checkpoints", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m keras_transformer.average", description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="+", help="weight files, or one directory of ckpt-*.weights.h5")
     parser.add_argument("--last", type=positive_int, help="with a directory: average only the last K checkpoints")
     parser.add_argument("--output", required=True, help="averaged .weights.h5 to write")
