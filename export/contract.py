@@ -28,6 +28,7 @@ config.json.
 import dataclasses
 import importlib
 import json
+import pathlib
 
 import numpy as np
 
@@ -106,7 +107,9 @@ def _cache(name, length, size):
     return Tensor(name, COMPUTE, ("batch", "num_decoder_layers", "num_heads", length, size))
 
 
-_SELF_CACHE = (_cache("self_key", "cache_length", "head_key_dim"), _cache("self_value", "cache_length", "head_value_dim"))
+_SELF_CACHE = (
+    _cache("self_key", "cache_length", "head_key_dim"), _cache("self_value", "cache_length", "head_value_dim"),
+)
 _CROSS_CACHE = (
     _cache("cross_key", "source_length", "head_key_dim"), _cache("cross_value", "source_length", "head_value_dim"),
 )
@@ -132,7 +135,9 @@ DECODE_STEP = Graph(
     ),
 )
 # The whole search (`generation.search_graph`); rows are not trimmed (`decoding.finish_rows`).
-GREEDY_SEARCH = Graph("generation.search_graph(model, 'greedy')", (_SOURCE_IDS, *_SEARCH_ARGUMENTS[1:]), _SEARCH_OUTPUTS)
+GREEDY_SEARCH = Graph(
+    "generation.search_graph(model, 'greedy')", (_SOURCE_IDS, *_SEARCH_ARGUMENTS[1:]), _SEARCH_OUTPUTS
+)
 BEAM_SEARCH = Graph("generation.search_graph(model, 'beam')", (_SOURCE_IDS, *_SEARCH_ARGUMENTS), _SEARCH_OUTPUTS)
 # Text in, text out: SentencePiece around the search (tokenized as `Translator` does).
 TRANSLATE = Graph("Translator.translate, in the graph (beam size set at export)", (_TEXT,), (_TRANSLATION,))
@@ -259,6 +264,11 @@ def jsonable(config):
     if isinstance(config.get("dtype"), dict):
         config["dtype"] = config["dtype"].get("config", {}).get("name")
     return json.loads(json.dumps(config, default=str))
+
+
+def write_config(directory, config, file=CONFIG_FILE):
+    """Writes `config` as `directory/file`, JSON with sorted keys (every export's config.json)."""
+    (pathlib.Path(directory) / file).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def model_fields(model):

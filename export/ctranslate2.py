@@ -404,7 +404,7 @@ def _metadata(model, tokens, quantization, validation=None):
 
 
 def _write_metadata(directory, metadata):
-    (pathlib.Path(directory) / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+    contract.write_config(directory, metadata, METADATA_FILE)
 
 
 def read_metadata(directory):

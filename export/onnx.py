@@ -47,7 +47,6 @@ python -m export.onnx --preset tiny --output exported/tiny-int8 --quantize int8
 """
 
 import argparse
-import json
 import logging
 import os
 import pathlib
@@ -674,7 +673,7 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
                 _quantize_int8(path)
         _share_weights(staging, [staging / file for file in files.values()])
         config = _config(model, files, opset, quantize)
-        (staging / contract.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        contract.write_config(staging, config)
         if model.tokenizer is not None:
             model.tokenizer.save(staging)
         logger.info("Validating %s against the Keras model", output)

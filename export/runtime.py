@@ -90,6 +90,9 @@ def read_config(directory):
             f"{config_path} is format {kind or name!r} version {version!r}; this version of export.runtime "
             f"reads {name!r} version {expected}. Export the model again with this version of export.onnx."
         )
+    missing = [key for key in (*contract.FIXED_AXES, "cache_dtype") if key not in config]
+    if missing:
+        raise ValueError(f"{config_path} lacks {missing} (the sizes of the graphs' tensors); export the model again")
     graphs = config.get("graphs")
     if not isinstance(graphs, dict) or set(contract.ONNX.graphs) - set(graphs):
         raise ValueError(f"{config_path} must name the graphs {sorted(contract.ONNX.graphs)}; export the model again")
@@ -281,7 +284,7 @@ class OnnxSeq2Seq:
                 raise ValueError(f"ONNX Runtime could not load {path}: {error}") from error
             try:
                 check_graph_signature(session, graph, self.config)
-            except (ValidationError, KeyError) as error:
+            except ValidationError as error:
                 raise ValueError(f"{path} does not match export format {contract.ONNX.version}: {error}") from None
             self.providers = session.get_providers()
             self._sessions[graph] = session

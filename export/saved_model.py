@@ -56,7 +56,6 @@ python -m export.saved_model --preset path/to/preset --output exported/greedy --
 """
 
 import argparse
-import json
 import logging
 import os
 import pathlib
@@ -263,7 +262,7 @@ def export_saved_model(
         tf.saved_model.save(module, str(staging), signatures=signatures)
         tokenizer.save(staging)
         config = _config(model, tokenizer, beam_size, length_penalty, max_extra_length)
-        (staging / contract.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        contract.write_config(staging, config)
     logger.info("Exported %s", output)
     return output
 
