@@ -184,7 +184,10 @@ def check_signature(name, signature, sizes, compute_dtype):
         export.contract.ValidationError: naming the signature and the tensor.
     """
     graph = contract.SAVED_MODEL.graphs[name]
-    for kind, specs in (("inputs", signature.structured_input_signature[1]), ("outputs", signature.structured_outputs)):
+    # Traced functions hold their inputs by position (named by their TensorSpecs), loaded signatures by keyword.
+    args, kwargs = signature.structured_input_signature
+    inputs = {**{spec.name: spec for spec in args}, **kwargs}
+    for kind, specs in (("inputs", inputs), ("outputs", signature.structured_outputs)):
         actual = [(key, spec.dtype.name, spec.shape.as_list()) for key, spec in specs.items()]
         contract.check_tensors(f"SavedModel signature {name}", graph, kind, actual, sizes, compute_dtype)
 
