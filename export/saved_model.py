@@ -73,8 +73,6 @@ from keras_transformer.utils import atomic_directory  # noqa: E402
 
 logger = logging.getLogger("export.saved_model")
 
-# The signatures (`contract.SAVED_MODEL`) -> the ONNX graph of `graph_functions` each one saves.
-_PROTOCOL_GRAPHS = {"encode": "encoder", "init_cache": "init_cache", "decode_step": "decoder_step"}
 # Python's str.isspace() characters in RE2 syntax: Translator skips texts
 # for which `text.strip()` is empty.
 _BLANK = r"[\t-\r\x{1c}-\x{1f}\x{85}\p{Z}]*"
@@ -167,10 +165,13 @@ def _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_lengt
         return {"translation": tf.ensure_shape(translation, [None])}
 
     signatures = {"translate": translate.get_concrete_function()}
-    graphs = graph_functions(model)
-    for name, graph in _PROTOCOL_GRAPHS.items():
-        function, input_signature = graphs[graph]
-        signatures[name] = tf.function(function, input_signature=input_signature).get_concrete_function()
+    # The protocol signatures are graphs of the ONNX export under other names: the same functions.
+    functions = graph_functions(model)
+    onnx_names = {graph: name for name, graph in contract.ONNX.graphs.items()}
+    for name, graph in contract.SAVED_MODEL.graphs.items():
+        if graph in onnx_names:
+            function, input_signature = functions[onnx_names[graph]]
+            signatures[name] = tf.function(function, input_signature=input_signature).get_concrete_function()
     sizes = contract.model_fields(model)
     for name, signature in signatures.items():
         check_signature(name, signature, sizes, model.compute_dtype)
