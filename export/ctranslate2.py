@@ -107,7 +107,8 @@ import sys
 
 import numpy as np
 
-from export.validate import ValidationError
+from export import contract
+from export.contract import ValidationError
 from keras_transformer.utils import atomic_directory
 
 # Named, not __name__, so that `python -m export.ctranslate2` logs under the same name.
@@ -368,20 +369,7 @@ def max_decoding_length(num_pieces, max_sequence_length, max_extra_length=MAX_EX
     return max(min(num_pieces + 1 + max_extra_length, max_sequence_length - 1) - 1, 1)
 
 
-def _versions():
-    import keras
-
-    import keras_transformer
-
-    ctranslate2 = _import_ctranslate2()
-    return {"keras_transformer": keras_transformer.__version__, "keras": keras.__version__,
-            "ctranslate2": ctranslate2.__version__}
-
-
 def _metadata(model, tokens, quantization, validation=None):
-    config = model.get_config()
-    if isinstance(config.get("dtype"), dict):  # a dtype policy, as a preset stores it: its name
-        config["dtype"] = config["dtype"].get("config", {}).get("name")
     return {
         "format_version": FORMAT_VERSION,
         "engine": "ctranslate2",
@@ -409,14 +397,14 @@ def _metadata(model, tokens, quantization, validation=None):
             "(ours from 2 * beam_size) and at the maximum length keeps unfinished ones (ours forces the end "
             "id); with length_penalty > 0 they may differ more."
         ),
-        "versions": _versions(),
-        "model_config": json.loads(json.dumps(config, default=str)),
+        "versions": contract.versions("ctranslate2"),
+        "model_config": contract.jsonable(model.get_config()),
         "validation": validation,
     }
 
 
 def _write_metadata(directory, metadata):
-    (pathlib.Path(directory) / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+    contract.write_config(directory, metadata, METADATA_FILE)
 
 
 def read_metadata(directory):

@@ -1,24 +1,16 @@
 """Export a TransformerModel to ONNX: `python -m export.onnx`.
 
-Three graphs, one per method of the generation protocol
-(`keras_transformer.generation`), and two that run a whole search, which
-`export/runtime.py` serves:
+Five graphs (`export.contract.ONNX`, where their tensors, dtypes and axes
+are listed), traced by `export/graphs.py`, which `export/runtime.py` serves:
 
-- `encoder.onnx`: `TransformerModel.encode`,
-  `encoder_token_ids [batch, source_length] int32 -> encoder_outputs
-  [batch, source_length, D]`.
-- `init_cache.onnx`: `TransformerModel.init_cache`, `(encoder_outputs,
-  encoder_token_ids, max_length) -> self_key, self_value, cross_key,
-  cross_value, encoder_padding_mask`.
-- `decoder_step.onnx`: `TransformerModel.decode_step`, `(decoder_token_ids
-  [batch], step [], self_key, self_value, cross_key, cross_value,
-  encoder_padding_mask) -> logits [batch, V], updated_self_key,
-  updated_self_value`. Caches are heads first: `[batch, L, N, T_max, K]`.
+- `encoder.onnx`, `init_cache.onnx` and `decoder_step.onnx`: the methods of
+  the generation protocol (`keras_transformer.generation`),
+  `TransformerModel.encode`, `init_cache` and `decode_step`. Caches are
+  heads first: `[batch, L, N, T_max, K]`.
 - `greedy_search.onnx` and `beam_search.onnx`: `generation.search_graph`,
-  `(encoder_token_ids, [beam_size,] alpha, max_extra_length) -> sequences
-  [batch, L], scores [batch]`: the lengths, the encoder, the cache and the
-  search's `keras.ops.while_loop`, which tf2onnx converts into an ONNX
-  `Loop` with the search state and the caches as loop-carried values. One
+  the lengths, the encoder, the cache and the search's
+  `keras.ops.while_loop`, which tf2onnx converts into an ONNX `Loop` with
+  the search state and the caches as loop-carried values. One
   `session.run` translates a batch, with the search's own code (the tokens
   are Keras'); the beam size is an input, so one graph serves every beam.
 
@@ -55,7 +47,6 @@ python -m export.onnx --preset tiny --output exported/tiny-int8 --quantize int8
 """
 
 import argparse
-import json
 import logging
 import os
 import pathlib
@@ -68,16 +59,10 @@ if __name__ == "__main__":  # a command: quiet the frameworks before anything im
 
 import numpy as np  # noqa: E402
 
-from export.validate import (
-    CONFIG_FILE,
-    FORMAT,
-    FORMAT_VERSION,
-    GRAPHS,
-    QUANTIZATIONS,
-    validate_onnx,
-)
-from keras_transformer.generation import search_graph
-from keras_transformer.utils import atomic_directory
+from export import contract  # noqa: E402
+from export.graphs import graph_functions  # noqa: E402
+from export.validate import QUANTIZATIONS, validate_onnx  # noqa: E402
+from keras_transformer.utils import atomic_directory  # noqa: E402
 
 # Named, not __name__, so that `python -m export.onnx` logs under the same name.
 logger = logging.getLogger("export.onnx")
@@ -166,89 +151,6 @@ def _dynamic_update_slice_handler(ctx, node, name, args):
 
 
 CUSTOM_OP_HANDLERS = {"XlaDynamicUpdateSlice": (_dynamic_update_slice_handler, [])}
-
-
-def _graph_functions(model):
-    """`{graph name: (tf.function, input signature)}` wrapping the model's methods."""
-    import tensorflow as tf
-
-    layers = len(model.decoder_layers)
-    heads, key_dim, value_dim = model.num_heads, model.head_key_dim, model.head_value_dim
-    dtype = tf.as_dtype(model.compute_dtype)
-
-    def spec(shape, spec_dtype, name):
-        return tf.TensorSpec(shape, spec_dtype, name=name)
-
-    def encoder(encoder_token_ids):
-        return {"encoder_outputs": model.encode(encoder_token_ids, training=False)}
-
-    def init_cache(encoder_outputs, encoder_token_ids, max_length):
-        return dict(model.init_cache(encoder_outputs, encoder_token_ids, max_length))
-
-    def decoder_step(
-        decoder_token_ids, step, self_key, self_value, cross_key, cross_value, encoder_padding_mask
-    ):
-        cache = {
-            "self_key": self_key,
-            "self_value": self_value,
-            "cross_key": cross_key,
-            "cross_value": cross_value,
-            "encoder_padding_mask": encoder_padding_mask,
-        }
-        logits, cache = model.decode_step(decoder_token_ids, step, cache)
-        return {
-            "logits": logits,
-            "updated_self_key": cache["self_key"],
-            "updated_self_value": cache["self_value"],
-        }
-
-    key_cache = [None, layers, heads, None, key_dim]  # [B, L, N, T_max or S, K]
-    value_cache = [None, layers, heads, None, value_dim]
-
-    def search(search_name):
-        # generation.search_graph, the search's own code: one graph per search.
-        function = search_graph(model, search_name)
-        if search_name == "beam":
-            return lambda encoder_token_ids, beam_size, alpha, max_extra_length: dict(
-                zip(("sequences", "scores"), function(encoder_token_ids, beam_size, alpha, max_extra_length))
-            )
-        return lambda encoder_token_ids, alpha, max_extra_length: dict(
-            zip(("sequences", "scores"), function(encoder_token_ids, 1, alpha, max_extra_length))
-        )
-
-    search_inputs = [
-        spec([None, None], tf.int32, "encoder_token_ids"),
-        spec([], tf.float32, "alpha"),
-        spec([], tf.int32, "max_extra_length"),
-    ]
-    return {
-        "encoder": (encoder, [spec([None, None], tf.int32, "encoder_token_ids")]),
-        "init_cache": (
-            init_cache,
-            [
-                spec([None, None, model.hidden_dim], dtype, "encoder_outputs"),
-                spec([None, None], tf.int32, "encoder_token_ids"),
-                spec([], tf.int32, "max_length"),
-            ],
-        ),
-        "decoder_step": (
-            decoder_step,
-            [
-                spec([None], tf.int32, "decoder_token_ids"),
-                spec([], tf.int32, "step"),
-                spec(key_cache, dtype, "self_key"),
-                spec(value_cache, dtype, "self_value"),
-                spec(key_cache, dtype, "cross_key"),
-                spec(value_cache, dtype, "cross_value"),
-                spec([None, None], tf.bool, "encoder_padding_mask"),
-            ],
-        ),
-        "greedy_search": (search("greedy"), search_inputs),
-        "beam_search": (
-            search("beam"),
-            [search_inputs[0], spec([], tf.int32, "beam_size"), *search_inputs[1:]],
-        ),
-    }
 
 
 def _optimizers():
@@ -696,59 +598,18 @@ def _share_weights(directory, paths):
     return len(offsets)
 
 
-def _versions():
-    import keras
-    import onnx
-    import tensorflow as tf
-    import tf2onnx
-
-    import keras_transformer
-
-    versions = {
-        "keras_transformer": keras_transformer.__version__,
-        "keras": keras.__version__,
-        "tensorflow": tf.__version__,
-        "tf2onnx": tf2onnx.__version__,
-        "onnx": onnx.__version__,
-    }
-    try:
-        import onnxruntime
-
-        versions["onnxruntime"] = onnxruntime.__version__
-    except ImportError:  # Only needed to quantize and validate.
-        pass
-    return versions
-
-
-def _config(model, opset, quantize):
+def _config(model, files, opset, quantize):
+    """config.json: the format, the graph files, the model's ids and sizes, the exporting versions."""
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "graphs": {name: f"{name}.onnx" for name in GRAPHS},
+        **contract.ONNX.header(),
+        "graphs": files,
         "weights": WEIGHTS_FILE,
         "opset": opset,
         "quantization": quantize,
-        "vocabulary_size": model.vocabulary_size,
-        "pad_id": model.pad_id,
-        "unk_id": model.unk_id,
-        "start_id": model.start_id,
-        "end_id": model.end_id,
-        "hidden_dim": model.hidden_dim,
-        "num_decoder_layers": len(model.decoder_layers),
-        "num_heads": model.num_heads,
-        "head_key_dim": model.head_key_dim,
-        "head_value_dim": model.head_value_dim,
-        "max_sequence_length": model.max_sequence_length,
-        "cache_dtype": model.compute_dtype,
-        "versions": _versions(),
-        "model_config": _jsonable(model.get_config()),
+        **contract.model_fields(model),
+        # onnxruntime is only needed to quantize and validate.
+        "versions": contract.versions("tensorflow", "tf2onnx", "onnx", optional=("onnxruntime",)),
     }
-
-
-def _jsonable(config):
-    from keras_transformer.model import _jsonable as preset_jsonable
-
-    return json.loads(json.dumps(preset_jsonable(config), default=str))
 
 
 def _load_model(preset):
@@ -801,17 +662,18 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
         raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
 
     model = _load_model(preset)
+    files = {name: f"{name}.onnx" for name in contract.ONNX.graphs}
     with atomic_directory(output) as staging:
-        for name, (function, signature) in _graph_functions(model).items():
-            path = staging / f"{name}.onnx"
+        for name, (function, signature) in graph_functions(model).items():
+            path = staging / files[name]
             logger.info("Converting %s (opset %d)", path.name, opset)
             _convert(function, signature, opset, path)
             if quantize == "int8":
                 logger.info("Quantizing %s to int8", path.name)
                 _quantize_int8(path)
-        _share_weights(staging, [staging / f"{name}.onnx" for name in GRAPHS])
-        config = _config(model, opset, quantize)
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _share_weights(staging, [staging / file for file in files.values()])
+        config = _config(model, files, opset, quantize)
+        contract.write_config(staging, config)
         if model.tokenizer is not None:
             model.tokenizer.save(staging)
         logger.info("Validating %s against the Keras model", output)

@@ -39,15 +39,9 @@ import sys
 
 import numpy as np
 
-from export.validate import (
-    CACHE_KEYS,
-    CONFIG_FILE,
-    FORMAT,
-    FORMAT_VERSION,
-    GRAPHS,
-    ValidationError,
-    check_graph_signature,
-)
+from export import contract
+from export.contract import CONFIG_FILE, ValidationError
+from export.validate import check_graph_signature
 from keras_transformer.decoding import check_search_args, finish_rows
 from keras_transformer.textio import read_lines
 from keras_transformer.tokenizer import TOKENIZER_FILENAME, Tokenizer
@@ -58,6 +52,8 @@ logger = logging.getLogger("export.runtime")
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+# The decoding cache: init_cache's outputs, decoder_step's inputs by the same names.
+CACHE_KEYS = tuple(contract.INIT_CACHE.output_names())
 
 
 def read_config(directory):
@@ -88,15 +84,19 @@ def read_config(directory):
     if not isinstance(config, dict):
         raise ValueError(f"{config_path} must hold a JSON object, found {type(config).__name__}")
     kind, version = config.get("format"), config.get("format_version")
-    if kind not in (FORMAT, None) or version != FORMAT_VERSION:
+    name, expected = contract.ONNX.name, contract.ONNX.version
+    if kind not in (name, None) or version != expected:
         raise ValueError(
-            f"{config_path} is format {kind or FORMAT!r} version {version!r}; this version of export.runtime "
-            f"reads {FORMAT!r} version {FORMAT_VERSION}. Export the model again with this version of export.onnx."
+            f"{config_path} is format {kind or name!r} version {version!r}; this version of export.runtime "
+            f"reads {name!r} version {expected}. Export the model again with this version of export.onnx."
         )
+    missing = [key for key in (*contract.FIXED_AXES, "cache_dtype") if key not in config]
+    if missing:
+        raise ValueError(f"{config_path} lacks {missing} (the sizes of the graphs' tensors); export the model again")
     graphs = config.get("graphs")
-    if not isinstance(graphs, dict) or set(GRAPHS) - set(graphs):
-        raise ValueError(f"{config_path} must name the graphs {sorted(GRAPHS)}; export the model again")
-    for graph in GRAPHS:
+    if not isinstance(graphs, dict) or set(contract.ONNX.graphs) - set(graphs):
+        raise ValueError(f"{config_path} must name the graphs {sorted(contract.ONNX.graphs)}; export the model again")
+    for graph in contract.ONNX.graphs:
         path = directory / graphs[graph]
         if path.parent != directory or not path.is_file():
             raise FileNotFoundError(f"{directory} is missing {graphs[graph]} (the {graph} graph)")
@@ -257,7 +257,7 @@ class OnnxSeq2Seq:
             self.start_id, self.end_id = int(config["start_id"]), int(config["end_id"])
             self.max_sequence_length = int(config["max_sequence_length"])
             self.hidden_dim = int(config["hidden_dim"])
-            self._cache_dtype = np.dtype(config["cache_dtype"])
+            self._cache_dtype = np.dtype(config["cache_dtype"]).name
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{self.directory / CONFIG_FILE} lacks or garbles {error}; export again") from None
         self._session_options = session_options or _session_options(intra_op_threads)
@@ -283,9 +283,9 @@ class OnnxSeq2Seq:
             except Exception as error:  # noqa: BLE001 - re-raised naming the file
                 raise ValueError(f"ONNX Runtime could not load {path}: {error}") from error
             try:
-                check_graph_signature(session, graph)
+                check_graph_signature(session, graph, self.config)
             except ValidationError as error:
-                raise ValueError(f"{path} does not match export format {FORMAT_VERSION}: {error}") from None
+                raise ValueError(f"{path} does not match export format {contract.ONNX.version}: {error}") from None
             self.providers = session.get_providers()
             self._sessions[graph] = session
         return self._sessions[graph]
@@ -311,18 +311,20 @@ class OnnxSeq2Seq:
         self._device_values[name] = (array, value)
         return value
 
-    def _run(self, graph, feeds, output_names, keep_on_device=()):
-        """Runs one graph; returns NumPy outputs in the order of `output_names`.
+    def _run(self, graph, values, keep_on_device=()):
+        """Runs one graph on `{input name: value}`; returns `{output name: NumPy array}`.
 
-        With I/O binding, inputs go through `_device_value`, and the outputs
-        named in `keep_on_device` (`output name -> input name` it will be fed
-        back as) are remembered on the device for the next call. The host
-        copies handed out are read-only, so an array passed back by identity
-        is known to hold the same values as its device copy.
+        The feeds take the contract's dtypes (`contract.feeds`). With I/O
+        binding, inputs go through `_device_value`, and the outputs named in
+        `keep_on_device` (`output name -> input name` it will be fed back
+        as) are remembered on the device for the next call. The host copies
+        handed out are read-only, so an array passed back by identity is
+        known to hold the same values as its device copy.
         """
-        session = self._session(graph)
+        session, spec = self._session(graph), contract.ONNX.graphs[graph]
         if not self.use_io_binding:
-            return session.run(output_names, feeds)
+            return contract.run(session, spec, values, self._cache_dtype)
+        feeds, output_names = contract.feeds(spec, values, self._cache_dtype), spec.output_names()
         binding = session.io_binding()
         for name, array in feeds.items():
             binding.bind_ortvalue_input(name, self._device_value(name, array))
@@ -336,7 +338,7 @@ class OnnxSeq2Seq:
             if name in keep_on_device:
                 self._device_values[keep_on_device[name]] = (array, value)
             results.append(array)
-        return results
+        return dict(zip(output_names, results))
 
     # ------------------------------------------------------------------ #
     # The decoding protocol
@@ -352,8 +354,7 @@ class OnnxSeq2Seq:
         """Encoder outputs `[B, S, D]` (float32 NumPy) for source ids `[B, S]`."""
         ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
-        (outputs,) = self._run("encoder", {"encoder_token_ids": ids}, ["encoder_outputs"])
-        return outputs
+        return self._run("encoder", {"encoder_token_ids": ids})["encoder_outputs"]
 
     def init_cache(self, encoder_outputs, encoder_token_ids, max_length):
         """The decoding cache for `max_length` target positions (as `TransformerModel.init_cache`).
@@ -374,14 +375,9 @@ class OnnxSeq2Seq:
             raise ValueError(f"encoder_outputs must be floating point, received dtype {outputs.dtype}")
         if isinstance(max_length, bool) or int(max_length) != max_length or max_length < 1:
             raise ValueError(f"max_length={max_length!r} must be a positive integer")
-        feeds = {
-            "encoder_outputs": outputs.astype(self._cache_dtype, copy=False),
-            "encoder_token_ids": ids,
-            "max_length": np.array(int(max_length), np.int32),
-        }
+        values = {"encoder_outputs": outputs, "encoder_token_ids": ids, "max_length": int(max_length)}
         # Every entry is fed back to decoder_step under its own name.
-        outputs = self._run("init_cache", feeds, list(CACHE_KEYS), keep_on_device={n: n for n in CACHE_KEYS})
-        return dict(zip(CACHE_KEYS, outputs))
+        return self._run("init_cache", values, keep_on_device={name: name for name in CACHE_KEYS})
 
     def decode_step(self, token_ids, index, cache):
         """One cached decoder step (as `TransformerModel.decode_step`).
@@ -417,15 +413,13 @@ class OnnxSeq2Seq:
                 f"index={index} is outside the cache of length {cache_length} (init_cache max_length)"
             )
         self._check_length(index + 1, "The decoded sequence")
-        feeds["decoder_token_ids"] = ids
-        feeds["step"] = np.array(index, np.int32)
-        logits, self_key, self_value = self._run(
+        outputs = self._run(
             "decoder_step",
-            feeds,
-            ["logits", "updated_self_key", "updated_self_value"],
+            {**feeds, "decoder_token_ids": ids, "step": index},
             keep_on_device={"updated_self_key": "self_key", "updated_self_value": "self_value"},
         )
-        return logits, dict(cache, self_key=self_key, self_value=self_value)
+        updated = {name: outputs[f"updated_{name}"] for name in ("self_key", "self_value")}
+        return outputs["logits"], dict(cache, **updated)
 
     def generate(
         self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False
@@ -446,17 +440,13 @@ class OnnxSeq2Seq:
         if ids.shape[0] == 0:
             empty = np.zeros((0, 0), np.int32)
             return (empty, np.zeros((0,), np.float32)) if return_scores else empty
-        feeds = {
-            "encoder_token_ids": np.ascontiguousarray(ids),
-            "alpha": np.array(length_penalty, np.float32),
-            "max_extra_length": np.array(max_extra_length, np.int32),
-        }
+        values = {"encoder_token_ids": np.ascontiguousarray(ids), "alpha": length_penalty,
+                  "max_extra_length": max_extra_length}
         graph = "greedy_search"
         if beam_size > 1:
-            graph = "beam_search"
-            feeds["beam_size"] = np.array(beam_size, np.int32)
-        sequences, scores = self._session(graph).run(["sequences", "scores"], feeds)
-        sequences = finish_rows(sequences, self.end_id, self.pad_id)
+            graph, values["beam_size"] = "beam_search", beam_size
+        outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
+        sequences, scores = finish_rows(outputs["sequences"], self.end_id, self.pad_id), outputs["scores"]
         return (sequences, scores) if return_scores else sequences
 
 

@@ -13,18 +13,14 @@ or any TensorFlow runtime can run without this package. Signatures:
   strings give empty strings, so the outputs equal
   `Translator.translate(texts, beam_size, ...)`; unlike `Translator`, a
   request is one batch (not split into batches of 32).
-- `encode`: `encoder_token_ids [B, S] int32 -> encoder_outputs [B, S, D]`.
-- `init_cache`: `(encoder_outputs [B, S, D], encoder_token_ids [B, S] int32,
-  max_length [] int32) -> self_key, self_value, cross_key, cross_value,
-  encoder_padding_mask`, the layout of `TransformerModel.init_cache`.
-- `decode_step`: `(decoder_token_ids [B] int32, step [] int32, self_key,
-  self_value, cross_key, cross_value, encoder_padding_mask) -> logits [B, V],
-  updated_self_key, updated_self_value`, `TransformerModel.decode_step`.
+- `encode`, `init_cache` and `decode_step`: the methods of the generation
+  protocol, the functions of the ONNX export's `encoder`, `init_cache` and
+  `decoder_step` graphs (`export/graphs.py`, same input and output names),
+  for callers that run their own search.
 
-`encode`, `init_cache` and `decode_step` are the three graphs of the ONNX
-export (`export/onnx.py`, same functions, same input and output names; the
-ONNX encoder graph is called `encoder` and the step `decoder_step`), for
-callers that run their own search. Every axis named B, S or T is dynamic.
+Their tensors, dtypes and axes are `export.contract.SAVED_MODEL` (also in
+the directory's config.json, `signatures`); every axis named B, S or T_max
+is dynamic, and the export checks each signature against the contract.
 
 The graph holds only TensorFlow and TensorFlow Text ops and the weights as
 plain variables: loading needs TensorFlow and the SentencePiece ops of
@@ -60,7 +56,6 @@ python -m export.saved_model --preset path/to/preset --output exported/greedy --
 """
 
 import argparse
-import json
 import logging
 import os
 import pathlib
@@ -71,44 +66,13 @@ from keras_transformer import cli
 if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
     cli.quiet_startup()
 
+from export import contract  # noqa: E402
+from export.graphs import graph_functions  # noqa: E402
 from keras_transformer.decoding import check_search_args  # noqa: E402
 from keras_transformer.utils import atomic_directory  # noqa: E402
 
 logger = logging.getLogger("export.saved_model")
 
-# What the directory is, in its config.json (an ONNX export names its own format).
-FORMAT = "keras_transformer.saved_model"
-# 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
-FORMAT_VERSION = 2
-CONFIG_FILE = "config.json"
-# Signature -> (inputs, outputs); the contract that config.json records.
-# Shape legend: B batch, S source length, T_max cache length, D hidden_dim,
-# L decoder layers, N heads, K/Vh per-head key/value size, V vocabulary_size.
-_KEY_CACHE = "[B, L, N, T_max, K]"
-_VALUE_CACHE = "[B, L, N, T_max, Vh]"
-_CROSS_KEY = "[B, L, N, S, K]"
-_CROSS_VALUE = "[B, L, N, S, Vh]"
-SIGNATURES = {
-    "translate": ({"text": "[B] string"}, {"translation": "[B] string"}),
-    "encode": ({"encoder_token_ids": "[B, S] int32"}, {"encoder_outputs": "[B, S, D] float"}),
-    "init_cache": (
-        {"encoder_outputs": "[B, S, D] float", "encoder_token_ids": "[B, S] int32", "max_length": "[] int32"},
-        {
-            "self_key": _KEY_CACHE, "self_value": _VALUE_CACHE, "cross_key": _CROSS_KEY,
-            "cross_value": _CROSS_VALUE, "encoder_padding_mask": "[B, S] bool",
-        },
-    ),
-    "decode_step": (
-        {
-            "decoder_token_ids": "[B] int32", "step": "[] int32", "self_key": _KEY_CACHE,
-            "self_value": _VALUE_CACHE, "cross_key": _CROSS_KEY, "cross_value": _CROSS_VALUE,
-            "encoder_padding_mask": "[B, S] bool",
-        },
-        {"logits": "[B, V] float32", "updated_self_key": _KEY_CACHE, "updated_self_value": _VALUE_CACHE},
-    ),
-}
-# Signature -> the function of export/onnx.py's `_graph_functions` it exports.
-_PROTOCOL_GRAPHS = {"encode": "encoder", "init_cache": "init_cache", "decode_step": "decoder_step"}
 # Python's str.isspace() characters in RE2 syntax: Translator skips texts
 # for which `text.strip()` is empty.
 _BLANK = r"[\t-\r\x{1c}-\x{1f}\x{85}\p{Z}]*"
@@ -157,7 +121,6 @@ def _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_lengt
     """A `tf.Module` holding the variables and the tokenizer; returns `(module, signatures)`."""
     import tensorflow as tf
 
-    from export.onnx import _graph_functions
     from keras_transformer.generation import generate_in_graph
 
     module = tf.Module()
@@ -202,57 +165,49 @@ def _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_lengt
         return {"translation": tf.ensure_shape(translation, [None])}
 
     signatures = {"translate": translate.get_concrete_function()}
-    graphs = _graph_functions(model)
-    for name, graph in _PROTOCOL_GRAPHS.items():
-        function, input_signature = graphs[graph]
-        signatures[name] = tf.function(function, input_signature=input_signature).get_concrete_function()
+    # The protocol signatures are graphs of the ONNX export under other names: the same functions.
+    functions = graph_functions(model)
+    onnx_names = {graph: name for name, graph in contract.ONNX.graphs.items()}
+    for name, graph in contract.SAVED_MODEL.graphs.items():
+        if graph in onnx_names:
+            function, input_signature = functions[onnx_names[graph]]
+            signatures[name] = tf.function(function, input_signature=input_signature).get_concrete_function()
+    sizes = contract.model_fields(model)
+    for name, signature in signatures.items():
+        check_signature(name, signature, sizes, model.compute_dtype)
     return module, signatures
 
 
-def _versions():
-    import keras
-    import tensorflow as tf
-    import tensorflow_text
+def check_signature(name, signature, sizes, compute_dtype):
+    """Checks one concrete function (or a loaded signature) against `contract.SAVED_MODEL.graphs[name]`.
 
-    import keras_transformer
-
-    return {
-        "keras_transformer": keras_transformer.__version__,
-        "keras": keras.__version__,
-        "tensorflow": tf.__version__,
-        "tensorflow_text": tensorflow_text.__version__,
-    }
+    Raises:
+        export.contract.ValidationError: naming the signature and the tensor.
+    """
+    graph = contract.SAVED_MODEL.graphs[name]
+    # Traced functions hold their inputs by position (named by their TensorSpecs), loaded signatures by keyword.
+    args, kwargs = signature.structured_input_signature
+    inputs = {**{spec.name: spec for spec in args}, **kwargs}
+    for kind, specs in (("inputs", inputs), ("outputs", signature.structured_outputs)):
+        actual = [(key, spec.dtype.name, spec.shape.as_list()) for key, spec in specs.items()]
+        contract.check_tensors(f"SavedModel signature {name}", graph, kind, actual, sizes, compute_dtype)
 
 
 def _config(model, tokenizer, beam_size, length_penalty, max_extra_length):
-    from export.onnx import _jsonable
+    """config.json: the format, the signatures, the search settings, the model's ids and sizes, the versions."""
     from keras_transformer.tokenizer import TOKENIZER_FILENAME
 
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "signatures": {
-            name: {"inputs": inputs, "outputs": outputs} for name, (inputs, outputs) in SIGNATURES.items()
-        },
+        **contract.SAVED_MODEL.header(),
+        "signatures": contract.describe_graphs(contract.SAVED_MODEL, model.compute_dtype),
         "load": "import tensorflow_text (registers the SentencePiece ops), then tf.saved_model.load(directory)",
         "tokenizer": TOKENIZER_FILENAME,
         "beam_size": beam_size,
         "length_penalty": float(length_penalty),
         "max_extra_length": max_extra_length,
-        "vocabulary_size": model.vocabulary_size,
-        "pad_id": model.pad_id,
+        **contract.model_fields(model),
         "unk_id": tokenizer.unk_id,
-        "start_id": model.start_id,
-        "end_id": model.end_id,
-        "hidden_dim": model.hidden_dim,
-        "num_decoder_layers": len(model.decoder_layers),
-        "num_heads": model.num_heads,
-        "head_key_dim": model.head_key_dim,
-        "head_value_dim": model.head_value_dim,
-        "max_sequence_length": model.max_sequence_length,
-        "cache_dtype": model.compute_dtype,
-        "versions": _versions(),
-        "model_config": _jsonable(model.get_config()),
+        "versions": contract.versions("tensorflow", "tensorflow_text"),
     }
 
 
@@ -305,13 +260,13 @@ def export_saved_model(
     import tensorflow as tf
 
     with atomic_directory(output) as staging:
-        logger.info("Tracing the signatures %s", ", ".join(SIGNATURES))
+        logger.info("Tracing the signatures %s", ", ".join(contract.SAVED_MODEL.graphs))
         module, signatures = _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_length)
         logger.info("Writing the SavedModel")
         tf.saved_model.save(module, str(staging), signatures=signatures)
         tokenizer.save(staging)
         config = _config(model, tokenizer, beam_size, length_penalty, max_extra_length)
-        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        contract.write_config(staging, config)
     logger.info("Exported %s", output)
     return output
 

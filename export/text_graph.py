@@ -84,7 +84,8 @@ import sys
 
 import numpy as np
 
-from export.validate import CONFIG_FILE, ValidationError
+from export import contract
+from export.contract import CONFIG_FILE, ValidationError
 from keras_transformer.tokenizer import TOKENIZER_FILENAME as TOKENIZER_FILE
 from keras_transformer.tokenizer import Tokenizer
 
@@ -146,11 +147,11 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
     pad_id, start_id, end_id = int(config["pad_id"]), int(config["start_id"]), int(config["end_id"])
     limit = int(config["max_sequence_length"])
     search = search_model.graph
-    expected_inputs = {"encoder_token_ids", "beam_size", "alpha", "max_extra_length"}
-    if {value.name for value in search.input} != expected_inputs:
+    expected_inputs = sorted(contract.BEAM_SEARCH.input_names())
+    if sorted(value.name for value in search.input) != expected_inputs:
         raise ValueError(
             f"The search graph has inputs {sorted(v.name for v in search.input)}; expected "
-            f"{sorted(expected_inputs)} (beam_search.onnx of export format 3)"
+            f"{expected_inputs} (beam_search.onnx of export format {contract.ONNX.version})"
         )
     if "sequences" not in {value.name for value in search.output}:
         raise ValueError("The search graph has no `sequences` output")
@@ -276,18 +277,20 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
     node("Reshape", [texts, node("Shape", ["text"], [name("text_shape")])], ["translation"])
 
     # Optional inputs: inputs with an initializer of the same name.
+    default_values = {"beam_size": beam_size, "alpha": length_penalty, "max_extra_length": max_extra_length}
     defaults = [
-        numpy_helper.from_array(np.array(beam_size, np.int32), "beam_size"),
-        numpy_helper.from_array(np.array(length_penalty, np.float32), "alpha"),
-        numpy_helper.from_array(np.array(max_extra_length, np.int32), "max_extra_length"),
+        numpy_helper.from_array(np.array(default_values[t.name], contract.numpy_dtype(t, None)), t.name)
+        for t in contract.TEXT_GRAPH.inputs
+        if t.name in contract.TEXT_GRAPH.optional
     ]
-    inputs = [
-        helper.make_tensor_value_info("text", TensorProto.STRING, ["batch"]),
-        helper.make_tensor_value_info("beam_size", TensorProto.INT32, []),
-        helper.make_tensor_value_info("alpha", TensorProto.FLOAT, []),
-        helper.make_tensor_value_info("max_extra_length", TensorProto.INT32, []),
-    ]
-    outputs = [helper.make_tensor_value_info("translation", TensorProto.STRING, ["batch"])]
+
+    # The contract's tensors; dynamic axes by name (`batch`).
+    def value_info(tensor):
+        elem_type = helper.np_dtype_to_tensor_dtype(contract.numpy_dtype(tensor, None))
+        return helper.make_tensor_value_info(tensor.name, elem_type, list(tensor.axes))
+
+    inputs = [value_info(tensor) for tensor in contract.TEXT_GRAPH.inputs]
+    outputs = [value_info(tensor) for tensor in contract.TEXT_GRAPH.outputs]
 
     clash = sorted(n for n in _graph_names(search) if n.startswith(_PREFIX) or n in ("text", "translation"))
     if clash:
@@ -330,10 +333,8 @@ def translate_texts(session, texts, **inputs):
 
     `inputs`: optional `beam_size`, `alpha`, `max_extra_length` (Python numbers).
     """
-    dtypes = {"beam_size": np.int32, "alpha": np.float32, "max_extra_length": np.int32}
-    feeds = {"text": np.array(list(texts), dtype=object).reshape(-1)}
-    feeds.update({key: np.array(value, dtypes[key]) for key, value in inputs.items()})
-    (translation,) = session.run(["translation"], feeds)
+    texts = np.array(list(texts), dtype=object).reshape(-1)
+    translation = contract.run(session, contract.TEXT_GRAPH, {"text": texts, **inputs}, None)["translation"]
     return [text.decode("utf-8") if isinstance(text, bytes) else str(text) for text in translation]
 
 

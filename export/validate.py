@@ -1,15 +1,12 @@
 """Validation of an exported ONNX directory against the Keras model.
 
 Its own step, as in optimum's ONNX exporter: for each graph, the input and
-output names, which axes are dynamic, the output shapes, and then the values
+output names, dtypes, which axes are dynamic and the sizes of the fixed ones
+(all from `export.contract`), the output shapes, and then the values
 against Keras at a stated tolerance, at batch sizes and lengths other than
 any the export used (the graphs are traced with unknown batch and lengths;
 the shapes here are odd on purpose). A mismatch raises `ValidationError`
 naming the graph, the output and the largest difference.
-
-This module also holds the contract of an exported directory (graph, input
-and output names, format version), which `export/onnx.py` writes and
-`export/runtime.py` reads.
 """
 
 import json
@@ -18,79 +15,23 @@ import pathlib
 
 import numpy as np
 
+from export import contract
+from export.contract import CONFIG_FILE, ValidationError
+
 logger = logging.getLogger(__name__)
 
-# What an exported directory is, in its config.json: `format` names the kind
-# (a SavedModel export has its own), `format_version` its layout.
-FORMAT = "keras_transformer.onnx"
-# 3: the whole search as one graph per search (2 had per-step update graphs);
-# 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
-FORMAT_VERSION = 3
-CONFIG_FILE = "config.json"
 QUANTIZATIONS = (None, "int8")
-
-# Graph name -> (inputs, outputs); each maps a name to its axes, a string for
-# a dynamic axis and None for a fixed one. Shape legend: B batch, S source
-# length, T_max cache length, D hidden_dim, L decoder layers, N heads,
-# K/Vh per-head key/value size, V vocabulary_size.
-_KEY_CACHE = ("batch", None, None, "cache_length", None)  # [B, L, N, T_max, K]
-_CROSS_CACHE = ("batch", None, None, "source_length", None)  # [B, L, N, S, K]
-GRAPHS = {
-    "encoder": (
-        {"encoder_token_ids": ("batch", "source_length")},
-        {"encoder_outputs": ("batch", "source_length", None)},
-    ),
-    "init_cache": (
-        {
-            "encoder_outputs": ("batch", "source_length", None),
-            "encoder_token_ids": ("batch", "source_length"),
-            "max_length": (),
-        },
-        {
-            "self_key": _KEY_CACHE,
-            "self_value": _KEY_CACHE,
-            "cross_key": _CROSS_CACHE,
-            "cross_value": _CROSS_CACHE,
-            "encoder_padding_mask": ("batch", "source_length"),
-        },
-    ),
-    "decoder_step": (
-        {
-            "decoder_token_ids": ("batch",),
-            "step": (),
-            "self_key": _KEY_CACHE,
-            "self_value": _KEY_CACHE,
-            "cross_key": _CROSS_CACHE,
-            "cross_value": _CROSS_CACHE,
-            "encoder_padding_mask": ("batch", "source_length"),
-        },
-        {
-            "logits": ("batch", None),
-            "updated_self_key": _KEY_CACHE,
-            "updated_self_value": _KEY_CACHE,
-        },
-    ),
+# ONNX Runtime's type names -> the contract's dtypes.
+_ONNX_DTYPES = {
+    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+    "tensor(double)": "float64", "tensor(int32)": "int32", "tensor(int64)": "int64", "tensor(bool)": "bool",
+    "tensor(string)": "string",
 }
-# The whole search in one graph (`generation.search_graph`): the encoder,
-# the cache and an ONNX Loop over the decoder step and the search update, so
-# ONNX Runtime translates a batch in one call. Rows are not trimmed
-# (`keras_transformer.decoding.finish_rows` does that). L the output buffer.
-_SEARCH_INPUTS = {"encoder_token_ids": ("batch", "source_length"), "alpha": (), "max_extra_length": ()}
-_SEARCH_OUTPUTS = {"sequences": ("batch", "output_length"), "scores": ("batch",)}
-GRAPHS["greedy_search"] = (_SEARCH_INPUTS, _SEARCH_OUTPUTS)
-GRAPHS["beam_search"] = ({**_SEARCH_INPUTS, "beam_size": ()}, _SEARCH_OUTPUTS)
-# The graphs running the whole search (the others are the decoding protocol's).
-SEARCH_GRAPHS = ("greedy_search", "beam_search")
-CACHE_KEYS = ("self_key", "self_value", "cross_key", "cross_value", "encoder_padding_mask")
 
 # (batch, source length, cache length) at which values are compared: none
 # is a size a tracer would specialise on, and the first batch mixes lengths.
 VALIDATION_SHAPES = ((3, 11, 7), (1, 5, 4))
 DECODER_STEPS = 3
-
-
-class ValidationError(ValueError):
-    """An exported graph does not match the contract or the Keras model."""
 
 
 def _session(path):
@@ -102,31 +43,17 @@ def _session(path):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def check_graph_signature(session, graph):
-    """Input/output names and dynamic axes of one ONNX Runtime session."""
-    inputs, outputs = GRAPHS[graph]
-    for kind, expected, actual in (
-        ("inputs", inputs, session.get_inputs()),
-        ("outputs", outputs, session.get_outputs()),
-    ):
-        # Names are the interface (callers pass and fetch by name); tf2onnx
-        # orders dict outputs alphabetically.
-        names = sorted(arg.name for arg in actual)
-        if names != sorted(expected):
-            raise ValidationError(f"{graph}.onnx has {kind} {names}; expected {sorted(expected)}")
-        for arg in actual:
-            axes = expected[arg.name]
-            if len(arg.shape) != len(axes):
-                raise ValidationError(
-                    f"{graph}.onnx {arg.name} has rank {len(arg.shape)} (shape {arg.shape}); "
-                    f"expected rank {len(axes)}"
-                )
-            for i, (dim, axis) in enumerate(zip(arg.shape, axes)):
-                # A dynamic axis is a symbolic name or unknown in ONNX Runtime.
-                if axis is not None and isinstance(dim, int):
-                    raise ValidationError(
-                        f"{graph}.onnx {arg.name} axis {i} ({axis}) is fixed to {dim}; it must be dynamic"
-                    )
+def check_graph_signature(session, graph, config):
+    """Checks one ONNX Runtime session of `contract.ONNX.graphs[graph]` against the contract.
+
+    Names, dtypes, dynamic axes and the fixed axes' sizes (from the
+    directory's `config`) of its inputs and outputs.
+    """
+    for kind, values in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
+        actual = [(value.name, _ONNX_DTYPES.get(value.type, value.type), value.shape) for value in values]
+        contract.check_tensors(
+            f"{graph}.onnx", contract.ONNX.graphs[graph], kind, actual, config, config["cache_dtype"]
+        )
 
 
 def _compare(graph, name, actual, expected, atol):
@@ -187,7 +114,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     directory = pathlib.Path(directory)
     config = json.loads((directory / CONFIG_FILE).read_text())
     expected_config = {
-        "format_version": FORMAT_VERSION,
+        "format_version": contract.ONNX.version,
         "vocabulary_size": model.vocabulary_size,
         "pad_id": model.pad_id,
         "start_id": model.start_id,
@@ -201,18 +128,21 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     if config.get("quantization"):
         atol = None
     sessions = {}
-    for graph in GRAPHS:
+    for graph in contract.ONNX.graphs:
         session = _session(directory / config["graphs"][graph])
-        check_graph_signature(session, graph)
+        check_graph_signature(session, graph, config)
         sessions[graph] = session
 
     rng = np.random.default_rng(seed)
     differences = {}
 
+    def run(graph, **values):
+        return contract.run(sessions[graph], contract.ONNX.graphs[graph], values, config["cache_dtype"])
+
     def record(graph, name, actual, expected):
         key = f"{graph}/{name}"
-        if graph in SEARCH_GRAPHS:  # Ids equal, scores within 1e-4 (float32 exports only).
-            difference = _compare_search(graph, name, actual, expected)
+        if contract.ONNX.graphs[graph] in (contract.GREEDY_SEARCH, contract.BEAM_SEARCH):
+            difference = _compare_search(graph, name, actual, expected)  # Ids equal, scores within 1e-4.
         else:
             difference = _compare(graph, name, actual, expected, atol)
         differences[key] = max(difference, differences.get(key, 0.0))
@@ -220,46 +150,33 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     for batch, source_length, cache_length in shapes:
         ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
         keras_outputs = ops.convert_to_numpy(model.encode(ids))
-        (outputs,) = sessions["encoder"].run(["encoder_outputs"], {"encoder_token_ids": ids})
-        record("encoder", "encoder_outputs", outputs, keras_outputs)
+        record("encoder", "encoder_outputs", run("encoder", encoder_token_ids=ids)["encoder_outputs"], keras_outputs)
 
         # Both sides start from the Keras encoder outputs, so that each graph
         # is compared on its own.
         keras_cache = model.init_cache(keras_outputs, ids, cache_length)
-        onnx_cache = dict(
-            zip(
-                CACHE_KEYS,
-                sessions["init_cache"].run(
-                    list(CACHE_KEYS),
-                    {
-                        "encoder_outputs": keras_outputs,
-                        "encoder_token_ids": ids,
-                        "max_length": np.array(cache_length, np.int32),
-                    },
-                ),
-            )
-        )
-        for name in CACHE_KEYS:
-            record("init_cache", name, onnx_cache[name], ops.convert_to_numpy(keras_cache[name]))
-
         keras_cache = {name: ops.convert_to_numpy(value) for name, value in keras_cache.items()}
+        onnx_cache = run("init_cache", encoder_outputs=keras_outputs, encoder_token_ids=ids, max_length=cache_length)
+        for name, value in onnx_cache.items():
+            record("init_cache", name, value, keras_cache[name])
+
         onnx_cache = dict(keras_cache)
         tokens = np.full((batch,), model.start_id, np.int32)
         for step in range(min(steps, cache_length)):
             keras_logits, keras_cache = model.decode_step(tokens, step, keras_cache)
             keras_cache = {name: ops.convert_to_numpy(value) for name, value in keras_cache.items()}
-            logits, self_key, self_value = sessions["decoder_step"].run(
-                ["logits", "updated_self_key", "updated_self_value"],
-                {"decoder_token_ids": tokens, "step": np.array(step, np.int32), **onnx_cache},
-            )
-            record("decoder_step", "logits", logits, ops.convert_to_numpy(keras_logits))
-            record("decoder_step", "updated_self_key", self_key, keras_cache["self_key"])
-            record("decoder_step", "updated_self_value", self_value, keras_cache["self_value"])
+            outputs = run("decoder_step", decoder_token_ids=tokens, step=step, **onnx_cache)
+            expected = {"logits": ops.convert_to_numpy(keras_logits)}
+            expected.update({f"updated_{name}": keras_cache[name] for name in ("self_key", "self_value")})
+            for name, value in outputs.items():
+                record("decoder_step", name, value, expected[name])
             # Each side continues from its own cache, so errors may add up
             # over steps as they would in generation.
-            onnx_cache = dict(onnx_cache, self_key=self_key, self_value=self_value)
+            onnx_cache = dict(
+                onnx_cache, self_key=outputs["updated_self_key"], self_value=outputs["updated_self_value"]
+            )
             tokens = rng.integers(4, model.vocabulary_size, size=(batch,)).astype(np.int32)
-    _validate_search_graphs(sessions, model, rng, record, exact=atol is not None)
+    _validate_search_graphs(run, model, rng, record, exact=atol is not None)
     per_graph = {}
     for key, difference in differences.items():
         graph = key.split("/")[0]
@@ -272,7 +189,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     return differences
 
 
-def _validate_search_graphs(sessions, model, rng, record, exact):
+def _validate_search_graphs(run, model, rng, record, exact):
     """`greedy_search` and `beam_search` against `TransformerModel.generate`.
 
     Sources of mixed lengths at odd shapes, beam sizes 1 (greedy) and 3 and
@@ -291,14 +208,9 @@ def _validate_search_graphs(sessions, model, rng, record, exact):
     ):
         ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
         ids[np.arange(batch), np.count_nonzero(ids, axis=1) - 1] = model.end_id
-        feeds = {
-            "encoder_token_ids": ids,
-            "alpha": np.array(0.6, np.float32),
-            "max_extra_length": np.array(max_extra_length, np.int32),
-        }
-        if graph == "beam_search":
-            feeds["beam_size"] = np.array(beam_size, np.int32)
-        sequences, scores = sessions[graph].run(["sequences", "scores"], feeds)
+        arguments = {"beam_size": beam_size} if graph == "beam_search" else {}
+        outputs = run(graph, encoder_token_ids=ids, alpha=0.6, max_extra_length=max_extra_length, **arguments)
+        sequences, scores = outputs["sequences"], outputs["scores"]
         actual = finish_rows(sequences, model.end_id, model.pad_id)
         if not exact:
             if not (np.all(actual[:, 0] == model.start_id) and np.all(np.any(actual == model.end_id, axis=1))):

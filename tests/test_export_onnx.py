@@ -23,14 +23,15 @@ onnxruntime = pytest.importorskip("onnxruntime")
 pytest.importorskip("tf2onnx")
 
 import keras_transformer as kt  # noqa: E402
+from export import contract, graphs  # noqa: E402
 from export import onnx as onnx_export  # noqa: E402
 from export.runtime import OnnxSeq2Seq, OnnxTranslator, read_config  # noqa: E402
-from export.validate import GRAPHS, ValidationError, validate_onnx  # noqa: E402
+from export.validate import ValidationError, validate_onnx  # noqa: E402
 from keras_transformer.translator import Translator  # noqa: E402
 
 VOCABULARY_SIZE = 60
 START, END = 2, 3
-GRAPH_FILES = [f"{graph}.onnx" for graph in GRAPHS]
+GRAPH_FILES = [f"{graph}.onnx" for graph in contract.ONNX.graphs]
 
 SUBJECTS = ["the cat", "a dog", "my bird", "the old fish"]
 VERBS = ["sees", "likes", "eats"]
@@ -106,19 +107,29 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir):
     assert [p.name for p in exported.parent.iterdir()] == ["model"]
 
 
-def test_graphs_have_the_contract_names_and_dynamic_axes(exported):
+def test_graphs_are_the_contract_table(exported):
+    """Each graph's inputs and outputs, in order: the contract's names, dtypes, dynamic axes and sizes."""
     import onnx
 
-    for graph, (inputs, outputs) in GRAPHS.items():
-        proto = onnx.load(str(exported / f"{graph}.onnx"))
+    config = read_config(exported)
+    assert config["graphs"] == {name: f"{name}.onnx" for name in contract.ONNX.graphs}
+    for name, graph in contract.ONNX.graphs.items():
+        proto = onnx.load(str(exported / config["graphs"][name]), load_external_data=False)
         assert proto.opset_import[0].version == 17
-        for values, expected in ((proto.graph.input, inputs), (proto.graph.output, outputs)):
-            assert sorted(v.name for v in values) == sorted(expected)
-            for value in values:
-                dims = value.type.tensor_type.shape.dim
-                for dim, axis in zip(dims, expected[value.name], strict=True):
+        for values, tensors in ((proto.graph.input, graph.inputs), (proto.graph.output, graph.outputs)):
+            actual = [
+                (
+                    value.name,
+                    onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name,
                     # Dynamic axes have a symbolic name, fixed ones a value.
-                    assert dim.HasField("dim_param") == (axis is not None), (graph, value.name, axis)
+                    [None if dim.HasField("dim_param") else dim.dim_value for dim in value.type.tensor_type.shape.dim],
+                )
+                for value in values
+            ]
+            expected = [(t.name, contract.dtype(t, "float32"), contract.shape(t, config)) for t in tensors]
+            if values is proto.graph.output:  # tf2onnx orders dict outputs alphabetically.
+                expected.sort()
+            assert actual == expected, name
 
 
 def test_encoder_init_cache_and_decoder_steps_match_keras(model, onnx_model):
@@ -190,7 +201,7 @@ def test_validation_checks_the_exported_search(model, tmp_path, monkeypatch):
         search = generation.search_graph(model, search_name)
         return lambda ids, beam_size, alpha, max_extra_length: search(ids, beam_size, alpha, max_extra_length + 1)
 
-    monkeypatch.setattr(onnx_export, "search_graph", longer)
+    monkeypatch.setattr(graphs, "search_graph", longer)
     with pytest.raises(ValidationError, match=r"greedy_search\.onnx output (sequences|scores)"):
         onnx_export.export_onnx(model, tmp_path / "wrong")
     assert not (tmp_path / "wrong").exists()
@@ -305,6 +316,33 @@ def test_validation_rejects_a_graph_with_other_names(exported, tmp_path):
         validate_onnx(copy, small_model())
 
 
+def test_a_graph_that_deviates_from_the_contract_is_named(exported, tmp_path):
+    """A fixed batch axis, or a cache sized for another model: validation and the runtime name graph and tensor."""
+    import onnx
+
+    copy = copy_of(exported, tmp_path)
+    path = copy / "decoder_step.onnx"
+    proto = onnx.load(str(path), load_external_data=False)
+    (ids,) = [value for value in proto.graph.input if value.name == "decoder_token_ids"]
+    ids.type.tensor_type.shape.dim[0].dim_value = 2  # (clears its dim_param)
+    onnx.save(proto, str(path))
+    message = r"decoder_step\.onnx decoder_token_ids axis 0 \(batch\) is fixed to 2; it must be dynamic"
+    with pytest.raises(ValidationError, match=message):
+        validate_onnx(copy, small_model())
+    with pytest.raises(ValueError, match="does not match export format 3: " + message):
+        OnnxSeq2Seq(copy, providers=["CPUExecutionProvider"])._session("decoder_step")
+
+    shutil.copy(exported / "decoder_step.onnx", path)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(dict(config, num_heads=8)))
+    message = r"decoder_step\.onnx self_key axis 2 \(num_heads\) is 4; the model's num_heads is 8"
+    with pytest.raises(ValueError, match=message):
+        OnnxSeq2Seq(copy, providers=["CPUExecutionProvider"])._session("decoder_step")
+    (copy / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "num_heads"}))
+    with pytest.raises(ValueError, match=r"lacks \['num_heads'\] \(the sizes of the graphs' tensors\); export"):
+        read_config(copy)
+
+
 def test_dynamic_update_slice_is_a_scatter_with_xla_clamping(tmp_path):
     """The tf2onnx handler for keras.ops.slice_update, including out-of-range starts."""
     import tensorflow as tf
@@ -352,7 +390,7 @@ def test_dense_on_3d_inputs_exports_as_one_matmul(tmp_path):
 
 def test_an_unconvertible_op_fails_the_export_and_leaves_nothing(model, tmp_path, monkeypatch):
     monkeypatch.setattr(onnx_export, "CUSTOM_OP_HANDLERS", {})
-    function, signature = onnx_export._graph_functions(model)["decoder_step"]
+    function, signature = graphs.graph_functions(model)["decoder_step"]
     with pytest.raises(RuntimeError, match="XlaDynamicUpdateSlice"):
         onnx_export._convert(function, signature, onnx_export.DEFAULT_OPSET, tmp_path / "decoder_step.onnx")
     assert list(tmp_path.iterdir()) == []

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(
 import tensorflow as tf  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
+from export import contract  # noqa: E402
 from export import saved_model as saved_model_export  # noqa: E402
 from keras_transformer.translator import Translator  # noqa: E402
 
@@ -48,8 +49,8 @@ TEXTS = [
     "the old fish likes ümlauts.",
 ]
 GREEDY_TEXTS = TEXTS[:4]
-SIGNATURE_INPUTS = {name: sorted(inputs) for name, (inputs, _) in saved_model_export.SIGNATURES.items()}
-SIGNATURE_OUTPUTS = {name: sorted(outputs) for name, (_, outputs) in saved_model_export.SIGNATURES.items()}
+SIGNATURE_INPUTS = {name: sorted(graph.input_names()) for name, graph in contract.SAVED_MODEL.graphs.items()}
+SIGNATURE_OUTPUTS = {name: sorted(graph.output_names()) for name, graph in contract.SAVED_MODEL.graphs.items()}
 
 
 def signature_names(signature):
@@ -133,6 +134,33 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir, loaded):
     assert (text.shape.as_list(), text.dtype) == ([None], tf.string)
     ids = loaded.signatures["encode"].structured_input_signature[1]["encoder_token_ids"]
     assert (ids.shape.as_list(), ids.dtype) == ([None, None], tf.int32)
+
+
+def test_signatures_are_the_contract_table(exported, loaded):
+    """Every signature's tensors: the contract's names, dtypes and shapes (None where dynamic); config.json too."""
+    config = json.loads((exported / "config.json").read_text())
+    assert config["signatures"] == contract.describe_graphs(contract.SAVED_MODEL, "float32")
+    for name, graph in contract.SAVED_MODEL.graphs.items():
+        signature = loaded.signatures[name]
+        for specs, tensors in (
+            (signature.structured_input_signature[1], graph.inputs), (signature.structured_outputs, graph.outputs)
+        ):
+            actual = {key: (spec.dtype.name, spec.shape.as_list()) for key, spec in specs.items()}
+            expected = {t.name: (contract.dtype(t, "float32"), contract.shape(t, config)) for t in tensors}
+            assert actual == expected, name
+
+
+def test_a_signature_that_deviates_from_the_contract_is_named(model):
+    """`check_signature`, which the export runs on every signature: names the signature and the tensor."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 7], tf.int32, name="encoder_token_ids")])
+    def encode(encoder_token_ids):
+        return {"encoder_outputs": model.encode(encoder_token_ids, training=False)}
+
+    sizes = contract.model_fields(model)
+    with pytest.raises(contract.ValidationError, match=r"SavedModel signature encode encoder_token_ids axis 1 "
+                       r"\(source_length\) is fixed to 7; it must be dynamic"):
+        saved_model_export.check_signature("encode", encode.get_concrete_function(), sizes, "float32")
 
 
 def test_translate_equals_the_translator_with_beam_search(loaded, expected_beam):

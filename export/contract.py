@@ -1,0 +1,310 @@
+"""The contract of an exported model: its graphs, their tensors, the formats.
+
+One table per export format (`ONNX`, `SAVED_MODEL`) names each exported
+graph and the `Graph` it is: the model method it comes from and its input
+and output tensors, each with a name, a dtype and named axes. Everything
+else is derived from it:
+
+- `export/graphs.py`: the TensorFlow input signatures of the traced
+  functions, which tf2onnx converts (`export/onnx.py`) and the SavedModel
+  saves (`export/saved_model.py`);
+- `export/validate.py`: the names, dtypes, dynamic axes and fixed sizes of
+  every ONNX graph (`check_tensors`), which `export/runtime.py` also checks
+  when it loads a graph, and the feeds it builds (`feeds`);
+- both exporters' `config.json`: the format and its version
+  (`Format.header`), the model's ids and sizes (`model_fields`), the
+  exporting versions (`versions`) and the SavedModel's signatures
+  (`describe_graphs`).
+
+Framework-free (the standard library and NumPy): the ONNX Runtime server
+imports it; `versions` imports the packages it records when it is called.
+
+Axes: a dynamic axis has one of the names of `DYNAMIC_AXES`; a fixed one is
+named by the `config.json` key that holds its size (`FIXED_AXES`). The
+letters are the shape legend of the docstrings and of the SavedModel's
+config.json.
+"""
+
+import dataclasses
+import importlib
+import json
+import pathlib
+
+import numpy as np
+
+CONFIG_FILE = "config.json"
+# Dynamic axis -> its letter.
+DYNAMIC_AXES = {"batch": "B", "source_length": "S", "cache_length": "T_max", "output_length": "T_out"}
+# Fixed axis (a config.json key, the size) -> its letter.
+FIXED_AXES = {
+    "hidden_dim": "D", "num_decoder_layers": "L", "num_heads": "N", "head_key_dim": "K",
+    "head_value_dim": "Vh", "vocabulary_size": "V",
+}
+# The dtype of the model's activations and caches (config.json `cache_dtype`).
+COMPUTE = "compute"
+_NUMPY_DTYPES = {"string": object}
+
+
+class ValidationError(ValueError):
+    """An exported graph does not match the contract or the Keras model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One input or output: its name, dtype (a NumPy name, "string" or `COMPUTE`) and axes."""
+
+    name: str
+    dtype: str
+    axes: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """One exported function: what it computes (`method`) and its tensors, in signature order.
+
+    `optional` names the inputs that have a default in the graph.
+    """
+
+    method: str
+    inputs: tuple
+    outputs: tuple
+    optional: tuple = ()
+
+    def input_names(self):
+        return [tensor.name for tensor in self.inputs]
+
+    def output_names(self):
+        return [tensor.name for tensor in self.outputs]
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """An export format: its name and version in config.json, and its graphs by exported name."""
+
+    name: str
+    version: int
+    graphs: dict
+
+    def header(self):
+        return {"format": self.name, "format_version": self.version}
+
+
+def _ids(name, *axes):
+    return Tensor(name, "int32", axes)
+
+
+def _scalar(name, dtype="int32"):
+    return Tensor(name, dtype)
+
+
+_SOURCE_IDS = _ids("encoder_token_ids", "batch", "source_length")
+_ENCODER_OUTPUTS = Tensor("encoder_outputs", COMPUTE, ("batch", "source_length", "hidden_dim"))
+_PADDING_MASK = Tensor("encoder_padding_mask", "bool", ("batch", "source_length"))
+
+
+def _cache(name, length, size):
+    """A cache entry, heads first: `[B, L, N, T_max or S, K or Vh]`."""
+    return Tensor(name, COMPUTE, ("batch", "num_decoder_layers", "num_heads", length, size))
+
+
+_SELF_CACHE = (
+    _cache("self_key", "cache_length", "head_key_dim"), _cache("self_value", "cache_length", "head_value_dim"),
+)
+_CROSS_CACHE = (
+    _cache("cross_key", "source_length", "head_key_dim"), _cache("cross_value", "source_length", "head_value_dim"),
+)
+_SEARCH_OUTPUTS = (_ids("sequences", "batch", "output_length"), Tensor("scores", "float32", ("batch",)))
+_SEARCH_ARGUMENTS = (_scalar("beam_size"), _scalar("alpha", "float32"), _scalar("max_extra_length"))
+_TEXT = Tensor("text", "string", ("batch",))
+_TRANSLATION = Tensor("translation", "string", ("batch",))
+
+# The decoding protocol of `keras_transformer.generation`, one graph per method.
+ENCODE = Graph("TransformerModel.encode", (_SOURCE_IDS,), (_ENCODER_OUTPUTS,))
+INIT_CACHE = Graph(
+    "TransformerModel.init_cache",
+    (_ENCODER_OUTPUTS, _SOURCE_IDS, _scalar("max_length")),
+    (*_SELF_CACHE, *_CROSS_CACHE, _PADDING_MASK),
+)
+# An ONNX graph cannot reuse an input's name for an output: the updated caches are `updated_*`.
+DECODE_STEP = Graph(
+    "TransformerModel.decode_step",
+    (_ids("decoder_token_ids", "batch"), _scalar("step"), *_SELF_CACHE, *_CROSS_CACHE, _PADDING_MASK),
+    (
+        Tensor("logits", "float32", ("batch", "vocabulary_size")),
+        *(dataclasses.replace(tensor, name=f"updated_{tensor.name}") for tensor in _SELF_CACHE),
+    ),
+)
+# The whole search (`generation.search_graph`); rows are not trimmed (`decoding.finish_rows`).
+GREEDY_SEARCH = Graph(
+    "generation.search_graph(model, 'greedy')", (_SOURCE_IDS, *_SEARCH_ARGUMENTS[1:]), _SEARCH_OUTPUTS
+)
+BEAM_SEARCH = Graph("generation.search_graph(model, 'beam')", (_SOURCE_IDS, *_SEARCH_ARGUMENTS), _SEARCH_OUTPUTS)
+# Text in, text out: SentencePiece around the search (tokenized as `Translator` does).
+TRANSLATE = Graph("Translator.translate, in the graph (beam size set at export)", (_TEXT,), (_TRANSLATION,))
+# translate.onnx (`export/text_graph.py`): the search arguments are optional inputs.
+TEXT_GRAPH = Graph(
+    "SentencePiece + beam_search.onnx + SentencePiece", (_TEXT, *_SEARCH_ARGUMENTS), (_TRANSLATION,),
+    optional=tuple(tensor.name for tensor in _SEARCH_ARGUMENTS),
+)
+
+# An ONNX export: graph name -> Graph; the file is `{name}.onnx` (config.json `graphs`).
+# 3: the whole search as one graph per search (2 had per-step update graphs);
+# 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
+ONNX = Format(
+    "keras_transformer.onnx",
+    3,
+    {
+        "encoder": ENCODE, "init_cache": INIT_CACHE, "decoder_step": DECODE_STEP,
+        "greedy_search": GREEDY_SEARCH, "beam_search": BEAM_SEARCH,
+    },
+)
+# A SavedModel export: signature name -> Graph.
+# 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
+SAVED_MODEL = Format(
+    "keras_transformer.saved_model",
+    2,
+    {"translate": TRANSLATE, "encode": ENCODE, "init_cache": INIT_CACHE, "decode_step": DECODE_STEP},
+)
+
+
+def dtype(tensor, compute_dtype):
+    """The tensor's dtype name, `COMPUTE` resolved to `compute_dtype`."""
+    return compute_dtype if tensor.dtype == COMPUTE else tensor.dtype
+
+
+def shape(tensor, sizes):
+    """The tensor's shape: None for a dynamic axis, `sizes[axis]` (config.json) for a fixed one."""
+    return [None if axis in DYNAMIC_AXES else int(sizes[axis]) for axis in tensor.axes]
+
+
+def describe(tensor, compute_dtype):
+    """`"[B, S, D] float32"`: the shape in the legend's letters and the dtype."""
+    letters = ", ".join(DYNAMIC_AXES.get(axis) or FIXED_AXES[axis] for axis in tensor.axes)
+    return f"[{letters}] {dtype(tensor, compute_dtype)}"
+
+
+def describe_graphs(export_format, compute_dtype):
+    """`{name: {"inputs": {tensor: description}, "outputs": {...}}}` for config.json."""
+    return {
+        name: {
+            kind: {tensor.name: describe(tensor, compute_dtype) for tensor in getattr(graph, kind)}
+            for kind in ("inputs", "outputs")
+        }
+        for name, graph in export_format.graphs.items()
+    }
+
+
+def check_tensors(where, graph, kind, actual, sizes, compute_dtype):
+    """Checks a graph's inputs or outputs against the contract.
+
+    Args:
+        where: str naming the graph in messages ("decoder_step.onnx").
+        graph: its `Graph`.
+        kind: "inputs" or "outputs".
+        actual: `(name, dtype name or None, shape)` of each tensor; a dim is
+            an int when fixed, a str or None when dynamic (ONNX Runtime and
+            TensorFlow alike).
+        sizes: the sizes of the fixed axes (config.json, or `model_fields`).
+        compute_dtype: what `COMPUTE` stands for (config.json `cache_dtype`).
+
+    Raises:
+        ValidationError: naming `where`, the tensor and what differs.
+    """
+    expected = {tensor.name: tensor for tensor in getattr(graph, kind)}
+    names = sorted(name for name, _, _ in actual)  # Names are the interface; order is not.
+    if names != sorted(expected):
+        raise ValidationError(f"{where} has {kind} {names}; expected {sorted(expected)}")
+    for name, actual_dtype, dims in actual:
+        tensor = expected[name]
+        want = dtype(tensor, compute_dtype)
+        if actual_dtype is not None and actual_dtype != want:
+            raise ValidationError(f"{where} {name} has dtype {actual_dtype}; expected {want}")
+        if len(dims) != len(tensor.axes):
+            raise ValidationError(
+                f"{where} {name} has rank {len(dims)} (shape {list(dims)}); expected rank {len(tensor.axes)} "
+                f"{describe(tensor, compute_dtype)}"
+            )
+        for i, (dim, axis, size) in enumerate(zip(dims, tensor.axes, shape(tensor, sizes))):
+            fixed = isinstance(dim, int) and dim >= 0
+            if size is None and fixed:
+                raise ValidationError(f"{where} {name} axis {i} ({axis}) is fixed to {dim}; it must be dynamic")
+            if size is not None and fixed and dim != size:
+                raise ValidationError(f"{where} {name} axis {i} ({axis}) is {dim}; the model's {axis} is {size}")
+
+
+def numpy_dtype(tensor, compute_dtype):
+    """The NumPy dtype of the tensor's arrays (object for strings)."""
+    return np.dtype(_NUMPY_DTYPES.get(tensor.dtype, dtype(tensor, compute_dtype)))
+
+
+def feeds(graph, values, compute_dtype):
+    """The graph's inputs as NumPy arrays of the contract's dtypes, from `{name: value}`.
+
+    Every input but the graph's `optional` ones must be given.
+    """
+    required = set(graph.input_names()) - set(graph.optional)
+    if not required <= set(values) <= set(graph.input_names()):
+        raise ValueError(f"{graph.method} takes {graph.input_names()}, received {sorted(values)}")
+    return {
+        tensor.name: np.asarray(values[tensor.name], numpy_dtype(tensor, compute_dtype))
+        for tensor in graph.inputs
+        if tensor.name in values
+    }
+
+
+def run(session, graph, values, compute_dtype):
+    """`{output name: array}` of an ONNX Runtime session of `graph` on `{input name: value}`."""
+    names = graph.output_names()
+    return dict(zip(names, session.run(names, feeds(graph, values, compute_dtype))))
+
+
+def jsonable(config):
+    """A Keras `get_config()` as plain JSON; a dtype policy as its name, as a preset stores it."""
+    config = dict(config)
+    if isinstance(config.get("dtype"), dict):
+        config["dtype"] = config["dtype"].get("config", {}).get("name")
+    return json.loads(json.dumps(config, default=str))
+
+
+def write_config(directory, config, file=CONFIG_FILE):
+    """Writes `config` as `directory/file`, JSON with sorted keys (every export's config.json)."""
+    (pathlib.Path(directory) / file).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def model_fields(model):
+    """The model's ids and sizes, as every export's config.json records them.
+
+    The fixed axes' sizes (`FIXED_AXES`) are among them, so these fields
+    resolve the contract's shapes for the model as config.json does for an
+    exported directory.
+    """
+    return {
+        "vocabulary_size": model.vocabulary_size,
+        "pad_id": model.pad_id,
+        "unk_id": model.unk_id,
+        "start_id": model.start_id,
+        "end_id": model.end_id,
+        "hidden_dim": model.hidden_dim,
+        "num_decoder_layers": len(model.decoder_layers),
+        "num_heads": model.num_heads,
+        "head_key_dim": model.head_key_dim,
+        "head_value_dim": model.head_value_dim,
+        "max_sequence_length": model.max_sequence_length,
+        "cache_dtype": model.compute_dtype,
+        "model_config": jsonable(model.get_config()),
+    }
+
+
+def versions(*packages, optional=()):
+    """`{package: version}` of keras_transformer, Keras and `packages`, for config.json.
+
+    `optional` packages are recorded when installed.
+    """
+    record = {}
+    for name in ("keras_transformer", "keras", *packages, *optional):
+        try:
+            record[name] = importlib.import_module(name).__version__
+        except ImportError:
+            if name not in optional:
+                raise
+    return record

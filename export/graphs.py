@@ -1,0 +1,70 @@
+"""The contract's graphs as TensorFlow functions of a Keras model, for both exporters.
+
+`graph_functions(model)` wraps each method of the decoding protocol
+(`TransformerModel.encode`, `init_cache`, `decode_step`) and the whole
+search (`generation.search_graph`) as a Python function of the graph's
+inputs, with its `tf.TensorSpec` input signature generated from
+`export.contract`: `export/onnx.py` converts these functions with tf2onnx,
+`export/saved_model.py` saves the protocol ones as signatures. Runs on the
+TensorFlow backend.
+"""
+
+import inspect
+
+from export import contract
+from keras_transformer.generation import search_graph
+
+
+def input_signature(graph, model):
+    """`[tf.TensorSpec]` of the graph's inputs, in order, named, for `model`'s sizes and dtype."""
+    import tensorflow as tf
+
+    sizes = contract.model_fields(model)
+    return [
+        tf.TensorSpec(contract.shape(t, sizes), tf.as_dtype(contract.dtype(t, model.compute_dtype)), name=t.name)
+        for t in graph.inputs
+    ]
+
+
+def graph_functions(model):
+    """`{ONNX graph name: (function, input signature)}` for every graph of `contract.ONNX`.
+
+    Each function takes the graph's inputs (by position, in the contract's
+    order) and returns a dict of its outputs by name.
+    """
+
+    def encoder(encoder_token_ids):
+        return {"encoder_outputs": model.encode(encoder_token_ids, training=False)}
+
+    def init_cache(encoder_outputs, encoder_token_ids, max_length):
+        return dict(model.init_cache(encoder_outputs, encoder_token_ids, max_length))
+
+    def decoder_step(decoder_token_ids, step, self_key, self_value, cross_key, cross_value, encoder_padding_mask):
+        cache = {
+            "self_key": self_key, "self_value": self_value, "cross_key": cross_key, "cross_value": cross_value,
+            "encoder_padding_mask": encoder_padding_mask,
+        }
+        logits, cache = model.decode_step(decoder_token_ids, step, cache)
+        return {"logits": logits, "updated_self_key": cache["self_key"], "updated_self_value": cache["self_value"]}
+
+    greedy, beam = search_graph(model, "greedy"), search_graph(model, "beam")
+
+    def greedy_search(encoder_token_ids, alpha, max_extra_length):
+        return dict(zip(("sequences", "scores"), greedy(encoder_token_ids, 1, alpha, max_extra_length)))
+
+    def beam_search(encoder_token_ids, beam_size, alpha, max_extra_length):
+        return dict(zip(("sequences", "scores"), beam(encoder_token_ids, beam_size, alpha, max_extra_length)))
+
+    functions = {
+        "encoder": encoder, "init_cache": init_cache, "decoder_step": decoder_step,
+        "greedy_search": greedy_search, "beam_search": beam_search,
+    }
+    signatures = {}
+    for name, graph in contract.ONNX.graphs.items():
+        function = functions[name]
+        # Traced by position: the parameters must be the contract's inputs, in its order.
+        if list(inspect.signature(function).parameters) != graph.input_names():
+            raise AssertionError(f"{name} takes {list(inspect.signature(function).parameters)}; "
+                                 f"the contract says {graph.input_names()}")
+        signatures[name] = (function, input_signature(graph, model))
+    return signatures
