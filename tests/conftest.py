@@ -40,3 +40,56 @@ def rng():
 
 def pytest_report_header(config):
     return f"keras backend: {BACKEND}"
+
+
+# ---------------------------------------------------------------------- #
+# Tests whose behaviour does not depend on the Keras backend run once.
+# ---------------------------------------------------------------------- #
+# tests/run.sh runs the suite once per backend. What these tests check (text
+# and file handling, the corpus, the tokenizer, tf.data batching, directory
+# and resume bookkeeping, command-line plumbing, benchmark arithmetic) is the
+# same code on every backend, so they run on TensorFlow only; the model, the
+# layers, the search, the losses, the schedule, training steps and the
+# optimizer state round trip run on all three. A name listed here that no
+# longer matches a test only makes that test run on every backend again.
+# KT_ALL_BACKENDS=1 runs everything on the current backend.
+BACKEND_INDEPENDENT = {
+    "test_datasets.py": ["*"],
+    "test_tokenizer.py": ["*"],
+    "test_data.py": ["*"],
+    "test_benchmarks.py": ["*"],
+    "test_progress.py": ["*"],
+    "test_quickstart.py": ["*"],
+    "test_utils.py": ["*"],
+    "test_inputs.py": [
+        "test_every_reader_*", "test_stdin_*", "test_line_end_*", "test_bundled_corpus_*", "test_textio_*",
+        "test_reading_errors_*", "test_tokenizer_training_*", "test_sentencepiece_*", "test_bad_config_json_*",
+        "test_weights_file_that_is_not_hdf5_*", "test_bad_tokenizer_model_*", "test_evaluate_cli_*",
+        "test_translate_cli_*", "test_cli_user_errors_*",
+    ],
+    "test_translator.py": ["test_translate_cli_*", "test_evaluate_cli_*"],
+    # All but the two tests of the resumed optimizer state.
+    "test_training_durability.py": [
+        "test_train_cli_*", "test_average_checkpoints_cli_*", "test_run_training_refuses_*", "test_overwrite_*",
+        "test_a_directory_that_is_not_ours_*", "test_a_truncated_state_*", "test_a_finished_run_*",
+        "test_resume_with_other_arguments_*", "test_resume_refuses_*", "test_a_run_without_progress_*",
+        "test_a_resumed_run_with_accumulation_*", "test_stale_temporaries_*", "test_atomic_directory_*",
+        "test_an_interrupted_preset_installation_*",
+    ],
+}
+
+
+def _backend_independent(item):
+    import fnmatch
+
+    patterns = BACKEND_INDEPENDENT.get(item.path.name, ())
+    return any(fnmatch.fnmatchcase(item.originalname, pattern) for pattern in patterns)
+
+
+def pytest_collection_modifyitems(config, items):
+    if BACKEND == "tensorflow" or os.environ.get("KT_ALL_BACKENDS") == "1":
+        return
+    skip = pytest.mark.skip(reason="backend-independent: runs once, on the TensorFlow backend (KT_ALL_BACKENDS=1 to run)")
+    for item in items:
+        if _backend_independent(item):
+            item.add_marker(skip)
