@@ -66,11 +66,12 @@ _PROTOCOL_ATTRIBUTES = ("vocabulary_size", "pad_id", "start_id", "end_id", "enco
 # than a plain tf.function graph (see benchmarks/README.md).
 TF_JIT_COMPILE = True
 
-# PyTorch: the `torch.compile` backend for each step of the search (decoder
-# step, search update and beam reordering captured as one graph), or None
-# for the eager loop. Opt-in: compiling takes about a minute per shape on
-# a 2-core CPU with "inductor" (see benchmarks/README.md); "aot_eager" captures
-# the same graph without generating code (seconds, little faster than eager).
+# PyTorch: None runs the search in an eager loop. Otherwise each step of the
+# search (decoder step, search update, beam reordering) is captured as one
+# graph with `torch.export`, once per shape, and then run as captured
+# ("export": seconds to capture) or compiled with the `torch.compile`
+# backend of that name ("inductor": the fast one, about a minute per shape
+# on a 2-core CPU). Opt-in for that cost; see benchmarks/README.md.
 TORCH_COMPILE_BACKEND = None
 
 # model -> {"search": the whole search compiled, or a PyTorch step per shape}
@@ -151,9 +152,17 @@ def generate(
       calls `decode_step` eagerly and the search's own per-step work
       (log-softmax, top-k, gathers, stopping test) as one compiled function;
     - PyTorch: a Python loop under `torch.no_grad()` (`ops.while_loop` is a
-      Python loop there anyway).
+      Python loop there anyway); eager unless `TORCH_COMPILE_BACKEND` is set
+      (opt-in: compiling costs about a minute per shape with "inductor" on
+      a small CPU) and the model exposes its Keras `variables`: then each
+      step (decoder step, search update, beam reordering, stopping test) is
+      one graph, captured with `torch.export` and compiled with
+      `torch.compile(backend=TORCH_COMPILE_BACKEND)` ("export": run as
+      captured), once per (batch size, source length bucket, output length
+      bucket, beam size) and cached per model.
     `compile=False` runs everything eagerly in a Python loop. All give the
-    same tokens.
+    same tokens (compiled PyTorch code may round scores differently in the
+    last bits).
 
     Args:
         model: an object implementing the decoding protocol (see the module
@@ -362,7 +371,8 @@ def _round_up(value, multiple):
 # - compiled: the whole search in a `keras.ops.while_loop` (jax.jit / XLA);
 # - hybrid: a Python loop calling the model's `decode_step` eagerly (a model
 #   that cannot be traced) and a compiled `search_step` (TensorFlow, JAX);
-# - eager: a Python loop (compile=False, PyTorch);
+# - eager: a Python loop (compile=False, PyTorch), or on PyTorch a Python
+#   loop over one compiled step (`TORCH_COMPILE_BACKEND`);
 # and a model may drive them itself (`run_search`, `search_step`): the ONNX
 # Runtime wrapper runs `search_step` exported as ONNX graphs.
 # ---------------------------------------------------------------------- #
@@ -821,9 +831,10 @@ def _torch_compiled_step(model, search, state, cache, max_lengths, alpha, length
     The step is captured with `torch.export` (non-strict: Python runs once,
     so Keras' per-call overhead is gone, and no TorchDynamo tracing of
     Keras), with the variables as inputs (`keras.StatelessScope`, as for
-    JAX, so later weight updates are seen), and the captured graph is
-    compiled with `torch.compile(backend=TORCH_COMPILE_BACKEND)`. Shapes are
-    static: one graph per (search, batch, beam, source bucket, L).
+    JAX, so later weight updates are seen), and the captured graph is run
+    as it is (`TORCH_COMPILE_BACKEND = "export"`) or compiled with
+    `torch.compile(backend=TORCH_COMPILE_BACKEND)`. Shapes are static: one
+    graph per (search, batch, beam, source bucket, L).
     """
     import torch
 
@@ -843,13 +854,16 @@ def _torch_compiled_step(model, search, state, cache, max_lengths, alpha, length
 
     def build():
         logger.info(
-            "Capturing the PyTorch %s search step (%d rows, L=%d); torch.compile(backend=%r) compiles it on first use",
+            "Capturing the PyTorch %s search step (%d rows, L=%d) for TORCH_COMPILE_BACKEND=%r",
             search.name, _dim(next(iter(cache.values())), 0), length, backend,
         )
         # Traced once with the current index; it is a tensor input, so the graph serves every step.
         example = ([variable.value for variable in variables], state, cache, max_lengths, alpha)
-        exported = torch.export.export(Step(), example, strict=False)
-        return torch.compile(exported.module(), backend=backend, fullgraph=True, dynamic=False)
+        captured = torch.export.export(Step(), example, strict=False).module()
+        if backend == "export":
+            return captured
+        # Compiled on the first call.
+        return torch.compile(captured, backend=backend, fullgraph=True, dynamic=False)
 
     return _cache_for(model, key, build)
 
