@@ -817,6 +817,9 @@ def _torch_step_search(model, encoder_token_ids, max_lengths, alpha, beam_size, 
     with torch.no_grad():
         index = ops.convert_to_tensor(0, "int32")
         search, state, cache = _initial_state(model, encoder_token_ids, beam_size, length, index)
+        # Contiguous, as the step's outputs: torch.compile guards on strides,
+        # and the broadcast start state would make it compile twice.
+        state, cache = ({name: x.contiguous() for name, x in entries.items()} for entries in (state, cache))
         step = _torch_compiled_step(model, search, state, cache, max_lengths, alpha, length)
         values = [variable.value for variable in model.variables]
         keep_going = search.keep_going(state, max_lengths, alpha, length)

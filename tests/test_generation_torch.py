@@ -83,3 +83,17 @@ def test_a_model_without_keras_variables_runs_eagerly(model, src, torch_compile,
         ids = generate(NumpyProtocol(model), src[:1], beam_size=1, max_extra_length=EXTRA)
     np.testing.assert_array_equal(ids, expected)
     assert captures(caplog) == 0
+
+
+def test_torch_compile_compiles_one_graph_per_shape(src, monkeypatch):
+    """torch.compile itself (its "eager" backend: TorchDynamo without code generation) on a 1-layer model."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(generation, "TORCH_COMPILE_BACKEND", "eager")
+    model = tiny_model(seed=7, num_layers=1)
+    eager = generate(model, src, beam_size=1, max_extra_length=EXTRA, compile=False)
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        np.testing.assert_array_equal(generate(model, src, beam_size=1, max_extra_length=EXTRA), eager)
+    # One graph serves every step and call: the index is an input, the start state has the steps' strides.
+    assert counters["stats"]["unique_graphs"] == graphs + 1
