@@ -190,8 +190,9 @@ def run_benchmark(presets=("tiny", "small"), lengths=(16, 32, 64, 128), beam_siz
                         tokens = ids
                         seconds = median_seconds(run, repeats)
                         case[f"{name}_ms_per_token"] = 1000 * seconds / length
-                    reference, other = variants[0], variants[-1]
-                    case["speedup"] = case[f"{other}_ms_per_token"] / case[f"{reference}_ms_per_token"]
+                    if len(variants) == 2:
+                        reference, other = variants
+                        case["speedup"] = case[f"{other}_ms_per_token"] / case[f"{reference}_ms_per_token"]
                     logger.info(
                         "%-5s batch %d beam %d %3d tokens: %s", preset, batch_size, beam_size, length,
                         ", ".join(f"{name} {case[name + '_ms_per_token']:.2f} ms/token" for name in variants),
@@ -312,7 +313,7 @@ def main(argv=None):
     for c in results["cases"]:
         search = "greedy" if c["beam_size"] == 1 else f"beam {c['beam_size']}"
         print(f"{c['preset']:6s} {c['batch_size']:5d} {search:7s} {c['output_tokens']:6d} "
-              f"{c[reference + '_ms_per_token']:18.2f} {c[other + '_ms_per_token']:18.2f} {c['speedup']:6.1f} "
+              f"{c[reference + '_ms_per_token']:18.2f} {c[other + '_ms_per_token']:18.2f} {c.get('speedup', 1.0):6.1f} "
               f"{c[reference + '_first_call_s']:10.1f}")
     print(f"Wrote {output} and {output.with_suffix('.png')}")
 
