@@ -66,7 +66,16 @@ _PROTOCOL_ATTRIBUTES = ("vocabulary_size", "pad_id", "start_id", "end_id", "enco
 # than a plain tf.function graph (see benchmarks/README.md).
 TF_JIT_COMPILE = True
 
-# model -> {"search": the whole search compiled} for models exposing Keras variables.
+# PyTorch: None runs the search in an eager loop. Otherwise each step of the
+# search (decoder step, search update, beam reordering) is captured as one
+# graph with `torch.export`, once per shape, and then run as captured
+# ("export": seconds to capture) or compiled with the `torch.compile`
+# backend of that name ("inductor": the fast one, about a minute per shape
+# on a 2-core CPU). Opt-in for that cost; see benchmarks/README.md.
+TORCH_COMPILE_BACKEND = None
+
+# model -> {"search": the whole search compiled, or a PyTorch step per shape}
+# for models exposing Keras variables.
 _COMPILED = weakref.WeakKeyDictionary()
 # (backend, search, vocabulary size and ids) -> the compiled search update of
 # the hybrid driver; it reads nothing else of the model, so models share it.
@@ -143,9 +152,17 @@ def generate(
       calls `decode_step` eagerly and the search's own per-step work
       (log-softmax, top-k, gathers, stopping test) as one compiled function;
     - PyTorch: a Python loop under `torch.no_grad()` (`ops.while_loop` is a
-      Python loop there anyway).
+      Python loop there anyway); eager unless `TORCH_COMPILE_BACKEND` is set
+      (opt-in: compiling costs about a minute per shape with "inductor" on
+      a small CPU) and the model exposes its Keras `variables`: then each
+      step (decoder step, search update, beam reordering, stopping test) is
+      one graph, captured with `torch.export` and compiled with
+      `torch.compile(backend=TORCH_COMPILE_BACKEND)` ("export": run as
+      captured), once per (batch size, source length bucket, output length
+      bucket, beam size) and cached per model.
     `compile=False` runs everything eagerly in a Python loop. All give the
-    same tokens.
+    same tokens (compiled PyTorch code may round scores differently in the
+    last bits).
 
     Args:
         model: an object implementing the decoding protocol (see the module
@@ -354,7 +371,8 @@ def _round_up(value, multiple):
 # - compiled: the whole search in a `keras.ops.while_loop` (jax.jit / XLA);
 # - hybrid: a Python loop calling the model's `decode_step` eagerly (a model
 #   that cannot be traced) and a compiled `search_step` (TensorFlow, JAX);
-# - eager: a Python loop (compile=False, PyTorch);
+# - eager: a Python loop (compile=False, PyTorch), or on PyTorch a Python
+#   loop over one compiled step (`TORCH_COMPILE_BACKEND`);
 # and a model may drive them itself (`run_search`, `search_step`): the ONNX
 # Runtime wrapper runs `search_step` exported as ONNX graphs.
 # ---------------------------------------------------------------------- #
@@ -416,11 +434,7 @@ def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, com
         return search.keep_going(loop["state"], max_lengths, alpha, length)
 
     def body(loop):
-        state = loop["state"]
-        logits, cache = model.decode_step(search.tokens(state), state["index"], loop["cache"])
-        state, parents = search.update(model, state, logits, max_lengths, alpha)
-        if parents is not None:
-            cache = reorder_cache(cache, parents)
+        state, cache = _step(model, search, loop["state"], loop["cache"], max_lengths, alpha)
         return {"state": state, "cache": cache}
 
     loop = {"state": state, "cache": cache}
@@ -432,6 +446,15 @@ def _search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, com
         while bool(ops.convert_to_numpy(cond(loop))):
             loop = body(loop)
     return search.result(loop["state"])
+
+
+def _step(model, search, state, cache, max_lengths, alpha):
+    """One decoder step and search update; returns the next `(state, cache)`."""
+    logits, cache = model.decode_step(search.tokens(state), state["index"], cache)
+    state, parents = search.update(model, state, logits, max_lengths, alpha)
+    if parents is not None:
+        cache = reorder_cache(cache, parents)
+    return state, cache
 
 
 def _hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
@@ -698,9 +721,12 @@ def _select_search(model, compile):
     backend = keras.backend.backend()
     if compile and callable(getattr(model, "run_search", None)):
         return _model_search
+    has_variables = isinstance(getattr(model, "variables", None), (list, tuple))
+    if compile and backend == "torch" and TORCH_COMPILE_BACKEND is not None and has_variables:
+        return _torch_step_search
     if not compile or backend not in ("jax", "tensorflow"):
         return _eager_search
-    if isinstance(getattr(model, "variables", None), (list, tuple)):
+    if has_variables:
         return _compiled_search(model)
     return _hybrid_search
 
@@ -778,6 +804,71 @@ def _compiled_search(model):
 
     backend = keras.backend.backend()
     return _cache_for(model, "search", build_jax if backend == "jax" else build_tensorflow)
+
+
+def _torch_step_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    """PyTorch: a Python loop over one compiled step (`_torch_compiled_step`).
+
+    The encoder and the cache run eagerly once; the loop's only host sync
+    per step is the stopping test.
+    """
+    import torch
+
+    with torch.no_grad():
+        index = ops.convert_to_tensor(0, "int32")
+        search, state, cache = _initial_state(model, encoder_token_ids, beam_size, length, index)
+        # Contiguous, as the step's outputs: torch.compile guards on strides,
+        # and the broadcast start state would make it compile twice.
+        state, cache = ({name: x.contiguous() for name, x in entries.items()} for entries in (state, cache))
+        step = _torch_compiled_step(model, search, state, cache, max_lengths, alpha, length)
+        values = [variable.value for variable in model.variables]
+        keep_going = search.keep_going(state, max_lengths, alpha, length)
+        while bool(ops.convert_to_numpy(keep_going)):
+            state, cache, keep_going = step(values, state, cache, max_lengths, alpha)
+        return search.result(state)
+
+
+def _torch_compiled_step(model, search, state, cache, max_lengths, alpha, length):
+    """`_step` and the stopping test as one `torch.compile`d graph, cached per model and shape.
+
+    The step is captured with `torch.export` (non-strict: Python runs once,
+    so Keras' per-call overhead is gone, and no TorchDynamo tracing of
+    Keras), with the variables as inputs (`keras.StatelessScope`, as for
+    JAX, so later weight updates are seen), and the captured graph is run
+    as it is (`TORCH_COMPILE_BACKEND = "export"`) or compiled with
+    `torch.compile(backend=TORCH_COMPILE_BACKEND)`. Shapes are static: one
+    graph per (search, batch, beam, source bucket, L).
+    """
+    import torch
+
+    backend = TORCH_COMPILE_BACKEND
+    shapes = tuple(
+        tuple((name, tuple(x.shape), str(x.dtype)) for name, x in sorted(entries.items())) for entries in (state, cache)
+    )
+    key = ("torch_step", backend, search.name, length, shapes)
+    model_ref = weakref.ref(model)  # The cache must not keep the model alive.
+    variables = list(model.variables)
+
+    class Step(torch.nn.Module):
+        def forward(self, values, state, cache, max_lengths, alpha):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                state, cache = _step(model_ref(), search, state, cache, max_lengths, alpha)
+                return state, cache, search.keep_going(state, max_lengths, alpha, length)
+
+    def build():
+        logger.info(
+            "Capturing the PyTorch %s search step (%d rows, L=%d) for TORCH_COMPILE_BACKEND=%r",
+            search.name, _dim(next(iter(cache.values())), 0), length, backend,
+        )
+        # Traced once with the current index; it is a tensor input, so the graph serves every step.
+        example = ([variable.value for variable in variables], state, cache, max_lengths, alpha)
+        captured = torch.export.export(Step(), example, strict=False).module()
+        if backend == "export":
+            return captured
+        # Compiled on the first call.
+        return torch.compile(captured, backend=backend, fullgraph=True, dynamic=False)
+
+    return _cache_for(model, key, build)
 
 
 # The state of each search, in the order `search_step` documents it.
