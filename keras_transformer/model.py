@@ -25,7 +25,10 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
 METADATA_FILE = "metadata.json"
 TOKENIZER_FILE = "tokenizer.model"
-PRESET_FORMAT_VERSION = 1
+# Format 2: `value_dim=None` means hidden_dim // num_heads and `attention_window`
+# is the window's width r (see `upgrade_preset_config` for format 1).
+PRESET_FORMAT_VERSION = 2
+READABLE_PRESET_FORMATS = (1, 2)
 
 
 def _is_symbolic(x):
@@ -141,7 +144,8 @@ class TransformerModel(keras.Model):
     from the padding id (0); callers never build them.
 
     Every variant of the paper's Table 3 is a constructor call: (A) `num_heads`
-    with `key_dim`/`value_dim`, (B) `key_dim`, (C) `num_layers`, `hidden_dim`,
+    with `key_dim`/`value_dim`, (B) `key_dim` (d_v stays hidden_dim //
+    num_heads = 64), (C) `num_layers`, `hidden_dim`,
     `intermediate_dim`, `key_dim`/`value_dim`, (D) `dropout` (label smoothing
     lives in the loss), (E) `position_encoding="learned"`.
 
@@ -153,7 +157,8 @@ class TransformerModel(keras.Model):
         intermediate_dim: int, feed-forward inner size (d_ff).
         key_dim: optional int, per-head query/key size (d_k);
             default `hidden_dim // num_heads`.
-        value_dim: optional int, per-head value size (d_v); default `key_dim`.
+        value_dim: optional int, per-head value size (d_v); default
+            `hidden_dim // num_heads`, independently of `key_dim`.
         dropout: float, P_drop.
         attention_dropout: float, dropout on attention weights (not in the
             paper, 0.0).
@@ -161,7 +166,12 @@ class TransformerModel(keras.Model):
         position_encoding: "sinusoidal" (paper) or "learned" (Table 3, row E).
         normalize_first: bool, pre-LN instead of the paper's post-LN; adds a
             final LayerNorm after each stack.
-        attention_window: optional int r, restricted self-attention (Table 1).
+        attention_window: optional odd int r, restricted self-attention
+            (Table 1, "a neighborhood of size r centered around the
+            respective output position"): encoder position i sees the r
+            positions j with |i - j| <= (r - 1) / 2; decoder self-attention,
+            causal too, sees the (r + 1) / 2 positions i - (r - 1) / 2, ..., i.
+            Even r is refused (no center). Cross-attention is not restricted.
         layer_norm_epsilon: float.
         num_encoder_layers, num_decoder_layers: optional ints overriding
             `num_layers` for one side.
@@ -742,10 +752,10 @@ def _read_preset_config(cls, path):
             f"{path} does not describe a {cls.__name__} "
             f"(class_name={saved.get('class_name')!r})"
         )
-    if saved.get("format_version") != PRESET_FORMAT_VERSION:
+    if saved.get("format_version") not in READABLE_PRESET_FORMATS:
         raise ValueError(
             f"{path} has format_version={saved.get('format_version')!r}; "
-            f"this version of keras_transformer reads format {PRESET_FORMAT_VERSION}"
+            f"this version of keras_transformer reads formats {', '.join(map(str, READABLE_PRESET_FORMATS))}"
         )
     config = saved["config"]
     if not isinstance(config, dict):
@@ -756,6 +766,33 @@ def _read_preset_config(cls, path):
     unknown = sorted(set(config) - set(_constructor_args()) - {"trainable"})
     if unknown:
         raise ValueError(f"{path}: unknown {cls.__name__} argument(s) {unknown}")
+    return upgrade_preset_config(config, saved["format_version"])
+
+
+def upgrade_preset_config(config, format_version):
+    """The constructor arguments of a preset of `format_version`, in today's meaning.
+
+    Format 1 differs in two arguments, translated so that an old preset
+    builds the same model (same weight shapes, same outputs):
+    - `value_dim=None` with `key_dim` set meant d_v = d_k (today:
+      hidden_dim // num_heads), so `value_dim` becomes `key_dim`;
+    - `attention_window=w` let each query see |i - j| <= w, 2w + 1 positions
+      (today it is the width r of the window), so it becomes `2 * w + 1`.
+
+    Args:
+        config: dict of `TransformerModel` arguments as stored in config.json.
+        format_version: the preset's `format_version`.
+
+    Returns:
+        a new dict for format `PRESET_FORMAT_VERSION`.
+    """
+    config = dict(config)
+    if format_version == 1:
+        if config.get("key_dim") is not None and config.get("value_dim") is None:
+            config["value_dim"] = config["key_dim"]
+        window = config.get("attention_window")
+        if is_integer(window) and window >= 0:  # anything else is refused by the constructor
+            config["attention_window"] = 2 * int(window) + 1
     return config
 
 

@@ -6,9 +6,33 @@ D model size (d_model, `hidden_dim`).
 """
 
 import math
+import numbers
 
 import keras
 from keras import ops
+
+
+def check_attention_window(attention_window):
+    """Refuses an `attention_window` that is not None or an odd integer >= 1.
+
+    The window is the paper's r (Table 1): the r positions centered on the
+    query, (r - 1) / 2 on each side, so r must be odd; an even width has no
+    center.
+    """
+    if attention_window is None:
+        return
+    if not isinstance(attention_window, numbers.Integral) or isinstance(attention_window, bool) or attention_window < 1:
+        raise ValueError(f"attention_window={attention_window!r} must be None or an odd positive integer")
+    if attention_window % 2 == 0:
+        raise ValueError(
+            f"attention_window={attention_window} must be odd: the window is the r positions centered "
+            f"on the query, (r - 1) / 2 on each side; use {attention_window - 1} or {attention_window + 1}"
+        )
+
+
+def window_radius(attention_window):
+    """How far each side of the query a window of `attention_window` positions reaches: (r - 1) // 2."""
+    return (attention_window - 1) // 2
 
 
 def clone_initializer(initializer):
@@ -87,30 +111,35 @@ def heads_first_attention(query, key, value, mask=None, dropout=None, training=N
 def local_attention(
     query, key, value, window, key_padding_mask=None, causal=False, dropout=None, training=None
 ):
-    """Equation (1) restricted to keys within distance `window`, in O(n * window).
+    """Equation (1) restricted to a window of r positions, in O(n * r).
 
     The paper's Table 1 "self-attention (restricted)": query i only attends
-    to keys j with |i - j| <= r, which costs O(r * n * d) instead of
-    O(n^2 * d) when computed blockwise. The sequence is cut into blocks of
-    `w = max(r, 1)` positions; the queries of a block can only see keys in
-    the same block and its two neighbours, so each block attends over
-    `3 * w` keys (masked to the exact window) and the cost grows linearly
-    with n. It computes the same function as `scaled_dot_product_attention`
-    with `attention_masks(..., attention_window=r)` (tested), for every row
-    that has at least one visible key.
+    to the r keys centered on it, the keys j with |i - j| <= (r - 1) / 2
+    (`window_radius`), which costs O(r * n * d) instead of O(n^2 * d) when
+    computed blockwise. The sequence is cut into blocks of
+    `w = max((r - 1) / 2, 1)` positions; the queries of a block can only see
+    keys in the same block and its two neighbours, so each block attends
+    over `3 * w` keys (masked to the exact window) and the cost grows
+    linearly with n. It computes the same function as
+    `scaled_dot_product_attention` with `attention_masks(...,
+    attention_window=r)` (tested), for every row that has at least one
+    visible key.
 
     Args:
         query: `[B, n, N, K]`, key: `[B, n, N, K]`, value: `[B, n, N, V]`
             (self-attention: the same length n).
-        window: int r >= 0.
+        window: odd int r >= 1, the window's width.
         key_padding_mask: optional `[B, n]`, True (or 1) for real tokens.
-        causal: bool, query i only sees keys j <= i.
+        causal: bool, query i only sees keys j <= i (then the (r + 1) / 2
+            keys i - (r - 1) / 2, ..., i).
         dropout, training: dropout on the attention weights.
 
     Returns:
         outputs `[B, n, N, V]`.
     """
-    w = max(int(window), 1)
+    check_attention_window(window)
+    radius = window_radius(window)
+    w = max(radius, 1)
     batch, length = ops.shape(query)[0], ops.shape(query)[1]
     heads, key_size, value_size = query.shape[2], query.shape[3], value.shape[3]
     blocks = (length + w - 1) // w
@@ -139,7 +168,7 @@ def local_attention(
 
     # Query a and key s of a block are at distance i - j = a + w - s.
     distance = ops.expand_dims(ops.arange(w) + w, 1) - ops.expand_dims(ops.arange(3 * w), 0)  # [w, 3w]
-    allowed = ops.abs(distance) <= window
+    allowed = ops.abs(distance) <= radius
     if causal:
         allowed = ops.logical_and(allowed, distance >= 0)
     mask = ops.logical_and(allowed[None, None, None], valid[:, :, None, None, :])  # [B, blocks, 1, w, 3w]
@@ -188,11 +217,17 @@ class MultiHeadAttention(keras.layers.Layer):
     Args:
         num_heads: int, h in the paper.
         key_dim: int, per-head size of queries and keys (d_k).
-        value_dim: int, per-head size of values (d_v). Defaults to `key_dim`.
+        value_dim: int, per-head size of values (d_v). Defaults to `key_dim`,
+            as in `keras.layers.MultiHeadAttention` (the encoder and decoder
+            layers and `TransformerModel` pass it explicitly: their d_v
+            defaults to hidden_dim // num_heads, independently of d_k).
         dropout: float, dropout on the attention weights. The paper does not
             use it (it drops sub-layer outputs instead), so 0.0 by default.
-        attention_window: optional int r: each query only sees keys within
-            distance r (the paper's Table 1 "self-attention (restricted)").
+        attention_window: optional odd int r, the paper's Table 1
+            "self-attention (restricted)": each query i only sees the r keys
+            centered on it, j with |i - j| <= (r - 1) / 2 (r = 1: itself
+            only; even r is refused, as it has no center); with a causal
+            mask, the (r + 1) / 2 keys i - (r - 1) / 2, ..., i.
             Self-attention called with `padding_mask=` / `use_causal_mask=`
             (as the encoder and decoder layers do in training) computes it
             blockwise in O(n * r) (`local_attention`); an explicit
@@ -235,8 +270,7 @@ class MultiHeadAttention(keras.layers.Layer):
             raise ValueError(f"value_dim={value_dim!r} must be a positive integer or None")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
-        if attention_window is not None and (not isinstance(attention_window, int) or attention_window < 0):
-            raise ValueError(f"attention_window={attention_window!r} must be a non-negative integer or None")
+        check_attention_window(attention_window)
         self.num_heads = num_heads
         self.key_dim = key_dim
         self.value_dim = value_dim if value_dim is not None else key_dim
@@ -412,14 +446,15 @@ def attention_masks(
     """Boolean attention mask `[B or 1, T, S]`, True = attend.
 
     Combines (with AND) the key padding mask, the causal mask and the
-    restricted-window mask `|i - j| <= r` of the paper's Table 1.
+    restricted-window mask of the paper's Table 1: the r positions centered
+    on query i, `|i - j| <= (r - 1) / 2` (`window_radius`).
 
     Args:
         query_length: int or scalar tensor T.
         key_length: int or scalar tensor S.
         key_padding_mask: optional `[B, S]`, True (or 1) for real tokens.
         causal: bool, query i only sees keys j <= i.
-        attention_window: optional int r.
+        attention_window: optional odd int r >= 1, the window's width.
         query_offset: int or scalar tensor, the position of the first query
             (the cache index in incremental decoding).
 
@@ -427,6 +462,7 @@ def attention_masks(
     masked; the attention then averages uniformly over padding, which is
     finite and never read.
     """
+    check_attention_window(attention_window)
     mask = None
     if causal or attention_window is not None:
         i = ops.expand_dims(ops.arange(query_length, dtype="int32") + ops.cast(query_offset, "int32"), 1)
@@ -435,7 +471,7 @@ def attention_masks(
         if causal:
             mask = ops.logical_and(mask, j <= i)
         if attention_window is not None:
-            mask = ops.logical_and(mask, ops.abs(i - j) <= attention_window)
+            mask = ops.logical_and(mask, ops.abs(i - j) <= window_radius(attention_window))
         mask = ops.expand_dims(mask, 0)  # [1, T, S]
     if key_padding_mask is not None:
         padding = ops.expand_dims(ops.cast(key_padding_mask, "bool"), 1)  # [B, 1, S]

@@ -19,8 +19,11 @@ class TransformerDecoderLayer(_SublayerMixin, keras.layers.Layer):
 
     `normalize_first=True` gives the pre-LN variant (not in the paper).
 
-    Args: as `TransformerEncoderLayer`; `attention_window` restricts the
-    self-attention only (cross-attention always sees the whole source).
+    Args: as `TransformerEncoderLayer`; `attention_window` (odd r) restricts
+    the self-attention only (cross-attention always sees the whole source):
+    being causal too, position i sees the (r + 1) / 2 positions
+    i - (r - 1) / 2, ..., i, the past half of the paper's centered window,
+    in training and in cached decoding alike.
 
     Call args:
         decoder_sequence: `[B, T, D]`.

@@ -2,7 +2,7 @@
 
 import keras
 
-from keras_transformer.layers.attention import MultiHeadAttention, clone_initializer
+from keras_transformer.layers.attention import MultiHeadAttention, check_attention_window, clone_initializer
 from keras_transformer.utils import is_real
 
 
@@ -20,19 +20,18 @@ def check_layer_args(intermediate_dim, num_heads, dropout, key_dim, value_dim, a
     for name, value in (("key_dim", key_dim), ("value_dim", value_dim)):
         if value is not None and (not _is_int(value) or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive integer or None")
-    if attention_window is not None and (not _is_int(attention_window) or attention_window < 0):
-        raise ValueError(f"attention_window={attention_window!r} must be a non-negative integer or None")
+    check_attention_window(attention_window)
 
 
 def head_dims(hidden_dim, num_heads, key_dim, value_dim):
-    """Per-head (d_k, d_v); each defaults to hidden_dim // num_heads."""
+    """Per-head (d_k, d_v); each defaults to hidden_dim // num_heads, independently of the other."""
     if (key_dim is None or value_dim is None) and hidden_dim % num_heads:
         raise ValueError(
             f"num_heads={num_heads} must divide hidden_dim={hidden_dim} "
             "(or pass key_dim and value_dim explicitly)"
         )
     default = hidden_dim // num_heads
-    return (key_dim or default), (value_dim or key_dim or default)
+    return (key_dim or default), (value_dim or default)
 
 
 class _SublayerMixin:
@@ -167,9 +166,12 @@ class TransformerEncoderLayer(_SublayerMixin, keras.layers.Layer):
         attention_dropout: float, dropout on attention weights (0 in the paper).
         activation: FFN activation, "relu" in the paper.
         layer_norm_epsilon: float.
-        key_dim, value_dim: per-head d_k and d_v; default hidden_dim // num_heads.
+        key_dim, value_dim: per-head d_k and d_v; each defaults to
+            hidden_dim // num_heads, independently of the other.
         normalize_first: bool, pre-LN instead of the paper's post-LN.
-        attention_window: optional int r, restricted self-attention (Table 1).
+        attention_window: optional odd int r, restricted self-attention
+            (Table 1): each position sees the r positions centered on it,
+            |i - j| <= (r - 1) / 2 (see `MultiHeadAttention`).
         use_fused_attention: bool, see `MultiHeadAttention`.
         kernel_initializer, bias_initializer: for all dense layers.
 

@@ -121,12 +121,49 @@ def test_heads_first_attention_equals_equation_1(rng):
     np.testing.assert_allclose(to_numpy(weights), to_numpy(expected_weights), rtol=1e-5, atol=1e-6)
 
 
-def test_restricted_window_mask():
-    mask = to_numpy(attention_masks(5, 5, attention_window=1))[0]
-    expected = np.abs(np.arange(5)[:, None] - np.arange(5)[None, :]) <= 1
-    np.testing.assert_array_equal(mask, expected)
-    causal = to_numpy(attention_masks(5, 5, causal=True, attention_window=1))[0]
-    np.testing.assert_array_equal(causal, expected & (np.arange(5)[None, :] <= np.arange(5)[:, None]))
+def numpy_window(length, r, causal=False):
+    """Which keys each query sees: the r positions centered on it (paper Table 1), clipped to the sequence."""
+    visible = np.zeros((length, length), bool)
+    for i in range(length):
+        window = range(i - (r - 1) // 2, i - (r - 1) // 2 + r)  # r consecutive positions, i in the middle
+        assert len(window) == r and window[r // 2] == i
+        for j in window:
+            if 0 <= j < length and (not causal or j <= i):
+                visible[i, j] = True
+    return visible
+
+
+@pytest.mark.parametrize("r", [1, 3, 5, 9])
+@pytest.mark.parametrize("causal", [False, True])
+def test_restricted_window_mask_is_r_positions_centered(r, causal):
+    mask = to_numpy(attention_masks(12, 12, causal=causal, attention_window=r))[0]
+    np.testing.assert_array_equal(mask, numpy_window(12, r, causal))
+    # Away from the edges a query sees r positions, or (r + 1) / 2 when causal.
+    assert mask[6].sum() == ((r + 1) // 2 if causal else r)
+
+
+def test_restricted_window_mask_with_an_offset_query():
+    """A cached decoding step at position t sees the rows of the full mask."""
+    full = numpy_window(10, 5, causal=True)
+    for t in range(10):
+        step = to_numpy(attention_masks(1, 10, causal=True, attention_window=5, query_offset=t))[0]
+        np.testing.assert_array_equal(step[0], full[t])
+
+
+@pytest.mark.parametrize(
+    "window,match",
+    [
+        (4, r"attention_window=4 must be odd: .* use 3 or 5"),
+        (0, r"attention_window=0 must be None or an odd positive integer"),
+        (-3, r"attention_window=-3 must be None or an odd positive integer"),
+        (True, r"attention_window=True must be None or an odd positive integer"),
+    ],
+)
+def test_bad_attention_window_is_refused(window, match):
+    with pytest.raises(ValueError, match=match):
+        MultiHeadAttention(2, 4, attention_window=window)
+    with pytest.raises(ValueError, match=match):
+        attention_masks(5, 5, attention_window=window)
 
 
 def test_config_round_trip():
@@ -142,6 +179,7 @@ def test_config_round_trip():
         (dict(num_heads=2, key_dim=-1), "key_dim=-1"),
         (dict(num_heads=2, key_dim=4, dropout=1.5), "dropout=1.5"),
         (dict(num_heads=2, key_dim=4, attention_window=-2), "attention_window=-2"),
+        (dict(num_heads=2, key_dim=4, attention_window=2), "attention_window=2 must be odd"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -149,10 +187,10 @@ def test_bad_arguments(kwargs, match):
         MultiHeadAttention(**kwargs)
 
 
-@pytest.mark.parametrize("window", [0, 1, 3, 4])
+@pytest.mark.parametrize("window", [1, 3, 5, 7, 9])
 @pytest.mark.parametrize("causal", [False, True])
 def test_local_attention_equals_dense_window_mask(window, causal):
-    """The blockwise O(n * r) restricted attention is equation (1) under the |i - j| <= r mask."""
+    """The blockwise O(n * r) restricted attention is equation (1) under the dense window mask."""
     rng = np.random.default_rng(window + 10 * causal)
     batch, length, heads = 3, 11, 2  # 11 is not a multiple of any block size tested
     q = rng.standard_normal((batch, length, heads, 4)).astype("float32")
@@ -169,11 +207,11 @@ def test_local_attention_equals_dense_window_mask(window, causal):
 
 def test_windowed_layer_blockwise_matches_explicit_mask():
     """The layer's blockwise path (padding_mask=) equals its dense path (attention_mask=)."""
-    layer = MultiHeadAttention(2, 4, attention_window=2)
+    layer = MultiHeadAttention(2, 4, attention_window=5)
     x = np.random.default_rng(0).standard_normal((2, 9, 8)).astype("float32")
     padding = np.arange(9)[None, :] < np.array([[9], [5]])
     blockwise = to_numpy(layer(x, x, padding_mask=padding, use_causal_mask=True))
-    mask = attention_masks(9, 9, key_padding_mask=padding, causal=True, attention_window=2)
+    mask = attention_masks(9, 9, key_padding_mask=padding, causal=True, attention_window=5)
     dense = to_numpy(layer(x, x, attention_mask=mask))
     np.testing.assert_allclose(blockwise[0], dense[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(blockwise[1, :5], dense[1, :5], rtol=1e-5, atol=1e-5)
