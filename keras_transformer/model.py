@@ -15,8 +15,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_transformer.layers.arguments import check_layer_args, check_positive_int, head_dims
 from keras_transformer.layers.decoder import TransformerDecoderLayer
-from keras_transformer.layers.encoder import TransformerEncoderLayer, check_layer_args, head_dims
+from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 from keras_transformer.presets import PRESETS
 from keras_transformer.utils import atomic_directory, is_integer, is_real, open_hdf5
@@ -223,14 +224,10 @@ class TransformerModel(keras.Model):
             ("hidden_dim", hidden_dim),
             ("max_sequence_length", max_sequence_length),
         ):
-            if not is_integer(value) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        for name, value in (("num_encoder_layers", num_encoder_layers), ("num_decoder_layers", num_decoder_layers)):
-            if value is not None and (not is_integer(value) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer or None")
-        check_layer_args(intermediate_dim, num_heads, dropout, key_dim, value_dim, attention_window)
-        if not is_real(attention_dropout) or not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"attention_dropout={attention_dropout!r} must be a number in [0, 1)")
+            check_positive_int(name, value)
+        check_positive_int("num_encoder_layers", num_encoder_layers, optional=True)
+        check_positive_int("num_decoder_layers", num_decoder_layers, optional=True)
+        check_layer_args(intermediate_dim, num_heads, dropout, attention_dropout, key_dim, value_dim, attention_window)
         if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
             raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
         for name, value in (("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention)):
@@ -485,12 +482,12 @@ class TransformerModel(keras.Model):
         x = self._embed(token_ids, self.decoder_position, self.decoder_embedding_dropout, start_index=index, training=False)
         keys, values = [], []
         for i, layer in enumerate(self.decoder_layers):
-            x, (key, value) = layer(
+            x, (key, value) = layer.call_cached(
                 x,
-                encoder_padding_mask=cache["encoder_padding_mask"],
                 self_attention_cache=(cache["self_key"][:, i], cache["self_value"][:, i]),
                 self_attention_cache_update_index=index,
                 cross_attention_cache=(cache["cross_key"][:, i], cache["cross_value"][:, i]),
+                encoder_padding_mask=cache["encoder_padding_mask"],
                 training=False,
             )
             keys.append(key)
@@ -560,18 +557,17 @@ class TransformerModel(keras.Model):
         scores = {"encoder_self_attention": [], "decoder_self_attention": [], "cross_attention": []}
         x = self._embed(encoder_token_ids, self.encoder_position, self.encoder_embedding_dropout, training=False)
         for layer in self.encoder_layers:
-            x, weights = layer(x, padding_mask=encoder_padding_mask, return_attention_scores=True, training=False)
+            x, weights = layer.call_with_scores(x, padding_mask=encoder_padding_mask, training=False)
             scores["encoder_self_attention"].append(weights)  # [B, N, S, S]
         if self.normalize_first:
             x = self.encoder_final_norm(x)
         y = self._embed(decoder_token_ids, self.decoder_position, self.decoder_embedding_dropout, training=False)
         for layer in self.decoder_layers:
-            y, self_weights, cross_weights = layer(
+            y, self_weights, cross_weights = layer.call_with_scores(
                 y,
                 x,
                 decoder_padding_mask=decoder_padding_mask,
                 encoder_padding_mask=encoder_padding_mask,
-                return_attention_scores=True,
                 training=False,
             )
             scores["decoder_self_attention"].append(self_weights)  # [B, N, T, T]

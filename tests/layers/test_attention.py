@@ -8,7 +8,6 @@ from conftest import to_numpy
 from keras_transformer.layers import MultiHeadAttention
 from keras_transformer.layers.attention import (
     attention_masks,
-    heads_first_attention,
     local_attention,
     scaled_dot_product_attention,
 )
@@ -87,7 +86,8 @@ def test_attention_scores_are_the_softmax_weights(rng):
     layer, _ = hand_set_layer(rng, 8, 2, 4, 4)
     x = rng.normal(size=(2, 5, 8)).astype("float32")
     mask = np.tril(np.ones((5, 5), bool))[None]
-    _, scores = layer(x, x, attention_mask=mask, return_attention_scores=True)
+    outputs, scores = layer.call_with_scores(x, x, attention_mask=mask)
+    np.testing.assert_allclose(to_numpy(outputs), to_numpy(layer(x, x, attention_mask=mask)), rtol=1e-5, atol=1e-5)
     scores = to_numpy(scores)
     assert scores.shape == (2, 2, 5, 5)
     np.testing.assert_allclose(scores.sum(-1), 1.0, rtol=1e-5)
@@ -101,21 +101,44 @@ def test_cache_update_matches_full_attention(rng):
     full = to_numpy(layer(x, x, attention_mask=attention_masks(6, 6, causal=True)))
     cache = (np.zeros((2, 2, 6, 4), "float32"), np.zeros((2, 2, 6, 4), "float32"))  # [B, N, T_max, H]
     for t in range(6):
-        mask = attention_masks(1, 6, causal=True, query_offset=t)
-        out, cache = layer(x[:, t:t + 1], x[:, t:t + 1], attention_mask=mask, cache=cache, cache_update_index=t)
+        out, cache = layer.call_cached(x[:, t:t + 1], cache, cache_update_index=t, use_causal_mask=True)
         np.testing.assert_allclose(to_numpy(out)[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+    # The filled cache holds the keys/values of the whole sequence.
+    keys, values = layer.compute_cache(x)
+    np.testing.assert_allclose(to_numpy(cache[0]), to_numpy(keys), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(cache[1]), to_numpy(values), rtol=1e-5, atol=1e-5)
+
+
+def test_cross_attention_cache_is_used_as_it_is(rng):
+    """Without an index the cache is the keys/values: the same outputs as `call`, the cache unchanged."""
+    layer, _ = hand_set_layer(rng, 8, 2, 4, 6)
+    x = rng.normal(size=(2, 3, 8)).astype("float32")
+    source = rng.normal(size=(2, 5, 8)).astype("float32")
+    padding = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], bool)
+    cache = layer.compute_cache(source)
+    out, same = layer.call_cached(x, cache, padding_mask=padding)
+    expected = to_numpy(layer(x, source, padding_mask=padding))
+    np.testing.assert_allclose(to_numpy(out), expected, rtol=1e-5, atol=1e-5)
+    assert same[0] is cache[0] and same[1] is cache[1]
+
+
+def test_explicit_and_derived_masks_together_are_refused(rng):
+    layer, _ = hand_set_layer(rng, 8, 2, 4, 4)
+    x = rng.normal(size=(1, 3, 8)).astype("float32")
+    with pytest.raises(ValueError, match="Pass attention_mask, or padding_mask/use_causal_mask, not both"):
+        layer(x, attention_mask=np.ones((1, 3, 3), bool), use_causal_mask=True)
 
 
 def test_heads_first_attention_equals_equation_1(rng):
-    """The cache layout [B, N, S, H] computes the same attention as [B, S, N, H]."""
+    """Keys/values heads first (the cache layout) give the same equation (1) as time first."""
     query = rng.normal(size=(2, 3, 4, 5)).astype("float32")  # [B, T, N, K]
     key = rng.normal(size=(2, 7, 4, 5)).astype("float32")  # [B, S, N, K]
     value = rng.normal(size=(2, 7, 4, 6)).astype("float32")  # [B, S, N, V]
     mask = attention_masks(3, 7, key_padding_mask=np.array([[1] * 7, [1] * 4 + [0] * 3]), causal=True, query_offset=4)
     mask = keras.ops.expand_dims(mask, 1)  # [B, 1, T, S]
     expected, expected_weights = scaled_dot_product_attention(query, key, value, mask=mask)
-    outputs, weights = heads_first_attention(
-        query, np.transpose(key, (0, 2, 1, 3)), np.transpose(value, (0, 2, 1, 3)), mask=mask
+    outputs, weights = scaled_dot_product_attention(
+        query, np.transpose(key, (0, 2, 1, 3)), np.transpose(value, (0, 2, 1, 3)), mask=mask, heads_first=True
     )
     np.testing.assert_allclose(to_numpy(outputs), to_numpy(expected), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(to_numpy(weights), to_numpy(expected_weights), rtol=1e-5, atol=1e-6)
