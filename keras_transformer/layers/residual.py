@@ -1,5 +1,7 @@
 """The residual connection around each sub-layer (paper section 5.4)."""
 
+from keras import ops
+
 
 def residual_connection(x, sublayer, norm, dropout, normalize_first=False, training=None):
     """`LayerNorm(x + Dropout(Sublayer(x)))`, the paper's post-LN (section 5.4).
@@ -19,5 +21,5 @@ def residual_connection(x, sublayer, norm, dropout, normalize_first=False, train
         `[B, T, D]`.
     """
     y = norm(x) if normalize_first else x
-    x = x + dropout(sublayer(y), training=training)
+    x = ops.add(x, dropout(sublayer(y), training=training))
     return x if normalize_first else norm(x)
