@@ -15,8 +15,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_transformer.layers.arguments import check_layer_args, check_positive_int, head_dims
 from keras_transformer.layers.decoder import TransformerDecoderLayer
-from keras_transformer.layers.encoder import TransformerEncoderLayer, check_layer_args, head_dims
+from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 from keras_transformer.presets import PRESETS
 from keras_transformer.utils import atomic_directory, is_integer, is_real, open_hdf5
@@ -25,7 +26,10 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
 METADATA_FILE = "metadata.json"
 TOKENIZER_FILE = "tokenizer.model"
-PRESET_FORMAT_VERSION = 1
+# Format 2: `value_dim=None` means hidden_dim // num_heads and `attention_window`
+# is the window's width r (see `upgrade_preset_config` for format 1).
+PRESET_FORMAT_VERSION = 2
+READABLE_PRESET_FORMATS = (1, 2)
 
 
 def _is_symbolic(x):
@@ -141,7 +145,8 @@ class TransformerModel(keras.Model):
     from the padding id (0); callers never build them.
 
     Every variant of the paper's Table 3 is a constructor call: (A) `num_heads`
-    with `key_dim`/`value_dim`, (B) `key_dim`, (C) `num_layers`, `hidden_dim`,
+    with `key_dim`/`value_dim`, (B) `key_dim` (d_v stays hidden_dim //
+    num_heads = 64), (C) `num_layers`, `hidden_dim`,
     `intermediate_dim`, `key_dim`/`value_dim`, (D) `dropout` (label smoothing
     lives in the loss), (E) `position_encoding="learned"`.
 
@@ -153,7 +158,8 @@ class TransformerModel(keras.Model):
         intermediate_dim: int, feed-forward inner size (d_ff).
         key_dim: optional int, per-head query/key size (d_k);
             default `hidden_dim // num_heads`.
-        value_dim: optional int, per-head value size (d_v); default `key_dim`.
+        value_dim: optional int, per-head value size (d_v); default
+            `hidden_dim // num_heads`, independently of `key_dim`.
         dropout: float, P_drop.
         attention_dropout: float, dropout on attention weights (not in the
             paper, 0.0).
@@ -161,7 +167,12 @@ class TransformerModel(keras.Model):
         position_encoding: "sinusoidal" (paper) or "learned" (Table 3, row E).
         normalize_first: bool, pre-LN instead of the paper's post-LN; adds a
             final LayerNorm after each stack.
-        attention_window: optional int r, restricted self-attention (Table 1).
+        attention_window: optional odd int r, restricted self-attention
+            (Table 1, "a neighborhood of size r centered around the
+            respective output position"): encoder position i sees the r
+            positions j with |i - j| <= (r - 1) / 2; decoder self-attention,
+            causal too, sees the (r + 1) / 2 positions i - (r - 1) / 2, ..., i.
+            Even r is refused (no center). Cross-attention is not restricted.
         layer_norm_epsilon: float.
         num_encoder_layers, num_decoder_layers: optional ints overriding
             `num_layers` for one side.
@@ -213,14 +224,10 @@ class TransformerModel(keras.Model):
             ("hidden_dim", hidden_dim),
             ("max_sequence_length", max_sequence_length),
         ):
-            if not is_integer(value) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        for name, value in (("num_encoder_layers", num_encoder_layers), ("num_decoder_layers", num_decoder_layers)):
-            if value is not None and (not is_integer(value) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer or None")
-        check_layer_args(intermediate_dim, num_heads, dropout, key_dim, value_dim, attention_window)
-        if not is_real(attention_dropout) or not 0.0 <= attention_dropout < 1.0:
-            raise ValueError(f"attention_dropout={attention_dropout!r} must be a number in [0, 1)")
+            check_positive_int(name, value)
+        check_positive_int("num_encoder_layers", num_encoder_layers, optional=True)
+        check_positive_int("num_decoder_layers", num_decoder_layers, optional=True)
+        check_layer_args(intermediate_dim, num_heads, dropout, attention_dropout, key_dim, value_dim, attention_window)
         if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
             raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
         for name, value in (("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention)):
@@ -475,12 +482,12 @@ class TransformerModel(keras.Model):
         x = self._embed(token_ids, self.decoder_position, self.decoder_embedding_dropout, start_index=index, training=False)
         keys, values = [], []
         for i, layer in enumerate(self.decoder_layers):
-            x, (key, value) = layer(
+            x, (key, value) = layer.call_cached(
                 x,
-                encoder_padding_mask=cache["encoder_padding_mask"],
                 self_attention_cache=(cache["self_key"][:, i], cache["self_value"][:, i]),
                 self_attention_cache_update_index=index,
                 cross_attention_cache=(cache["cross_key"][:, i], cache["cross_value"][:, i]),
+                encoder_padding_mask=cache["encoder_padding_mask"],
                 training=False,
             )
             keys.append(key)
@@ -550,18 +557,17 @@ class TransformerModel(keras.Model):
         scores = {"encoder_self_attention": [], "decoder_self_attention": [], "cross_attention": []}
         x = self._embed(encoder_token_ids, self.encoder_position, self.encoder_embedding_dropout, training=False)
         for layer in self.encoder_layers:
-            x, weights = layer(x, padding_mask=encoder_padding_mask, return_attention_scores=True, training=False)
+            x, weights = layer.call_with_scores(x, padding_mask=encoder_padding_mask, training=False)
             scores["encoder_self_attention"].append(weights)  # [B, N, S, S]
         if self.normalize_first:
             x = self.encoder_final_norm(x)
         y = self._embed(decoder_token_ids, self.decoder_position, self.decoder_embedding_dropout, training=False)
         for layer in self.decoder_layers:
-            y, self_weights, cross_weights = layer(
+            y, self_weights, cross_weights = layer.call_with_scores(
                 y,
                 x,
                 decoder_padding_mask=decoder_padding_mask,
                 encoder_padding_mask=encoder_padding_mask,
-                return_attention_scores=True,
                 training=False,
             )
             scores["decoder_self_attention"].append(self_weights)  # [B, N, T, T]
@@ -742,10 +748,10 @@ def _read_preset_config(cls, path):
             f"{path} does not describe a {cls.__name__} "
             f"(class_name={saved.get('class_name')!r})"
         )
-    if saved.get("format_version") != PRESET_FORMAT_VERSION:
+    if saved.get("format_version") not in READABLE_PRESET_FORMATS:
         raise ValueError(
             f"{path} has format_version={saved.get('format_version')!r}; "
-            f"this version of keras_transformer reads format {PRESET_FORMAT_VERSION}"
+            f"this version of keras_transformer reads formats {', '.join(map(str, READABLE_PRESET_FORMATS))}"
         )
     config = saved["config"]
     if not isinstance(config, dict):
@@ -756,6 +762,33 @@ def _read_preset_config(cls, path):
     unknown = sorted(set(config) - set(_constructor_args()) - {"trainable"})
     if unknown:
         raise ValueError(f"{path}: unknown {cls.__name__} argument(s) {unknown}")
+    return upgrade_preset_config(config, saved["format_version"])
+
+
+def upgrade_preset_config(config, format_version):
+    """The constructor arguments of a preset of `format_version`, in today's meaning.
+
+    Format 1 differs in two arguments, translated so that an old preset
+    builds the same model (same weight shapes, same outputs):
+    - `value_dim=None` with `key_dim` set meant d_v = d_k (today:
+      hidden_dim // num_heads), so `value_dim` becomes `key_dim`;
+    - `attention_window=w` let each query see |i - j| <= w, 2w + 1 positions
+      (today it is the width r of the window), so it becomes `2 * w + 1`.
+
+    Args:
+        config: dict of `TransformerModel` arguments as stored in config.json.
+        format_version: the preset's `format_version`.
+
+    Returns:
+        a new dict for format `PRESET_FORMAT_VERSION`.
+    """
+    config = dict(config)
+    if format_version == 1:
+        if config.get("key_dim") is not None and config.get("value_dim") is None:
+            config["value_dim"] = config["key_dim"]
+        window = config.get("attention_window")
+        if is_integer(window) and window >= 0:  # anything else is refused by the constructor
+            config["attention_window"] = 2 * int(window) + 1
     return config
 
 

@@ -38,7 +38,7 @@ def test_embedding_matrix_is_shared_with_the_output_projection(rng):
 
 def test_config_round_trip():
     model = tiny_model(key_dim=3, value_dim=5, position_encoding="learned", normalize_first=True,
-                       attention_window=4, num_decoder_layers=3)
+                       attention_window=5, num_decoder_layers=3)
     clone = kt.TransformerModel.from_config(model.get_config())
     assert clone.get_config() == model.get_config()
     assert clone.count_params() == model.count_params()
@@ -142,8 +142,8 @@ def test_batch_rows_are_independent(rng):
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"position_encoding": "learned"}, {"normalize_first": True}, {"key_dim": 3, "value_dim": 6},
-     {"attention_window": 2}],
-    ids=["paper", "learned", "pre_ln", "dk_dv", "window"],
+     {"attention_window": 3}, {"key_dim": 3}],
+    ids=["paper", "learned", "pre_ln", "dk_dv", "window", "dk_only"],
 )
 def test_cached_decoding_equals_full_decoding(rng, overrides):
     model = tiny_model(**overrides)
@@ -194,6 +194,7 @@ TABLE_3 = {
     "A4": dict(num_heads=32, key_dim=16, value_dim=16),
     "B1": dict(key_dim=16, value_dim=64),
     "B2": dict(key_dim=32, value_dim=64),
+    "B1_key_dim_only": dict(key_dim=16),  # the paper's row B: d_v stays 64
     "C_N2": dict(num_layers=2),
     "C_N4": dict(num_layers=4),
     "C_N8": dict(num_layers=8),
@@ -214,7 +215,7 @@ def test_table_3_variant_is_expressible(row):
     config = {**kt.presets.PRESETS["base"]["config"], **overrides}
     h, d_model = config["num_heads"], config["hidden_dim"]
     d_k = config.get("key_dim") or d_model // h
-    d_v = config.get("value_dim") or d_k
+    d_v = config.get("value_dim") or d_model // h  # independent of d_k
     attention = model.decoder_layers[0].cross_attention
     assert tuple(attention.query_dense.kernel.shape) == (d_model, h * d_k)
     assert tuple(attention.value_dense.kernel.shape) == (d_model, h * d_v)
@@ -226,8 +227,54 @@ def test_table_3_variant_is_expressible(row):
     assert tuple(out.shape) == (1, 2, 64)
 
 
+def test_table_3_row_b_is_key_dim_alone():
+    """Row B (d_k = 16, d_v = 64, ~58M in the paper) from `key_dim=16` alone, counted in closed form."""
+    model = kt.TransformerModel.from_preset("base", key_dim=16)
+    assert (model.head_key_dim, model.head_value_dim) == (16, 64)
+    attention = model.encoder_layers[0].self_attention
+    assert (attention.key_dim, attention.value_dim) == (16, 64)
+    expected = closed_form_parameter_count(37000, 6, 512, 2048, 8, 16, 64)
+    assert model.count_params() == expected
+    assert abs(expected / 1e6 - 58) / 58 < 0.04
+
+
+def preset_as_format_1(directory, **old_config):
+    """Rewrites a saved preset's config.json as format 1 (before value_dim and attention_window changed)."""
+    path = directory / "config.json"
+    saved = json.loads(path.read_text())
+    saved["format_version"] = 1
+    saved["config"].update(old_config)
+    path.write_text(json.dumps(saved))
+
+
+def test_format_1_preset_loads_as_the_same_model(tmp_path, rng):
+    """Format 1: key_dim without value_dim meant d_v = d_k, attention_window=w meant |i - j| <= w."""
+    model = tiny_model(key_dim=3, value_dim=3, attention_window=5)  # what format 1's (3, None, 2) built
+    model.save_to_preset(tmp_path / "old")
+    preset_as_format_1(tmp_path / "old", key_dim=3, value_dim=None, attention_window=2)
+    loaded = kt.TransformerModel.from_preset(str(tmp_path / "old"))
+    assert (loaded.head_key_dim, loaded.head_value_dim, loaded.attention_window) == (3, 3, 5)
+    src, tgt = random_ids(rng, 2, 12), random_ids(rng, 2, 9)
+    np.testing.assert_array_equal(logits(loaded, src, tgt), logits(model, src, tgt))
+    # Overrides are in today's meaning; a re-saved preset is format 2 and loads the same.
+    assert kt.TransformerModel.from_preset(str(tmp_path / "old"), attention_window=3).attention_window == 3
+    loaded.save_to_preset(tmp_path / "new")
+    assert json.loads((tmp_path / "new" / "config.json").read_text())["format_version"] == 2
+    again = kt.TransformerModel.from_preset(str(tmp_path / "new"))
+    np.testing.assert_array_equal(logits(again, src, tgt), logits(model, src, tgt))
+
+
+def test_unknown_preset_format_is_refused(tmp_path):
+    tiny_model().save_to_preset(tmp_path / "p")
+    saved = json.loads((tmp_path / "p" / "config.json").read_text())
+    saved["format_version"] = 3
+    (tmp_path / "p" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="format_version=3; this version of keras_transformer reads formats 1, 2"):
+        kt.TransformerModel.from_preset(str(tmp_path / "p"))
+
+
 def test_restricted_attention_model_runs(rng):
-    model = tiny_model(attention_window=2)
+    model = tiny_model(attention_window=3)
     assert logits(model, random_ids(rng, 1, 9), random_ids(rng, 1, 4)).shape == (1, 4, 50)
 
 

@@ -53,6 +53,27 @@ def test_decoder_layer_composes_the_sublayers_as_the_paper(rng):
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_call_with_scores_gives_the_outputs_of_call(rng):
+    x = rng.normal(size=(2, 5, 8)).astype("float32")
+    enc = rng.normal(size=(2, 6, 8)).astype("float32")
+    padding = np.array([[1, 1, 1, 0, 0], [1] * 5], bool)
+    enc_padding = np.array([[1, 1, 1, 1, 0, 0], [1] * 6], bool)
+    encoder = TransformerEncoderLayer(intermediate_dim=16, num_heads=2, dropout=0.0)
+    out, weights = encoder.call_with_scores(x, padding_mask=padding)
+    np.testing.assert_allclose(to_numpy(out), to_numpy(encoder(x, padding_mask=padding)), rtol=1e-5, atol=1e-5)
+    assert tuple(weights.shape) == (2, 2, 5, 5)
+    assert np.all(to_numpy(weights)[0, :, :, 3:] < 1e-6)  # padding keys get no weight
+    decoder = TransformerDecoderLayer(intermediate_dim=16, num_heads=2, dropout=0.0)
+    out, self_weights, cross_weights = decoder.call_with_scores(
+        x, enc, decoder_padding_mask=padding, encoder_padding_mask=enc_padding
+    )
+    full = decoder(x, enc, decoder_padding_mask=padding, encoder_padding_mask=enc_padding)
+    np.testing.assert_allclose(to_numpy(out), to_numpy(full), rtol=1e-5, atol=1e-5)
+    assert tuple(self_weights.shape) == (2, 2, 5, 5) and tuple(cross_weights.shape) == (2, 2, 5, 6)
+    assert np.all(to_numpy(self_weights)[..., np.triu_indices(5, 1)[0], np.triu_indices(5, 1)[1]] < 1e-6)
+    assert np.all(to_numpy(cross_weights)[0, :, :, 4:] < 1e-6)
+
+
 def test_dropout_is_applied_only_in_training(rng):
     layer = TransformerEncoderLayer(intermediate_dim=32, num_heads=2, dropout=0.5)
     x = rng.normal(size=(2, 5, 8)).astype("float32")
@@ -69,18 +90,33 @@ def test_decoder_cached_steps_match_full_pass(rng):
     cache = (np.zeros((2, 2, 5, 3), "float32"), np.zeros((2, 2, 5, 5), "float32"))  # [B, N, T_max, H]
     cross = layer.compute_cross_attention_cache(enc)
     for t in range(5):
-        out, cache = layer(
-            x[:, t:t + 1], self_attention_cache=cache, self_attention_cache_update_index=t,
-            cross_attention_cache=cross,
-        )
+        out, cache = layer.call_cached(x[:, t:t + 1], cache, t, cross)
+        np.testing.assert_allclose(to_numpy(out)[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_decoder_sees_the_past_half_of_the_window(rng):
+    """Causal and restricted (r = 5): position i sees i - 2, i - 1, i; cached steps agree."""
+    layer = TransformerDecoderLayer(intermediate_dim=16, num_heads=2, dropout=0.0, attention_window=5)
+    x = rng.normal(size=(1, 8, 8)).astype("float32")
+    enc = rng.normal(size=(1, 3, 8)).astype("float32")
+    full = to_numpy(layer(x, enc))
+    for j in range(8):
+        changed = x.copy()
+        changed[0, j] += 1.0
+        moved = np.abs(to_numpy(layer(changed, enc)) - full).max(-1)[0] > 1e-6  # which outputs changed
+        np.testing.assert_array_equal(moved, [j <= i <= j + 2 for i in range(8)])
+    cache = (np.zeros((1, 2, 8, 4), "float32"), np.zeros((1, 2, 8, 4), "float32"))
+    cross = layer.compute_cross_attention_cache(enc)
+    for t in range(8):
+        out, cache = layer.call_cached(x[:, t:t + 1], cache, t, cross)
         np.testing.assert_allclose(to_numpy(out)[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
 
 
 def test_restricted_window_limits_what_the_encoder_sees(rng):
-    layer = TransformerEncoderLayer(intermediate_dim=16, num_heads=2, dropout=0.0, attention_window=1)
+    layer = TransformerEncoderLayer(intermediate_dim=16, num_heads=2, dropout=0.0, attention_window=3)
     x = rng.normal(size=(1, 6, 8)).astype("float32")
     changed = x.copy()
-    changed[0, 5] += 1.0  # position 5 is farther than r=1 from positions 0..3
+    changed[0, 5] += 1.0  # positions 0..3 see 1 position each side, so not 5
     a, b = to_numpy(layer(x)), to_numpy(layer(changed))
     np.testing.assert_allclose(a[0, :4], b[0, :4], atol=1e-6)
     assert not np.allclose(a[0, 4:], b[0, 4:])
