@@ -31,30 +31,25 @@ from keras_transformer.search.loop import (  # noqa: F401
     search_tokens,
 )
 
-_SETTINGS = ("TF_JIT_COMPILE", "TORCH_COMPILE_BACKEND")
+
+def _setting(name):
+    """A property of this module that reads and sets `keras_transformer.search.compiled.<name>`."""
+
+    def set_value(module, value):
+        setattr(_compiled, name, value)
+
+    return property(lambda module: getattr(_compiled, name), set_value, doc=f"`search.compiled.{name}`")
 
 
 class _GenerationModule(types.ModuleType):
-    """Forwards the compile settings to `keras_transformer.search.compiled`."""
+    """This module, with the compile settings forwarded to `keras_transformer.search.compiled`.
 
-    def __getattr__(self, name):
-        if name in _SETTINGS:
-            return getattr(_compiled, name)
-        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+    Data descriptors, so that `monkeypatch.setattr` saves and restores them
+    through the property as well.
+    """
 
-    def __setattr__(self, name, value):
-        if name in _SETTINGS:
-            setattr(_compiled, name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def __delattr__(self, name):
-        if name in _SETTINGS:
-            raise AttributeError(f"{name} is a setting of keras_transformer.search.compiled; set it, do not delete it")
-        super().__delattr__(name)
-
-    def __dir__(self):
-        return sorted(set(super().__dir__()) | set(_SETTINGS))
+    TF_JIT_COMPILE = _setting("TF_JIT_COMPILE")
+    TORCH_COMPILE_BACKEND = _setting("TORCH_COMPILE_BACKEND")
 
 
 sys.modules[__name__].__class__ = _GenerationModule
