@@ -19,7 +19,8 @@ import keras
 from keras_transformer.search import loop
 from keras_transformer.search.common import ModelConstants, dim
 
-logger = logging.getLogger(__name__)
+# The logger of the public module, as before the search became a package.
+logger = logging.getLogger("keras_transformer.generation")
 
 # XLA for the compiled search on TensorFlow; on a 2-core CPU it was faster
 # than a plain tf.function graph (see benchmarks/README.md).
