@@ -1,0 +1,284 @@
+"""Greedy and beam search over a cached decoder step: `generate` and the decoding protocol.
+
+One search drives every model that implements the *decoding protocol*: the
+Keras `TransformerModel` on TensorFlow, JAX and PyTorch, and the ONNX Runtime
+wrapper in `export/runtime.py`, so both produce the same tokens.
+
+The decoding protocol (duck typing; nothing else of the model is used):
+
+- attributes `vocabulary_size`, `pad_id` (must be 0), `start_id`, `end_id`,
+  and optionally `max_sequence_length` (generation is capped to fit it);
+- `encode(encoder_token_ids [B, S] int32) -> encoder_outputs [B, S, D]`;
+- `init_cache(encoder_outputs, encoder_token_ids, max_length) -> cache`: a
+  dict of arrays that all have the batch on axis 0 (the search tiles and
+  reorders every entry with one `ops.take(x, indices, axis=0)` and never
+  looks inside); `max_length` is a Python int (a scalar int32 tensor under
+  `generate_in_graph`, which traces the search for a SavedModel);
+- `decode_step(token_ids [B] int32, index, cache) -> (logits [B, V], cache)`:
+  feeds the token at position `index` (0 for the start id) and returns the
+  logits of position `index + 1`. `index` is a Python int, except inside
+  the compiled loop used for Keras models (a scalar int32 tensor there).
+- optionally `run_search(encoder_token_ids, max_lengths, alpha, beam_size,
+  length) -> (sequences, scores)`: a model that runs the search loop
+  itself, from the pieces of `search/loop.py` (`initial_search_state`,
+  `search_step`, `search_tokens`, `search_result`). `generate` then does
+  the rest (checks, lengths, padding, trimming); `compile=False` ignores it.
+
+Arguments handed to the protocol methods are backend tensors (or, for the
+very first calls, NumPy arrays); a NumPy-based implementation such as ONNX
+Runtime converts them with `keras.ops.convert_to_numpy` and may return NumPy
+arrays.
+
+Shape legend: B batch, K beam size, S source length, L output buffer length
+(the start id plus the generated tokens), V vocabulary size.
+
+References:
+- Vaswani et al., "Attention Is All You Need", 2017, section 6.1 (beam size
+  4, length penalty alpha = 0.6, maximum output length input + 50, early
+  termination when possible).
+- Wu et al., "Google's Neural Machine Translation System", 2016,
+  arXiv:1609.08144, section 7 (the length penalty).
+- tensor2tensor's `beam_search.py` and the Flax WMT example's `decode.py`
+  (the vectorised search with live and finished beams).
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_transformer.checks import check_token_ids
+from keras_transformer.decoding import check_search_args, finish_rows
+from keras_transformer.search import compiled, loop
+from keras_transformer.search.lengths import padded_search_inputs, search_lengths
+
+PROTOCOL_ATTRIBUTES = ("vocabulary_size", "pad_id", "start_id", "end_id", "encode", "init_cache", "decode_step")
+
+
+def generate(
+    model,
+    encoder_token_ids,
+    beam_size=4,
+    length_penalty=0.6,
+    max_extra_length=50,
+    compile=True,
+    return_scores=False,
+):
+    """Translates source ids into target ids with greedy or beam search.
+
+    `beam_size=1` is greedy search: the most probable token at every step,
+    stopping at the end id (`length_penalty` then only affects the returned
+    score). `beam_size > 1` is the paper's beam search: hypotheses are scored
+    by their log-probability divided by `length_penalty_factor(|Y|, alpha)`;
+    the best `2 * beam_size` extensions of the live beams are kept, those
+    ending with the end id join a set of finished hypotheses and the best
+    `beam_size` others stay live (as tensor2tensor). A row stops as soon as
+    no live beam can beat its best finished hypothesis: a live beam's
+    log-probability only decreases, and for alpha >= 0 the penalty is
+    largest at the row's maximum length, so `live_log_prob / lp(max_length)`
+    bounds its final score. The search stops when every row has stopped.
+
+    Output length: row b generates at most `max_length_b = n_b +
+    max_extra_length` tokens (at least 1), with n_b the number of non-pad
+    ids of source row b (its end id included), i.e. per row as in the paper,
+    and capped at `model.max_sequence_length - 1` when the model has one.
+    At the step that reaches `max_length_b` only the end id may be chosen,
+    so a hypothesis that hits the maximum length still ends with the end id
+    (with its log-probability counted, floored at -1e9 when the model gives it
+    probability 0). The pad and start ids are never generated.
+
+    Compilation (`compile=True`), per backend and model:
+    - a model with a `run_search` method (one that runs the search loop
+      itself, e.g. in another runtime): that method, on
+      every backend;
+    - TensorFlow and JAX, a model exposing its Keras `variables` (a
+      `TransformerModel`, or a wrapper forwarding them): the whole search
+      (encoder, cache and a `keras.ops.while_loop` over the decoder step) is
+      compiled, with `tf.function(jit_compile=True)` (XLA) or `jax.jit`,
+      once per (batch size, source length bucket, output length bucket,
+      beam size) and cached per model;
+    - TensorFlow and JAX, any other model (e.g. one whose `decode_step`
+      calls another runtime with NumPy arrays): a Python loop
+      calls `decode_step` eagerly and the search's own per-step work
+      (log-softmax, top-k, gathers, stopping test) as one compiled function;
+    - PyTorch: a Python loop under `torch.no_grad()` (`ops.while_loop` is a
+      Python loop there anyway); eager unless `TORCH_COMPILE_BACKEND` is set
+      (opt-in: compiling costs about a minute per shape with "inductor" on
+      a small CPU) and the model exposes its Keras `variables`: then each
+      step (decoder step, search update, beam reordering, stopping test) is
+      one graph, captured with `torch.export` and compiled with
+      `torch.compile(backend=TORCH_COMPILE_BACKEND)` ("export": run as
+      captured), once per (batch size, source length bucket, output length
+      bucket, beam size) and cached per model.
+    `compile=False` runs everything eagerly in a Python loop. All give the
+    same tokens (compiled PyTorch code may round scores differently in the
+    last bits).
+
+    Args:
+        model: an object implementing the decoding protocol (see the module
+            docstring), e.g. a `TransformerModel`.
+        encoder_token_ids: int `[B, S]` source ids (tokens + end id, then pad
+            id 0), NumPy array or tensor.
+        beam_size: int >= 1. Defaults to 4 (the paper).
+        length_penalty: float alpha >= 0. Defaults to 0.6 (the paper).
+        max_extra_length: int >= 0, extra output tokens allowed beyond the
+            source length. Defaults to 50 (the paper).
+        compile: bool. Compile the search where possible (see above);
+            `False` runs eagerly. Both give the same tokens.
+        return_scores: bool. Also return the score of each output row.
+
+    Returns:
+        int32 NumPy array `[B, L]`: each row is the start id, the generated
+        tokens, the end id, then pad ids (0); L is the longest row. With
+        `return_scores=True`, `(ids, scores)` with `scores` float32 `[B]`,
+        `log P(Y | X) / lp(Y)`.
+
+    Example:
+    >>> model = TransformerModel.from_preset("tiny")
+    >>> src = np.array([[5, 6, 7, 3], [8, 9, 3, 0]])
+    >>> ids = generate(model, src, beam_size=4)
+    >>> ids[:, 0]
+    array([2, 2], dtype=int32)
+    """
+    check_protocol(model)
+    check_search_args(beam_size, length_penalty, max_extra_length)
+    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
+    if model.pad_id != 0:
+        raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
+    source = np.asarray(ops.convert_to_numpy(encoder_token_ids)).astype("int32")
+    batch, source_length = source.shape
+    if batch == 0:
+        empty = np.zeros((0, 0), "int32")
+        return (empty, np.zeros((0,), "float32")) if return_scores else empty
+
+    max_lengths, length, padded_length = search_lengths(
+        source, max_extra_length, getattr(model, "max_sequence_length", None)
+    )
+    max_lengths = np.asarray(ops.convert_to_numpy(max_lengths)).astype("int32")  # [B]
+    length = int(ops.convert_to_numpy(length))  # L
+    padded_length = int(ops.convert_to_numpy(padded_length))
+    source = np.pad(source, ((0, 0), (0, padded_length - source_length)))  # [B, S_bucket]
+
+    search = select_driver(model, compile)
+    sequences, scores = search(
+        model,
+        ops.convert_to_tensor(source, "int32"),
+        ops.convert_to_tensor(max_lengths, "int32"),
+        ops.convert_to_tensor(float(length_penalty), "float32"),
+        int(beam_size),
+        length,
+    )
+    sequences = finish_rows(np.asarray(ops.convert_to_numpy(sequences)), model.end_id, model.pad_id)
+    if return_scores:
+        return sequences, np.asarray(ops.convert_to_numpy(scores)).astype("float32")
+    return sequences
+
+
+def generate_in_graph(model, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50):
+    """`generate` inside a TensorFlow graph: symbolic ids in, symbolic ids out.
+
+    For exporting the search (`export/saved_model.py`): called while an
+    enclosing `tf.function` is traced, with ids of unknown batch and length.
+    The lengths (`max_length_b`, the buffer length L, the padded source
+    length) are computed as `generate` computes them, but as tensors, and
+    the search is the same compiled function that `generate` runs
+    (`tf.function(jit_compile=TF_JIT_COMPILE)`, cached per model); under XLA
+    the tensor L is a compile-time constant, so it is compiled once per
+    (batch, source bucket, L, beam size), as `generate` is.
+
+    Args:
+        model: a `TransformerModel` (or a protocol object exposing its Keras
+            `variables`).
+        encoder_token_ids: int `[B, S]` symbolic tensor, tokens + end id then
+            pad id 0; B >= 1.
+        beam_size, length_penalty, max_extra_length: as in `generate`
+            (Python numbers, fixed in the graph).
+
+    Returns:
+        `(sequences, scores)`: int32 `[B, L]`, each row the start id, the
+        generated tokens, the end id, then pad ids (not trimmed to the
+        longest row, as `generate` does); float32 `[B]`.
+    """
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            "generate_in_graph builds a TensorFlow graph; KERAS_BACKEND is "
+            f"{keras.backend.backend()!r}. Run with KERAS_BACKEND=tensorflow."
+        )
+    check_protocol(model)
+    check_search_args(beam_size, length_penalty, max_extra_length)
+    if not isinstance(getattr(model, "variables", None), (list, tuple)):
+        raise TypeError(
+            f"generate_in_graph needs a model exposing its Keras variables, received {type(model).__name__}"
+        )
+    if model.pad_id != 0:
+        raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
+    source, max_lengths, length = padded_search_inputs(
+        encoder_token_ids, max_extra_length, getattr(model, "max_sequence_length", None)
+    )
+    search = compiled.compiled_search(model)
+    return search(
+        model, source, max_lengths, ops.convert_to_tensor(float(length_penalty), "float32"), int(beam_size), length
+    )
+
+
+def search_graph(model, search_name):
+    """The whole search as one function of tensors, to export as one graph.
+
+    For `export/onnx.py`, which converts it (traced with unknown batch and
+    source length, without XLA) into one ONNX graph: the `keras.ops.while_loop`
+    over the decoder step becomes an ONNX `Loop` with the caches as its state,
+    so ONNX Runtime runs a whole search per call with this package's code. The
+    lengths and the source padding are computed as `generate` computes them.
+
+    Args:
+        model: a `TransformerModel`.
+        search_name: "greedy" or "beam" (for beams, `beam_size` is an
+            input, so one graph serves every beam size).
+
+    Returns:
+        A function `(encoder_token_ids [B, S] int32, beam_size [] int32,
+        alpha [] float32, max_extra_length [] int32) -> (sequences [B, L]
+        int32, scores [B] float32)`, rows not trimmed (see
+        `decoding.finish_rows`); greedy search ignores `beam_size`.
+    """
+    if search_name not in loop.SEARCHES:
+        raise ValueError(f"search_name={search_name!r} must be one of {sorted(loop.SEARCHES)}")
+    limit = getattr(model, "max_sequence_length", None)
+
+    def search(encoder_token_ids, beam_size, alpha, max_extra_length):
+        source, max_lengths, length = padded_search_inputs(encoder_token_ids, max_extra_length, limit)
+        if search_name == "greedy":
+            beam_size = 1
+        return loop.run(model, source, max_lengths, alpha, beam_size, length, compiled=True, search_name=search_name)
+
+    return search
+
+
+def check_protocol(model):
+    """Refuses a model that lacks a method or attribute of the decoding protocol."""
+    missing = [name for name in PROTOCOL_ATTRIBUTES if not hasattr(model, name)]
+    if missing:
+        raise TypeError(
+            f"{type(model).__name__} does not implement the decoding protocol: missing {missing}. "
+            "See keras_transformer.generation for the protocol."
+        )
+
+
+
+def select_driver(model, compile):
+    """The driver for `model`: its own, compiled, hybrid or eager (see `generate`)."""
+    backend = keras.backend.backend()
+    if compile and callable(getattr(model, "run_search", None)):
+        return model_search
+    has_variables = isinstance(getattr(model, "variables", None), (list, tuple))
+    if compile and backend == "torch" and compiled.TORCH_COMPILE_BACKEND is not None and has_variables:
+        return compiled.torch_step_search
+    if not compile or backend not in ("jax", "tensorflow"):
+        return loop.run_eager
+    if has_variables:
+        return compiled.compiled_search(model)
+    return compiled.hybrid_search
+
+
+def model_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    """The driver of a model that runs the search itself (`run_search`)."""
+    return model.run_search(encoder_token_ids, max_lengths, alpha, beam_size, length)

@@ -1,0 +1,157 @@
+"""Beam search with the GNMT length penalty, as the paper (section 6.1).
+
+Pure functions of a state (a dict declared by `STATE_SPEC`), driven by
+`search/loop.py`: `init`, `tokens`, `update`, `keep_going`, `result`; and the
+beam gathers (`gather_beams`, `tile_cache`, `reorder_cache`), vectorised as
+in tensor2tensor's `beam_search.py` and the Flax WMT example's `decode.py`
+(live and finished beams).
+Shape legend: B batch, K beam size, L output buffer length, V vocabulary size.
+"""
+
+from keras import ops
+
+from keras_transformer.search.common import NEG_INF, Field, dim, read_position, start_sequences, write_position
+from keras_transformer.search.lengths import length_penalty_factor, token_log_probs
+
+NAME = "beam"
+# `update` returns each new beam's parent, by which the driver reorders the cache.
+REORDERS_CACHE = True
+STATE_SPEC = (
+    Field("index", "int32", ()),  # the position last written
+    Field("live_sequences", "int32", ("B", "K", "L")),
+    Field("live_log_probs", "float32", ("B", "K")),  # best first
+    Field("finished_sequences", "int32", ("B", "K", "L")),
+    Field("finished_scores", "float32", ("B", "K")),  # best first, -inf where none
+)
+
+
+def init(model, batch, beam_size, length, index, cache):
+    """The start state and the cache tiled per beam (`[B, ...] -> [B * K, ...]`)."""
+    # All beams start as the same start id; only beam 0 is live, so the first
+    # step does not pick K copies of the same extension.
+    first = ops.where(ops.equal(ops.arange(beam_size, dtype="int32"), 0), 0.0, NEG_INF)
+    state = {
+        "index": index,
+        "live_sequences": start_sequences(model, (batch, beam_size, length)),  # [B, K, L]
+        "live_log_probs": ops.broadcast_to(ops.cast(first, "float32"), (batch, beam_size)),  # [B, K]
+        "finished_sequences": ops.zeros((batch, beam_size, length), "int32"),  # [B, K, L]
+        "finished_scores": ops.full((batch, beam_size), NEG_INF, "float32"),  # [B, K]
+    }
+    return state, tile_cache(cache, beam_size)
+
+
+def tokens(state):
+    """The ids to feed at the state's index, `[B * K]`."""
+    live = state["live_sequences"]
+    batch, beam_size = dim(live, 0), dim(live, 1)
+    return ops.reshape(read_position(live, state["index"]), (batch * beam_size,))  # [B * K]
+
+
+def update(model, state, logits, max_lengths, alpha):
+    """Extends the live beams by `logits` `[B * K, V]`; returns `(state, parents [B, K])`."""
+    index = state["index"]
+    live = state["live_sequences"]
+    batch, beam_size = dim(live, 0), dim(live, 1)
+    vocabulary_size = model.vocabulary_size
+
+    # [B * K, V] -> [B, K, V]
+    logits = ops.reshape(ops.convert_to_tensor(logits), (batch, beam_size, vocabulary_size))
+    log_probs = token_log_probs(model, logits, index + 1, max_lengths)
+
+    # The best 2K extensions of the live beams: at most K of them end, so at
+    # least K stay live.
+    candidates = ops.expand_dims(state["live_log_probs"], 2) + log_probs  # [B, K, V]
+    candidates = ops.reshape(candidates, (batch, beam_size * vocabulary_size))  # [B, K * V]
+    top_log_probs, top_indices = ops.top_k(candidates, 2 * beam_size)  # [B, 2K]
+    top_indices = ops.cast(top_indices, "int32")
+    top_parents = ops.floor_divide(top_indices, vocabulary_size)  # [B, 2K], beam in 0..K-1
+    top_tokens = ops.mod(top_indices, vocabulary_size)  # [B, 2K]
+    top_sequences = write_position(gather_beams(live, top_parents), index + 1, top_tokens)  # [B, 2K, L]
+    top_ended = ops.equal(top_tokens, model.end_id)
+
+    # Live: the best K extensions that did not end.
+    live_log_probs, live_choice = ops.top_k(ops.where(top_ended, NEG_INF, top_log_probs), beam_size)  # [B, K]
+    live_sequences = gather_beams(top_sequences, live_choice)  # [B, K, L]
+    parents = gather_beams(top_parents, live_choice)  # [B, K]
+
+    # Finished: merge the extensions that ended, scored with the length
+    # penalty, into the best K finished so far.
+    ended_scores = top_log_probs / length_penalty_factor(index + 1, alpha)
+    ended_scores = ops.where(top_ended, ended_scores, NEG_INF)  # [B, 2K]
+    all_scores = ops.concatenate([state["finished_scores"], ended_scores], axis=1)  # [B, 3K]
+    all_sequences = ops.concatenate([state["finished_sequences"], top_sequences], axis=1)  # [B, 3K, L]
+    finished_scores, finished_choice = ops.top_k(all_scores, beam_size)  # [B, K]
+
+    state = {
+        "index": index + 1,
+        "live_sequences": live_sequences,
+        "live_log_probs": live_log_probs,
+        "finished_sequences": gather_beams(all_sequences, finished_choice),
+        "finished_scores": finished_scores,
+    }
+    return state, parents
+
+
+def keep_going(state, max_lengths, alpha, length):
+    """Scalar bool: the buffer has room and some row's live beam can still beat its best finished one.
+
+    A live beam's log-probability only decreases, and for alpha >= 0 the
+    penalty is largest at the row's maximum length, so
+    `live_log_prob / lp(max_length)` bounds its final score.
+    """
+    # Beams are sorted best first (top_k), so column 0 is each row's best.
+    best_live_bound = state["live_log_probs"][:, 0] / length_penalty_factor(max_lengths, alpha)  # [B]
+    best_finished = state["finished_scores"][:, 0]  # [B]
+    # -inf >= -inf: a row with neither finished nor live beams has stopped.
+    stopped = ops.greater_equal(best_finished, best_live_bound)
+    return ops.logical_and(state["index"] < length - 1, ops.logical_not(ops.all(stopped)))
+
+
+def result(state):
+    """`(sequences [B, L], scores [B])`: each row's best finished hypothesis."""
+    # Every row has a finished hypothesis: the end id is forced at its
+    # maximum length.
+    return state["finished_sequences"][:, 0], state["finished_scores"][:, 0]
+
+
+def gather_beams(x, beam_indices):
+    """Selects beams: `[B, K_old, ...]` and `[B, K_new]` -> `[B, K_new, ...]`.
+
+    One `ops.take` on the flattened beams:
+    `[B, K_old, ...] -> [B * K_old, ...] -> [B * K_new, ...] -> [B, K_new, ...]`.
+    """
+    batch, old_beams, *rest = (dim(x, axis) for axis in range(len(x.shape)))
+    flat = ops.reshape(x, (batch * old_beams, *rest))
+    indices = ops.reshape(_flat_beam_indices(beam_indices, old_beams), (-1,))
+    # K_new rather than -1: the beam axis stays static when the batch is not.
+    return ops.reshape(ops.take(flat, indices, axis=0), (batch, dim(beam_indices, 1), *rest))
+
+
+def _flat_beam_indices(beam_indices, beam_size):
+    """`[B, K_new]` beam numbers -> `[B, K_new]` rows of the `[B * K, ...]` layout."""
+    batch = dim(beam_indices, 0)
+    offsets = ops.expand_dims(ops.arange(batch, dtype="int32") * beam_size, 1)  # [B, 1]
+    return ops.cast(beam_indices, "int32") + offsets
+
+
+def tile_cache(cache, beam_size):
+    """Repeats every cache entry per beam: `[B, ...] -> [B * K, ...]`.
+
+    Row b of the input becomes rows `b * K ... b * K + K - 1`; one
+    `ops.take(x, indices, axis=0)` per entry.
+    """
+    batch = dim(next(iter(cache.values())), 0)
+    indices = ops.repeat(ops.arange(batch, dtype="int32"), beam_size)  # [B * K]
+    return {name: ops.take(value, indices, axis=0) for name, value in cache.items()}
+
+
+def reorder_cache(cache, beam_indices):
+    """Gives each new beam its parent's cache: `[B * K, ...] -> [B * K, ...]`.
+
+    Args:
+        cache: dict of `[B * K, ...]` entries.
+        beam_indices: int `[B, K]`, the parent beam (in `0..K-1`) of each
+            new beam.
+    """
+    indices = ops.reshape(_flat_beam_indices(beam_indices, dim(beam_indices, 1)), (-1,))  # [B * K]
+    return {name: ops.take(value, indices, axis=0) for name, value in cache.items()}

@@ -1,0 +1,189 @@
+"""Compiling the search loop, and the caches of what was compiled.
+
+The settings are read at each call, from this module: set them on
+`keras_transformer.generation` (which forwards them here) or here.
+
+- TensorFlow and JAX: the whole search (`loop.run` with `compiled=True`)
+  under `tf.function(jit_compile=TF_JIT_COMPILE)` or `jax.jit`, cached per
+  model; and for models that cannot be traced, the search update alone
+  (`loop.search_step`), cached per (backend, search, ids) and shared.
+- PyTorch (opt-in, `TORCH_COMPILE_BACKEND`): one step of the search captured
+  with `torch.export` and compiled, cached per model and shape.
+"""
+
+import logging
+import weakref
+
+import keras
+
+from keras_transformer.search import loop
+from keras_transformer.search.common import ModelConstants, dim
+
+# The logger of the public module, as before the search became a package.
+logger = logging.getLogger("keras_transformer.generation")
+
+# XLA for the compiled search on TensorFlow; on a 2-core CPU it was faster
+# than a plain tf.function graph (see benchmarks/README.md).
+TF_JIT_COMPILE = True
+
+# PyTorch: None runs the search in an eager loop. Otherwise each step of the
+# search (decoder step, search update, beam reordering) is captured as one
+# graph with `torch.export`, once per shape, and then run as captured
+# ("export": seconds to capture) or compiled with the `torch.compile`
+# backend of that name ("inductor": the fast one, about a minute per shape
+# on a 2-core CPU). Opt-in for that cost; see benchmarks/README.md.
+TORCH_COMPILE_BACKEND = None
+
+# model -> {"search": the whole search compiled, or a PyTorch step per shape}
+# for models exposing Keras variables.
+_COMPILED = weakref.WeakKeyDictionary()
+# (backend, search, vocabulary size and ids) -> the compiled search update of
+# the hybrid driver; it reads nothing else of the model, so models share it.
+_COMPILED_UPDATES = {}
+
+
+def _cache_for(model, key, build):
+    """`_COMPILED[model][key]`, built once; models that cannot be weakly referenced are not cached."""
+    try:
+        per_model = _COMPILED.setdefault(model, {})
+    except TypeError:
+        logger.debug("%s is not weak-referenceable; compiled functions are not cached", type(model).__name__)
+        return build()
+    if key not in per_model:
+        per_model[key] = build()
+    return per_model[key]
+
+
+def compiled_search(model):
+    """The whole search compiled for `model`, which exposes Keras `variables`.
+
+    `jax.jit` on JAX (the variables are arguments, through
+    `keras.StatelessScope`, so they are not baked in as constants and later
+    weight updates are seen) and `tf.function(jit_compile=TF_JIT_COMPILE)`
+    on TensorFlow (XLA: much faster on CPU than a plain graph, see
+    benchmarks/README.md). Returns a driver `(model, encoder_token_ids,
+    max_lengths, alpha, beam_size, length) -> (sequences, scores)`.
+    """
+    model_ref = weakref.ref(model)  # The cache must not keep the model alive.
+    build = _build_jax_search if keras.backend.backend() == "jax" else _build_tensorflow_search
+    return _cache_for(model, "search", lambda: build(model_ref))
+
+
+def _build_jax_search(model_ref):
+    import jax
+
+    variables = list(model_ref().variables)
+
+    def stateless_search(values, encoder_token_ids, max_lengths, alpha, beam_size, length):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            return loop.run(model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True)
+
+    jitted = jax.jit(stateless_search, static_argnames=("beam_size", "length"))
+
+    def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+        values = [v.value for v in variables]
+        return jitted(values, encoder_token_ids, max_lengths, alpha, beam_size=beam_size, length=length)
+
+    return search
+
+
+def _build_tensorflow_search(model_ref):
+    import tensorflow as tf
+
+    @tf.function(jit_compile=TF_JIT_COMPILE)
+    def traced(encoder_token_ids, max_lengths, alpha, beam_size, length):
+        return loop.run(model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True)
+
+    def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+        # Traced once per (batch, source bucket, beam size, L) by design,
+        # and the bucket's concrete function is called directly: calling
+        # `traced` itself, TensorFlow would count each new bucket as a
+        # retrace and warn "N out of the last N calls ... triggered
+        # tf.function retracing" from the fifth on.
+        args = (encoder_token_ids, max_lengths, alpha, beam_size, length)
+        return traced.get_concrete_function(*args)(*args)
+
+    return search
+
+
+def hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    """`loop.run_hybrid` with the search update compiled (TensorFlow, JAX)."""
+    return loop.run_hybrid(
+        model, encoder_token_ids, max_lengths, alpha, beam_size, length, lambda name: _compiled_update(name, model)
+    )
+
+
+def _compiled_update(search_name, model):
+    """`loop.search_step` compiled, shared by models with the same ids.
+
+    Only the model's ids and vocabulary size are read from `model`, so models
+    that share them share the compiled function (traced once per shape).
+    """
+    constants = ModelConstants(model)
+
+    def build():
+        update = loop.search_step(search_name, constants)
+        if keras.backend.backend() == "jax":
+            import jax
+
+            return jax.jit(update, static_argnames=("length",))
+        import tensorflow as tf
+
+        return tf.function(update, jit_compile=TF_JIT_COMPILE)
+
+    key = (keras.backend.backend(), search_name, constants.key())
+    if key not in _COMPILED_UPDATES:
+        _COMPILED_UPDATES[key] = build()
+    return _COMPILED_UPDATES[key]
+
+
+def torch_step_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    """PyTorch: `loop.run_steps` over one compiled step (`_torch_compiled_step`)."""
+
+    def compiled_step(search, state, cache):
+        return _torch_compiled_step(model, search, state, cache, max_lengths, alpha, length)
+
+    return loop.run_steps(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled_step)
+
+
+def _torch_compiled_step(model, search, state, cache, max_lengths, alpha, length):
+    """`loop.step` and the stopping test as one `torch.compile`d graph, cached per model and shape.
+
+    The step is captured with `torch.export` (non-strict: Python runs once,
+    so Keras' per-call overhead is gone, and no TorchDynamo tracing of
+    Keras), with the variables as inputs (`keras.StatelessScope`, as for
+    JAX, so later weight updates are seen), and the captured graph is run
+    as it is (`TORCH_COMPILE_BACKEND = "export"`) or compiled with
+    `torch.compile(backend=TORCH_COMPILE_BACKEND)`. Shapes are static: one
+    graph per (search, batch, beam, source bucket, L).
+    """
+    import torch
+
+    backend = TORCH_COMPILE_BACKEND
+    shapes = tuple(
+        tuple((name, tuple(x.shape), str(x.dtype)) for name, x in sorted(entries.items())) for entries in (state, cache)
+    )
+    key = ("torch_step", backend, search.NAME, length, shapes)
+    model_ref = weakref.ref(model)  # The cache must not keep the model alive.
+    variables = list(model.variables)
+
+    class Step(torch.nn.Module):
+        def forward(self, values, state, cache, max_lengths, alpha):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                state, cache = loop.step(model_ref(), search, state, cache, max_lengths, alpha)
+                return state, cache, search.keep_going(state, max_lengths, alpha, length)
+
+    def build():
+        logger.info(
+            "Capturing the PyTorch %s search step (%d rows, L=%d) for TORCH_COMPILE_BACKEND=%r",
+            search.NAME, dim(next(iter(cache.values())), 0), length, backend,
+        )
+        # Traced once with the current index; it is a tensor input, so the graph serves every step.
+        example = ([variable.value for variable in variables], state, cache, max_lengths, alpha)
+        captured = torch.export.export(Step(), example, strict=False).module()
+        if backend == "export":
+            return captured
+        # Compiled on the first call.
+        return torch.compile(captured, backend=backend, fullgraph=True, dynamic=False)
+
+    return _cache_for(model, key, build)

@@ -1,0 +1,74 @@
+"""Greedy search: the most probable token at every step, until the end id.
+
+Pure functions of a state (a dict declared by `STATE_SPEC`), driven by
+`search/loop.py`: `init`, `tokens`, `update`, `keep_going`, `result`.
+Shape legend: B batch, L output buffer length, V vocabulary size.
+"""
+
+from keras import ops
+
+from keras_transformer.search.common import Field, read_position, start_sequences, write_position
+from keras_transformer.search.lengths import length_penalty_factor, token_log_probs
+
+NAME = "greedy"
+# Greedy search never reorders the decoder cache (`update` returns no parents).
+REORDERS_CACHE = False
+STATE_SPEC = (
+    Field("index", "int32", ()),  # the position last written
+    Field("sequences", "int32", ("B", "L")),
+    Field("log_probs", "float32", ("B",)),  # sum so far
+    Field("scores", "float32", ("B",)),  # set when a row ends
+    Field("finished", "bool", ("B",)),
+)
+
+
+def init(model, batch, beam_size, length, index, cache):
+    """The start state (every row the start id) and the cache as it is; `beam_size` is ignored."""
+    state = {
+        "index": index,
+        "sequences": start_sequences(model, (batch, length)),  # [B, L]
+        "log_probs": ops.zeros((batch,), "float32"),  # [B]
+        "scores": ops.zeros((batch,), "float32"),  # [B]
+        "finished": ops.zeros((batch,), "bool"),  # [B]
+    }
+    return state, cache
+
+
+def tokens(state):
+    """The ids to feed at the state's index, `[B]`."""
+    return read_position(state["sequences"], state["index"])  # [B]
+
+
+def update(model, state, logits, max_lengths, alpha):
+    """Appends the best token of `logits` `[B, V]`; returns `(state, None)` (no reordering)."""
+    index = state["index"]
+    log_probs = token_log_probs(model, logits, index + 1, max_lengths)  # [B, V]
+    # top_k rather than argmax: the same token (the first of equal maxima),
+    # and it exports to ONNX (Keras' TensorFlow argmax tests the sign bit of
+    # zeros with a Bitcast, which tf2onnx cannot convert).
+    best_log_probs, next_tokens = ops.top_k(log_probs, 1)
+    best_log_probs, next_tokens = best_log_probs[:, 0], ops.cast(next_tokens[:, 0], "int32")  # [B]
+    finished = state["finished"]
+    # Rows that already ended are fed pad ids from now on (never read).
+    next_tokens = ops.where(finished, model.pad_id, next_tokens)
+    total = ops.where(finished, state["log_probs"], state["log_probs"] + best_log_probs)
+    ended = ops.logical_and(ops.logical_not(finished), ops.equal(next_tokens, model.end_id))
+    scores = ops.where(ended, total / length_penalty_factor(index + 1, alpha), state["scores"])
+    state = {
+        "index": index + 1,
+        "sequences": write_position(state["sequences"], index + 1, next_tokens),
+        "log_probs": total,
+        "scores": scores,
+        "finished": ops.logical_or(finished, ended),
+    }
+    return state, None
+
+
+def keep_going(state, max_lengths, alpha, length):
+    """Scalar bool: some row has not ended and the buffer has room."""
+    return ops.logical_and(state["index"] < length - 1, ops.logical_not(ops.all(state["finished"])))
+
+
+def result(state):
+    """`(sequences [B, L], scores [B])`."""
+    return state["sequences"], state["scores"]

@@ -1,0 +1,113 @@
+"""The length rules of the search, in one place.
+
+- the length penalty lp(Y) of Wu et al. (2016), by which hypotheses are scored;
+- how long each row may grow (`n_b + max_extra_length`, capped by the
+  model's `max_sequence_length`) and the bucketed buffer and source lengths;
+- the token rule at each step: pad and start ids are never generated, and at
+  a row's maximum length only the end id may be.
+"""
+
+from keras import ops
+
+from keras_transformer.decoding import LENGTH_BUCKET
+from keras_transformer.search.common import NEG_INF, dim
+
+# The least log-probability the forced end id gets at the maximum length.
+FORCED_END_LOG_PROB = -1e9
+
+
+def length_penalty_factor(length, alpha):
+    """The GNMT length penalty lp(Y) = ((5 + |Y|) / 6) ** alpha.
+
+    A hypothesis Y is scored `log P(Y | X) / lp(Y)` (Wu et al., 2016,
+    equation 14, without the coverage penalty). |Y| counts the generated
+    tokens including the end id, not the start id. alpha = 0 gives plain
+    log-probabilities; the paper uses alpha = 0.6.
+
+    Args:
+        length: int or int tensor, |Y|.
+        alpha: float or float tensor, `length_penalty` >= 0.
+
+    Returns:
+        float32 tensor shaped like `length`.
+
+    Example:
+    >>> float(length_penalty_factor(3, 1.0))  # (5 + 3) / 6
+    1.3333334
+    """
+    length = ops.cast(length, "float32")
+    return ops.power((5.0 + length) / 6.0, ops.cast(alpha, "float32"))
+
+
+def search_lengths(encoder_token_ids, max_extra_length, limit):
+    """The lengths of a search over int `[B, S]` source ids (B >= 1).
+
+    `keras.ops` only: `generate` calls it on concrete ids, `generate_in_graph`
+    on symbolic ones, where the results are tensors.
+
+    Returns:
+        `(max_lengths, length, padded_length)`: int32 `[B]`, the most
+        tokens row b may generate (`n_b + max_extra_length`, at least 1, at
+        most `limit - 1`); the output buffer length L (the start id and the
+        longest row, rounded up to `LENGTH_BUCKET`); and the length S_bucket
+        to pad the source to (rounded up to `LENGTH_BUCKET`, not beyond
+        `limit` unless the source is already longer).
+    """
+    source_length = dim(encoder_token_ids, 1)
+    source_lengths = ops.sum(ops.cast(ops.not_equal(encoder_token_ids, 0), "int32"), axis=1)  # n_b, [B]
+    max_lengths = ops.maximum(source_lengths + max_extra_length, 1)
+    if limit is not None:
+        max_lengths = ops.minimum(max_lengths, int(limit) - 1)
+    length = round_up(ops.max(max_lengths) + 1, LENGTH_BUCKET)
+    padded_length = round_up(ops.maximum(source_length, 1), LENGTH_BUCKET)
+    if limit is not None:
+        padded_length = ops.minimum(padded_length, ops.maximum(source_length, int(limit)))
+    return ops.cast(max_lengths, "int32"), length, padded_length
+
+
+def padded_search_inputs(encoder_token_ids, max_extra_length, limit):
+    """`search_lengths` of symbolic ids, and the ids padded to S_bucket.
+
+    Returns:
+        `(source [B, S_bucket] int32, max_lengths [B] int32, length)`.
+    """
+    encoder_token_ids = ops.cast(encoder_token_ids, "int32")
+    max_lengths, length, padded_length = search_lengths(encoder_token_ids, max_extra_length, limit)
+    source_length = dim(encoder_token_ids, 1)
+    source = ops.pad(encoder_token_ids, [[0, 0], [0, padded_length - source_length]])  # [B, S_bucket]
+    return source, max_lengths, length
+
+
+def round_up(value, multiple):
+    """`value` rounded up to a multiple of `multiple`, for `value >= 0` (lengths)."""
+    # Not `-(-value // multiple)`: tf2onnx exports an integer FloorDiv as
+    # ONNX Div, which truncates negative quotients.
+    return (value + multiple - 1) // multiple * multiple
+
+
+def token_log_probs(model, logits, generated_length, max_lengths):
+    """Log-probabilities of the next token, with forbidden tokens at -inf.
+
+    Args:
+        logits: `[B, ..., V]`.
+        generated_length: int or scalar tensor, |Y| once this token is added.
+        max_lengths: int32 `[B]`.
+
+    The log-softmax is taken over the model's full distribution first, so a
+    hypothesis' score is its true log-probability; then the pad and start
+    ids are excluded, and at a row's maximum length everything but the end
+    id.
+    """
+    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
+    vocabulary = ops.arange(model.vocabulary_size, dtype="int32")
+    allowed = ops.logical_and(
+        ops.not_equal(vocabulary, model.pad_id), ops.not_equal(vocabulary, model.start_id)
+    )  # [V]
+    at_max = ops.equal(max_lengths, generated_length)  # [B]
+    at_max = ops.reshape(at_max, (-1,) + (1,) * (len(log_probs.shape) - 1))  # [B, 1, ..., 1]
+    is_end = ops.equal(vocabulary, model.end_id)  # [V]
+    allowed = ops.logical_and(allowed, ops.logical_or(ops.logical_not(at_max), is_end))
+    # A model that gives the end id probability 0 still gets it at the maximum length.
+    forced = ops.logical_and(at_max, is_end)
+    log_probs = ops.where(forced, ops.maximum(log_probs, FORCED_END_LOG_PROB), log_probs)
+    return ops.where(allowed, log_probs, NEG_INF)

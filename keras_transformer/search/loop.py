@@ -1,0 +1,203 @@
+"""The search loop: either search's update around a decoding-protocol model.
+
+A search (`greedy` or `beam`, modules of pure functions) is driven here:
+`start` encodes the source and builds the state and cache, `step` runs one
+decoder step and one search update, and
+
+- `run` loops with `keras.ops.while_loop` (`compiled=True`, traced inside
+  `jax.jit` / `tf.function`, or exported as an ONNX `Loop`) or in Python;
+- `run_hybrid` loops in Python around an eager `decode_step` and a compiled
+  search update (`search_step`);
+- `run_steps` loops in Python over one compiled step (PyTorch).
+
+The functions that compile and cache these live in `search/compiled.py`.
+"""
+
+import keras
+from keras import ops
+
+from keras_transformer.search import beam, greedy
+from keras_transformer.search.common import ModelConstants, dim, state_keys
+
+SEARCHES = {search.NAME: search for search in (greedy, beam)}
+# The state of each search, in the order `search_step` documents it.
+SEARCH_STATE_KEYS = {name: state_keys(search.STATE_SPEC) for name, search in SEARCHES.items()}
+
+
+def start(model, encoder_token_ids, beam_size, length, index, search_name=None):
+    """Encodes the source; returns `(search, state, cache)`.
+
+    The search is greedy for `beam_size == 1` and beam search otherwise,
+    unless `search_name` names it ("beam" with a `beam_size` tensor: one
+    exported graph serves every beam size).
+    """
+    encoder_outputs = model.encode(encoder_token_ids)  # [B, S, D]
+    cache = model.init_cache(encoder_outputs, encoder_token_ids, length)
+    if search_name is None:
+        search_name = "greedy" if beam_size == 1 else "beam"
+    search = SEARCHES[search_name]
+    state, cache = search.init(model, dim(encoder_token_ids, 0), beam_size, length, index, cache)
+    return search, state, cache
+
+
+def step(model, search, state, cache, max_lengths, alpha):
+    """One decoder step and search update; returns the next `(state, cache)`."""
+    logits, cache = model.decode_step(search.tokens(state), state["index"], cache)
+    state, parents = search.update(model, state, logits, max_lengths, alpha)
+    if parents is not None:
+        cache = beam.reorder_cache(cache, parents)
+    return state, cache
+
+
+def run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled, search_name=None):
+    """Runs greedy or beam search; returns `(sequences [B, L], scores [B])`.
+
+    Args:
+        encoder_token_ids: int32 `[B, S]`.
+        max_lengths: int32 `[B]`, most generated tokens per row (end included).
+        alpha: float32 scalar, the length penalty.
+        beam_size: Python int K (or a scalar tensor with `search_name="beam"`).
+        length: Python int L, the output buffer length (>= max(max_lengths) + 1).
+        compiled: use `ops.while_loop` (inside jax.jit / tf.function) rather
+            than a Python loop with a Python int index.
+        search_name: "greedy" or "beam", or None to choose by `beam_size`.
+    """
+    index = ops.convert_to_tensor(0, "int32") if compiled else 0
+    search, state, cache = start(model, encoder_token_ids, beam_size, length, index, search_name)
+
+    def cond(loop):
+        return search.keep_going(loop["state"], max_lengths, alpha, length)
+
+    def body(loop):
+        state, cache = step(model, search, loop["state"], loop["cache"], max_lengths, alpha)
+        return {"state": state, "cache": cache}
+
+    loop = {"state": state, "cache": cache}
+    if compiled:
+        loop = ops.while_loop(cond, body, loop)
+    else:
+        # The index stays a Python int, so a NumPy-based decode_step (ONNX
+        # Runtime) receives plain integers.
+        while bool(ops.convert_to_numpy(cond(loop))):
+            loop = body(loop)
+    return search.result(loop["state"])
+
+
+def run_eager(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    """`run` in a Python loop (under `torch.no_grad()` on PyTorch)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        with torch.no_grad():
+            return run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=False)
+    return run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=False)
+
+
+def search_step(search_name, model):
+    """The search's own work between two decoder steps, as one function.
+
+    For drivers that run the decoder step elsewhere: the hybrid driver
+    compiles it (`search/compiled.py`).
+
+    Args:
+        search_name: "greedy" or "beam".
+        model: read for its ids and vocabulary size only.
+
+    Returns:
+        A function `(state, logits, max_lengths, alpha, length, cache) ->
+        (state, cache, tokens, keep_going)`: `state` a dict with the keys
+        `SEARCH_STATE_KEYS[search_name]`, `logits` `[B * K, V]` of the step,
+        `cache` a dict of `[B * K, ...]` entries to reorder with the beams
+        (beam search; returned as is by greedy search), `tokens` the ids to
+        feed next, `keep_going` a scalar bool. The beam size is taken from
+        the state's shapes, so a traced graph serves every beam size.
+    """
+    search = SEARCHES[search_name]
+    constants = ModelConstants(model)
+
+    def update(state, logits, max_lengths, alpha, length, cache):
+        state, parents = search.update(constants, state, logits, max_lengths, alpha)
+        if parents is not None:
+            cache = beam.reorder_cache(cache, parents)
+        return state, cache, search.tokens(state), search.keep_going(state, max_lengths, alpha, length)
+
+    return update
+
+
+def run_hybrid(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled_update):
+    """Python loop around an eager `decode_step` and a compiled search update.
+
+    For models whose step cannot be traced: the model runs as it is; the
+    search's own work per step (log-softmax, top-k, gathers, stopping test,
+    the beam reordering of the cache), dozens of small ops, is one compiled
+    `search_step` call instead of dozens of eager dispatches.
+
+    Args:
+        compiled_update: `search name -> search_step(name, model)` compiled.
+    """
+    search, state, cache = start(model, encoder_token_ids, beam_size, length, 0)
+    update = compiled_update(search.NAME)
+    tokens, index, keep_going = search.tokens(state), 0, True
+    while keep_going:
+        logits, cache = model.decode_step(tokens, index, cache)
+        state = dict(state, index=ops.convert_to_tensor(index, "int32"))
+        # Greedy search reorders nothing: the cache stays out of the call.
+        reordered = cache if search.REORDERS_CACHE else {}
+        state, reordered, tokens, keep_going = update(
+            state, ops.convert_to_tensor(logits), max_lengths, alpha, length, reordered
+        )
+        if search.REORDERS_CACHE:
+            cache = reordered
+        index += 1
+        keep_going = bool(ops.convert_to_numpy(keep_going))
+    return search.result(state)
+
+
+def run_steps(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled_step):
+    """PyTorch: a Python loop over one compiled step.
+
+    The encoder and the cache run eagerly once; the loop's only host sync
+    per step is the stopping test.
+
+    Args:
+        compiled_step: `(search, state, cache) -> step`, where `step(values,
+            state, cache, max_lengths, alpha) -> (state, cache, keep_going)`
+            is `step` and the stopping test compiled, `values` the values of
+            `model.variables`.
+    """
+    import torch
+
+    with torch.no_grad():
+        index = ops.convert_to_tensor(0, "int32")
+        search, state, cache = start(model, encoder_token_ids, beam_size, length, index)
+        # Contiguous, as the step's outputs: torch.compile guards on strides,
+        # and the broadcast start state would make it compile twice.
+        state, cache = ({name: x.contiguous() for name, x in entries.items()} for entries in (state, cache))
+        compiled = compiled_step(search, state, cache)
+        values = [variable.value for variable in model.variables]
+        keep_going = search.keep_going(state, max_lengths, alpha, length)
+        while bool(ops.convert_to_numpy(keep_going)):
+            state, cache, keep_going = compiled(values, state, cache, max_lengths, alpha)
+        return search.result(state)
+
+
+def initial_search_state(model, encoder_token_ids, beam_size, length):
+    """Encodes the source and starts a search, for a driver outside this package.
+
+    Returns:
+        `(search_name, state, cache)`: "greedy" or "beam"; the state (keys
+        `SEARCH_STATE_KEYS[search_name]`, index 0); the cache from
+        `model.init_cache`, tiled per beam for beam search.
+    """
+    search, state, cache = start(model, encoder_token_ids, beam_size, length, 0)
+    return search.NAME, dict(state, index=ops.convert_to_tensor(0, "int32")), cache
+
+
+def search_tokens(search_name, state):
+    """The ids to feed at the state's index (`[B * K]`)."""
+    return SEARCHES[search_name].tokens(state)
+
+
+def search_result(search_name, state):
+    """`(sequences [B, L], scores [B])` of a finished search's state."""
+    return SEARCHES[search_name].result(state)
