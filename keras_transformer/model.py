@@ -33,6 +33,52 @@ PRESET_FORMAT_VERSION = 2
 READABLE_PRESET_FORMATS = (1, 2)
 
 
+def check_model_args(
+    vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
+    attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
+    layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
+):
+    """Raises a `ValueError` naming the first bad `TransformerModel` argument; returns `(d_k, d_v)` per head.
+
+    `special_ids` maps pad_id, unk_id, start_id and end_id to their values.
+    """
+    for name, value in (
+        ("vocabulary_size", vocabulary_size),
+        ("num_layers", num_layers),
+        ("hidden_dim", hidden_dim),
+        ("max_sequence_length", max_sequence_length),
+    ):
+        check_positive_int(name, value)
+    check_positive_int("num_encoder_layers", num_encoder_layers, optional=True)
+    check_positive_int("num_decoder_layers", num_decoder_layers, optional=True)
+    check_layer_args(intermediate_dim, num_heads, dropout, attention_dropout, key_dim, value_dim, attention_window)
+    if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
+        raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
+    for name, value in (("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name}={value!r} must be True or False")
+    key_dim_resolved, value_dim_resolved = head_dims(hidden_dim, num_heads, key_dim, value_dim)
+    if position_encoding not in ("sinusoidal", "learned"):
+        raise ValueError(
+            f"position_encoding={position_encoding!r} must be 'sinusoidal' or 'learned'"
+        )
+    if position_encoding == "sinusoidal" and hidden_dim % 2:
+        raise ValueError(f"hidden_dim={hidden_dim} must be even for sinusoidal positions")
+    for name, value in special_ids.items():
+        if not is_integer(value) or not 0 <= value < vocabulary_size:
+            raise ValueError(f"{name}={value!r} must be an integer in [0, vocabulary_size={vocabulary_size})")
+    for (name, value), (other, other_value) in itertools.combinations(special_ids.items(), 2):
+        # start_id == end_id would end every output at its first token.
+        if value == other_value:
+            raise ValueError(
+                f"{name}={value} and {other}={other_value} must differ: the special ids "
+                "pad_id, unk_id, start_id and end_id are four distinct tokens"
+            )
+    if special_ids["pad_id"] != 0:
+        raise ValueError(f"pad_id={special_ids['pad_id']}: only 0 is supported (masks are built from ids > 0)")
+    return key_dim_resolved, value_dim_resolved
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class TransformerModel(keras.Model):
     """The Transformer encoder-decoder (Vaswani et al., 2017).
@@ -122,41 +168,12 @@ class TransformerModel(keras.Model):
         end_id=3,
         **kwargs,
     ):
-        for name, value in (
-            ("vocabulary_size", vocabulary_size),
-            ("num_layers", num_layers),
-            ("hidden_dim", hidden_dim),
-            ("max_sequence_length", max_sequence_length),
-        ):
-            check_positive_int(name, value)
-        check_positive_int("num_encoder_layers", num_encoder_layers, optional=True)
-        check_positive_int("num_decoder_layers", num_decoder_layers, optional=True)
-        check_layer_args(intermediate_dim, num_heads, dropout, attention_dropout, key_dim, value_dim, attention_window)
-        if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
-            raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
-        for name, value in (("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention)):
-            if not isinstance(value, (bool, np.bool_)):
-                raise ValueError(f"{name}={value!r} must be True or False")
-        key_dim_resolved, value_dim_resolved = head_dims(hidden_dim, num_heads, key_dim, value_dim)
-        if position_encoding not in ("sinusoidal", "learned"):
-            raise ValueError(
-                f"position_encoding={position_encoding!r} must be 'sinusoidal' or 'learned'"
-            )
-        if position_encoding == "sinusoidal" and hidden_dim % 2:
-            raise ValueError(f"hidden_dim={hidden_dim} must be even for sinusoidal positions")
         special_ids = {"pad_id": pad_id, "unk_id": unk_id, "start_id": start_id, "end_id": end_id}
-        for name, value in special_ids.items():
-            if not is_integer(value) or not 0 <= value < vocabulary_size:
-                raise ValueError(f"{name}={value!r} must be an integer in [0, vocabulary_size={vocabulary_size})")
-        for (name, value), (other, other_value) in itertools.combinations(special_ids.items(), 2):
-            # start_id == end_id would end every output at its first token.
-            if value == other_value:
-                raise ValueError(
-                    f"{name}={value} and {other}={other_value} must differ: the special ids "
-                    "pad_id, unk_id, start_id and end_id are four distinct tokens"
-                )
-        if pad_id != 0:
-            raise ValueError(f"pad_id={pad_id}: only 0 is supported (masks are built from ids > 0)")
+        key_dim_resolved, value_dim_resolved = check_model_args(
+            vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
+            attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
+            layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
+        )
         super().__init__(**kwargs)
 
         self.vocabulary_size = int(vocabulary_size)
@@ -180,6 +197,13 @@ class TransformerModel(keras.Model):
         self.head_key_dim, self.head_value_dim = key_dim_resolved, value_dim_resolved
         self.tokenizer = None
 
+        self._create_sublayers(key_dim_resolved, value_dim_resolved)
+        # All sizes are in the config, so the model is built (and has its
+        # weights, e.g. for count_params) as soon as it is constructed.
+        self.build()
+
+    def _create_sublayers(self, key_dim, value_dim):
+        """The embeddings, position layers, dropouts, the two stacks and (pre-LN) the final norms."""
         # One matrix for both embeddings and the pre-softmax projection
         # (section 3.4). With inputs scaled by sqrt(d_model), N(0, d^-0.5)
         # gives unit-scale embeddings and unit-scale initial logits (as in
@@ -192,7 +216,7 @@ class TransformerModel(keras.Model):
             dtype=self.dtype_policy,
             name="token_embedding",
         )
-        if position_encoding == "sinusoidal":
+        if self.position_encoding == "sinusoidal":
             position_layer = lambda name: SinusoidalPositionEncoding(  # noqa: E731
                 self.max_sequence_length, dtype=self.dtype_policy, name=name
             )
@@ -202,39 +226,36 @@ class TransformerModel(keras.Model):
             )
         self.encoder_position = position_layer("encoder_position")
         self.decoder_position = position_layer("decoder_position")
-        self.encoder_embedding_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy, name="encoder_embedding_dropout")
-        self.decoder_embedding_dropout = keras.layers.Dropout(dropout, dtype=self.dtype_policy, name="decoder_embedding_dropout")
+        self.encoder_embedding_dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name="encoder_embedding_dropout")
+        self.decoder_embedding_dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name="decoder_embedding_dropout")
         layer_args = dict(
-            intermediate_dim=intermediate_dim,
-            num_heads=num_heads,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            layer_norm_epsilon=layer_norm_epsilon,
-            key_dim=key_dim_resolved,
-            value_dim=value_dim_resolved,
-            normalize_first=normalize_first,
-            attention_window=attention_window,
-            use_fused_attention=use_fused_attention,
+            intermediate_dim=self.intermediate_dim,
+            num_heads=self.num_heads,
+            dropout=self.dropout,
+            attention_dropout=self.attention_dropout,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            normalize_first=self.normalize_first,
+            attention_window=self.attention_window,
+            use_fused_attention=self.use_fused_attention,
             dtype=self.dtype_policy,
         )
         self.encoder_layers = [
             TransformerEncoderLayer(**layer_args, name=f"encoder_layer_{i}")
-            for i in range(num_encoder_layers or num_layers)
+            for i in range(self.num_encoder_layers or self.num_layers)
         ]
         self.decoder_layers = [
             TransformerDecoderLayer(**layer_args, name=f"decoder_layer_{i}")
-            for i in range(num_decoder_layers or num_layers)
+            for i in range(self.num_decoder_layers or self.num_layers)
         ]
-        if normalize_first:
+        if self.normalize_first:
             self.encoder_final_norm = keras.layers.LayerNormalization(
-                epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="encoder_final_layer_norm"
+                epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name="encoder_final_layer_norm"
             )
             self.decoder_final_norm = keras.layers.LayerNormalization(
-                epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="decoder_final_layer_norm"
+                epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name="decoder_final_layer_norm"
             )
-        # All sizes are in the config, so the model is built (and has its
-        # weights, e.g. for count_params) as soon as it is constructed.
-        self.build()
 
     def __call__(self, *args, **kwargs):
         # NumPy inputs are checked before Keras converts them to backend
