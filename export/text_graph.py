@@ -81,6 +81,7 @@ import json
 import logging
 import pathlib
 import sys
+import typing
 
 import numpy as np
 
@@ -128,24 +129,45 @@ def _graph_names(graph):
     return names
 
 
-def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_penalty=0.6, max_extra_length=50):
-    """The `translate.onnx` ModelProto around an exported beam search.
+class _GraphBuilder:
+    """Collects this graph's nodes and initializers, under `_PREFIX` names.
 
-    Args:
-        search_model: `onnx.ModelProto` of `beam_search.onnx`.
-        tokenizer_proto: bytes, the serialized SentencePiece model.
-        config: dict, the directory's `config.json` (ids and
-            `max_sequence_length`).
-        beam_size, length_penalty, max_extra_length: the defaults of the
-            optional inputs `beam_size`, `alpha` and `max_extra_length`.
-
-    Returns:
-        `onnx.ModelProto`.
+    `const` and `node` append in call order, so the graph is the same for
+    the same sequence of calls. A node goes into `into` (a subgraph's node
+    list) when given, else into the main graph; constants always become
+    main-graph initializers (subgraphs read them from the outer scope).
     """
-    from onnx import TensorProto, helper, numpy_helper
 
-    pad_id, start_id, end_id = int(config["pad_id"]), int(config["start_id"]), int(config["end_id"])
-    limit = int(config["max_sequence_length"])
+    def __init__(self):
+        self.nodes, self.initializers = [], []
+
+    @staticmethod
+    def name(label):
+        return _PREFIX + label
+
+    def const(self, label, value, dtype):
+        """Adds an initializer `_PREFIX + label` holding `value`; returns its name."""
+        from onnx import numpy_helper
+
+        tensor = numpy_helper.from_array(np.array(value, dtype), self.name(label))
+        self.initializers.append(tensor)
+        return tensor.name
+
+    def node(self, op, inputs, outputs, into=None, **attributes):
+        """Adds an `op` node named after its first output; returns its output name(s)."""
+        from onnx import helper
+
+        made = helper.make_node(op, inputs, outputs, name=outputs[0], **attributes)
+        (self.nodes if into is None else into).append(made)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _check_search_graph(search_model):
+    """Checks `beam_search.onnx`'s inputs, outputs, opset (13 or newer) and value names.
+
+    Raises:
+        ValueError: naming what the search graph has and what is expected.
+    """
     search = search_model.graph
     expected_inputs = sorted(contract.BEAM_SEARCH.input_names())
     if sorted(value.name for value in search.input) != expected_inputs:
@@ -159,45 +181,75 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
     opset = next(o.version for o in search_model.opset_import if o.domain in ("", "ai.onnx"))
     if opset < 13:
         raise ValueError(f"The search graph has opset {opset}; translate.onnx needs 13 or newer")
+    clash = sorted(n for n in _graph_names(search) if n.startswith(_PREFIX) or n in ("text", "translation"))
+    if clash:
+        raise ValueError(f"The search graph uses names reserved for translate.onnx: {clash[:5]}")
 
-    nodes, initializers = [], []
 
-    def name(label):
-        return _PREFIX + label
+class _Ragged(typing.NamedTuple):
+    """Value names of the ragged pieces (`_tokenize_nodes`)."""
 
-    def const(label, value, dtype):
-        tensor = numpy_helper.from_array(np.array(value, dtype), name(label))
-        initializers.append(tensor)
-        return tensor.name
+    pieces: str
+    starts: str
+    counts: str
+    zero_1: str
+    one_1: str
 
-    def node(op, inputs, outputs, into=None, **attributes):
-        made = helper.make_node(op, inputs, outputs, name=outputs[0], **attributes)
-        (nodes if into is None else into).append(made)
-        return outputs[0] if len(outputs) == 1 else outputs
 
-    # 1. Pieces, ragged: values [N] int32, row splits [B + 1] int64.
-    false = const("false", False, np.bool_)
-    pieces, splits = node(
+def _tokenize_nodes(graph, tokenizer_proto):
+    """Step 1: `text` [B] -> SentencePiece pieces, ragged.
+
+    Returns:
+        `_Ragged`: value names of the pieces `[N]` int32, each row's first
+        piece and piece count `[B]` int64, and the int64 constants `[0]` and
+        `[1]` that later steps reuse.
+    """
+    false = graph.const("false", False, np.bool_)
+    pieces, splits = graph.node(
         "SentencepieceTokenizer",
-        ["text", const("nbest_size", 0, np.int64), const("sampling_alpha", 0.0, np.float32), false, false, false],
-        [name("pieces"), name("row_splits")],
+        ["text", graph.const("nbest_size", 0, np.int64), graph.const("sampling_alpha", 0.0, np.float32),
+         false, false, false],
+        [graph.name("pieces"), graph.name("row_splits")],  # [N] int32, [B + 1] int64
         domain=EXTENSIONS_DOMAIN,
         model=tokenizer_proto,
     )
-    zero_1, one_1 = const("zero_1", [0], np.int64), const("one_1", [1], np.int64)
-    starts = node("Slice", [splits, zero_1, const("minus_one_1", [-1], np.int64)], [name("starts")])  # [B]
-    ends = node("Slice", [splits, one_1, const("max_1", [np.iinfo(np.int64).max], np.int64)], [name("ends")])
-    counts = node("Sub", [ends, starts], [name("counts")])  # [B]
-    # 2. The Translator's truncation: at most limit - 1 pieces, then the end id.
-    kept = node("Min", [counts, const("max_pieces", limit - 1, np.int64)], [name("kept")])
-    has_pieces = node("Greater", [counts, const("zero", 0, np.int64)], [name("has_pieces")])  # [B]
+    zero_1, one_1 = graph.const("zero_1", [0], np.int64), graph.const("one_1", [1], np.int64)
+    starts = graph.node("Slice", [splits, zero_1, graph.const("minus_one_1", [-1], np.int64)], [graph.name("starts")])
+    ends = graph.node(
+        "Slice", [splits, one_1, graph.const("max_1", [np.iinfo(np.int64).max], np.int64)], [graph.name("ends")]
+    )
+    counts = graph.node("Sub", [ends, starts], [graph.name("counts")])  # [B]
+    return _Ragged(pieces, starts, counts, zero_1, one_1)
+
+
+def _pad_nodes(graph, ragged, pad_id, end_id, limit):
+    """Step 2: ragged pieces -> `encoder_token_ids` [B', W] int32.
+
+    The Translator's truncation: each row with pieces keeps at most
+    `limit - 1` of them, then gets the end id, right-padded with `pad_id`.
+
+    Args:
+        graph: the `_GraphBuilder`.
+        ragged: `_tokenize_nodes`' result.
+        pad_id, end_id: ints from `config.json`.
+        limit: `max_sequence_length`.
+
+    Returns:
+        The name of `has_pieces` [B] bool: which texts reach the search.
+    """
+    pieces, starts, counts, zero_1, one_1 = ragged
+    name, node = graph.name, graph.node
+    kept = node("Min", [counts, graph.const("max_pieces", limit - 1, np.int64)], [name("kept")])
+    has_pieces = node("Greater", [counts, graph.const("zero", 0, np.int64)], [name("has_pieces")])  # [B]
     row_starts = node("Compress", [starts, has_pieces], [name("row_starts")], axis=0)  # [B']
     row_kept = node("Compress", [kept, has_pieces], [name("row_kept")], axis=0)  # [B']
     # Width: the longest kept row + the end id (the 0 keeps ReduceMax defined for B = 0).
     kept_or_0 = node("Concat", [kept, zero_1], [name("kept_or_0")], axis=0)  # [B + 1]
     longest = node("ReduceMax", [kept_or_0], [name("longest")], keepdims=0)
-    width = node("Add", [longest, const("one", 1, np.int64)], [name("width")])
-    positions = node("Range", [const("zero_", 0, np.int64), width, const("one_", 1, np.int64)], [name("positions")])
+    width = node("Add", [longest, graph.const("one", 1, np.int64)], [name("width")])
+    positions = node(
+        "Range", [graph.const("zero_", 0, np.int64), width, graph.const("one_", 1, np.int64)], [name("positions")]
+    )
     positions = node("Unsqueeze", [positions, zero_1], [name("positions_1w")])  # [1, W]
     row_kept = node("Unsqueeze", [row_kept, one_1], [name("row_kept_b1")])  # [B', 1]
     row_starts = node("Unsqueeze", [row_starts, one_1], [name("row_starts_b1")])  # [B', 1]
@@ -206,18 +258,32 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
     total = node("Shape", [pieces], [name("total")])  # [1]
     offsets = node("Add", [row_starts, positions], [name("offsets")])  # [B', W]
     index = node("Where", [is_piece, offsets, total], [name("index")])
-    padded_pieces = node("Concat", [pieces, const("pad_1", [pad_id], np.int32)], [name("padded_pieces")], axis=0)
+    padded_pieces = node(
+        "Concat", [pieces, graph.const("pad_1", [pad_id], np.int32)], [name("padded_pieces")], axis=0
+    )
     ids = node("Gather", [padded_pieces, index], [name("ids")], axis=0)  # [B', W]
     is_end = node("Equal", [positions, row_kept], [name("is_end")])
-    node("Where", [is_end, const("end_id", end_id, np.int32), ids], ["encoder_token_ids"])
+    node("Where", [is_end, graph.const("end_id", end_id, np.int32), ids], ["encoder_token_ids"])
+    return has_pieces
 
-    # 3. The search, only when some text has pieces. Its nodes read
-    # `encoder_token_ids`, `beam_size`, `alpha` and `max_extra_length` from
-    # this graph by name; its weights become this graph's initializers
-    # (still stored in weights.bin when the export put them there).
+
+def _search_nodes(graph, search, zero_1):
+    """Step 3: the search graph's nodes in an If, run only when B' > 0.
+
+    Its nodes read `encoder_token_ids`, `beam_size`, `alpha` and
+    `max_extra_length` from this graph by name; its weights become this
+    graph's initializers (`build_text_graph` adds them, still stored in
+    weights.bin when the export put them there).
+
+    Returns:
+        The name of `sequences` [B', L] int32 ([0, 1] when B' = 0).
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    name, node = graph.name, graph.node
     rows = node("Shape", ["encoder_token_ids"], [name("ids_shape")])
     rows = node("Gather", [rows, zero_1], [name("rows")], axis=0)  # [1]
-    any_rows = node("Greater", [rows, const("zero_rows", [0], np.int64)], [name("any_rows")])
+    any_rows = node("Greater", [rows, graph.const("zero_rows", [0], np.int64)], [name("any_rows")])
     run_search = helper.make_graph(
         list(search.node), "search", [], [helper.make_tensor_value_info("sequences", TensorProto.INT32, None)],
         value_info=list(search.value_info),
@@ -227,33 +293,53 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
                           value=numpy_helper.from_array(np.zeros((0, 1), np.int32)))],
         "no_search", [], [helper.make_tensor_value_info(name("no_sequences"), TensorProto.INT32, None)],
     )
-    sequences = node("If", [any_rows], [name("sequences")], then_branch=run_search, else_branch=skip_search)
+    return node("If", [any_rows], [name("sequences")], then_branch=run_search, else_branch=skip_search)
 
-    # 4. Decode row by row: SentencepieceDecoder takes one sequence.
-    # row_of[b]: the row of text b among those with pieces.
+
+def _decode_row_graph(graph, sequences, row_of, tokenizer_proto, pad_id, start_id, end_id):
+    """The subgraph that decodes text `b`'s row of `sequences` into `decoded` [1] string.
+
+    As `Tokenizer.decode`: the ids before the first end id, without
+    padding and start ids, then `SentencepieceDecoder`. It reads the Loop's
+    counter `b` and `row_of` [B] (the row of text b among those with pieces).
+    """
+    from onnx import TensorProto, helper
+
+    name, decode = graph.name, []
+
+    def node(*args, **attributes):
+        return graph.node(*args, into=decode, **attributes)
+
+    row_b = node("Gather", [row_of, name("b")], [name("row_b")], axis=0)
+    row = node("Gather", [sequences, row_b], [name("row")], axis=0)  # [L] int32
+    row_is_end = node("Equal", [row, graph.const("end_i", end_id, np.int32)], [name("row_is_end")])
+    row_is_end = node("Cast", [row_is_end], [name("row_is_end_int")], to=TensorProto.INT32)
+    ends_so_far = node("CumSum", [row_is_end, graph.const("axis_0_", 0, np.int64)], [name("ends_so_far")])
+    before_end = node("Equal", [ends_so_far, graph.const("zero_i", 0, np.int32)], [name("before_end")])
+    is_pad = node("Equal", [row, graph.const("pad_i", pad_id, np.int32)], [name("row_is_pad")])
+    is_start = node("Equal", [row, graph.const("start_i", start_id, np.int32)], [name("row_is_start")])
+    special = node("Or", [is_pad, is_start], [name("row_is_special")])
+    not_special = node("Not", [special], [name("row_not_special")])
+    keep = node("And", [before_end, not_special], [name("row_keep")])
+    tokens = node("Compress", [row, keep], [name("row_tokens")], axis=0)
+    tokens = node("Cast", [tokens], [name("row_tokens_64")], to=TensorProto.INT64)
+    node("SentencepieceDecoder", [tokens], [name("decoded")], domain=EXTENSIONS_DOMAIN,
+         model=tokenizer_proto)  # [1] string
+    return helper.make_graph(
+        decode, "decode", [], [helper.make_tensor_value_info(name("decoded"), TensorProto.STRING, [1])]
+    )
+
+
+def _decode_nodes(graph, has_pieces, sequences, tokenizer_proto, pad_id, start_id, end_id):
+    """Step 4: a Loop over the batch -> `translation` [B] string, "" for texts without pieces."""
+    from onnx import TensorProto, helper
+
+    name, node = graph.name, graph.node
     has_pieces_int = node("Cast", [has_pieces], [name("has_pieces_int")], to=TensorProto.INT64)
-    rows_so_far = node("CumSum", [has_pieces_int, const("axis_0", 0, np.int64)], [name("rows_so_far")])
-    row_of = node("Sub", [rows_so_far, const("one_r", 1, np.int64)], [name("row_of")])  # [B]
-    # The body of the Loop's If, for text b: its row of `sequences`, decoded.
-    decode = []
-    row_b = node("Gather", [row_of, name("b")], [name("row_b")], axis=0, into=decode)
-    row = node("Gather", [sequences, row_b], [name("row")], axis=0, into=decode)  # [L] int32
-    # Tokenizer.decode: the ids before the first end id, without padding and start ids.
-    row_is_end = node("Equal", [row, const("end_i", end_id, np.int32)], [name("row_is_end")], into=decode)
-    row_is_end = node("Cast", [row_is_end], [name("row_is_end_int")], to=TensorProto.INT32, into=decode)
-    ends_so_far = node("CumSum", [row_is_end, const("axis_0_", 0, np.int64)], [name("ends_so_far")], into=decode)
-    before_end = node("Equal", [ends_so_far, const("zero_i", 0, np.int32)], [name("before_end")], into=decode)
-    is_pad = node("Equal", [row, const("pad_i", pad_id, np.int32)], [name("row_is_pad")], into=decode)
-    is_start = node("Equal", [row, const("start_i", start_id, np.int32)], [name("row_is_start")], into=decode)
-    special = node("Or", [is_pad, is_start], [name("row_is_special")], into=decode)
-    not_special = node("Not", [special], [name("row_not_special")], into=decode)
-    keep = node("And", [before_end, not_special], [name("row_keep")], into=decode)
-    tokens = node("Compress", [row, keep], [name("row_tokens")], axis=0, into=decode)
-    tokens = node("Cast", [tokens], [name("row_tokens_64")], to=TensorProto.INT64, into=decode)
-    node("SentencepieceDecoder", [tokens], [name("decoded")], domain=EXTENSIONS_DOMAIN, model=tokenizer_proto,
-         into=decode)  # [1] string
+    rows_so_far = node("CumSum", [has_pieces_int, graph.const("axis_0", 0, np.int64)], [name("rows_so_far")])
+    row_of = node("Sub", [rows_so_far, graph.const("one_r", 1, np.int64)], [name("row_of")])  # [B]
+    decode_row = _decode_row_graph(graph, sequences, row_of, tokenizer_proto, pad_id, start_id, end_id)
     string_1 = helper.make_tensor_value_info
-    decode_row = helper.make_graph(decode, "decode", [], [string_1(name("decoded"), TensorProto.STRING, [1])])
     no_text = helper.make_graph(
         [helper.make_node("Constant", [], [name("empty_text")],
                           value=helper.make_tensor("empty", TensorProto.STRING, [1], [b""]))],
@@ -276,28 +362,39 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
     texts = node("Loop", [batch, ""], [name("translations_b1")], body=body)  # [B, 1]
     node("Reshape", [texts, node("Shape", ["text"], [name("text_shape")])], ["translation"])
 
-    # Optional inputs: inputs with an initializer of the same name.
-    default_values = {"beam_size": beam_size, "alpha": length_penalty, "max_extra_length": max_extra_length}
+
+def _contract_values(default_values):
+    """The graph's inputs, outputs and defaults, from `contract.TEXT_GRAPH`.
+
+    Args:
+        default_values: dict, optional input name -> its default.
+
+    Returns:
+        `(inputs, outputs, defaults)`: ValueInfoProtos (dynamic axes by name,
+        `batch`) and one initializer per optional input, of the same name
+        (ONNX's way of giving an input a default).
+    """
+    from onnx import helper, numpy_helper
+
     defaults = [
         numpy_helper.from_array(np.array(default_values[t.name], contract.numpy_dtype(t, None)), t.name)
         for t in contract.TEXT_GRAPH.inputs
         if t.name in contract.TEXT_GRAPH.optional
     ]
 
-    # The contract's tensors; dynamic axes by name (`batch`).
     def value_info(tensor):
         elem_type = helper.np_dtype_to_tensor_dtype(contract.numpy_dtype(tensor, None))
         return helper.make_tensor_value_info(tensor.name, elem_type, list(tensor.axes))
 
     inputs = [value_info(tensor) for tensor in contract.TEXT_GRAPH.inputs]
     outputs = [value_info(tensor) for tensor in contract.TEXT_GRAPH.outputs]
+    return inputs, outputs, defaults
 
-    clash = sorted(n for n in _graph_names(search) if n.startswith(_PREFIX) or n in ("text", "translation"))
-    if clash:
-        raise ValueError(f"The search graph uses names reserved for translate.onnx: {clash[:5]}")
-    graph = helper.make_graph(
-        nodes, "translate", inputs, outputs, initializer=defaults + initializers + list(search.initializer)
-    )
+
+def _text_model(graph, search_model, default_values):
+    """Wraps `graph` in a ModelProto: the search's opsets and functions, ours, and the metadata."""
+    from onnx import helper
+
     opsets = [o for o in search_model.opset_import if o.domain != EXTENSIONS_DOMAIN]
     model = helper.make_model(
         graph,
@@ -310,11 +407,52 @@ def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_
     model.functions.extend(search_model.functions)
     helper.set_model_props(model, {
         "keras_transformer.text_graph_version": str(TEXT_GRAPH_VERSION),
-        "keras_transformer.defaults": json.dumps(
-            {"beam_size": beam_size, "alpha": length_penalty, "max_extra_length": max_extra_length}),
+        "keras_transformer.defaults": json.dumps(default_values),
         "keras_transformer.needs": "onnxruntime-extensions (domain ai.onnx.contrib)",
     })
     return model
+
+
+def build_text_graph(search_model, tokenizer_proto, config, beam_size=4, length_penalty=0.6, max_extra_length=50):
+    """The `translate.onnx` ModelProto around an exported beam search.
+
+    The steps of the module docstring, in order: `_tokenize_nodes`,
+    `_pad_nodes`, `_search_nodes`, `_decode_nodes`; the inputs, outputs and
+    defaults come from `export/contract.py` (`_contract_values`).
+
+    Args:
+        search_model: `onnx.ModelProto` of `beam_search.onnx`.
+        tokenizer_proto: bytes, the serialized SentencePiece model.
+        config: dict, the directory's `config.json` (ids and
+            `max_sequence_length`).
+        beam_size, length_penalty, max_extra_length: the defaults of the
+            optional inputs `beam_size`, `alpha` and `max_extra_length`.
+
+    Returns:
+        `onnx.ModelProto`.
+
+    Raises:
+        ValueError: the search graph is not a `beam_search.onnx` of this
+            export format (`_check_search_graph`).
+    """
+    from onnx import helper
+
+    pad_id, start_id, end_id = int(config["pad_id"]), int(config["start_id"]), int(config["end_id"])
+    limit = int(config["max_sequence_length"])
+    search = search_model.graph
+    _check_search_graph(search_model)
+    graph = _GraphBuilder()
+    ragged = _tokenize_nodes(graph, tokenizer_proto)
+    has_pieces = _pad_nodes(graph, ragged, pad_id, end_id, limit)
+    sequences = _search_nodes(graph, search, ragged.zero_1)
+    _decode_nodes(graph, has_pieces, sequences, tokenizer_proto, pad_id, start_id, end_id)
+    default_values = {"beam_size": beam_size, "alpha": length_penalty, "max_extra_length": max_extra_length}
+    inputs, outputs, defaults = _contract_values(default_values)
+    text_graph = helper.make_graph(
+        graph.nodes, "translate", inputs, outputs,
+        initializer=defaults + graph.initializers + list(search.initializer),
+    )
+    return _text_model(text_graph, search_model, default_values)
 
 
 def _session(path):
