@@ -503,12 +503,13 @@ def _remove_partial_files(work):
 # ---------------------------------------------------------------------- #
 # The arguments of a run, checked once.
 # ---------------------------------------------------------------------- #
-# Integer arguments: those that may be None, and the smallest allowed value.
-_OPTIONAL_INTEGERS = ("steps", "epochs", "vocabulary_size", "gradient_accumulation_steps", "tokenizer_max_sentences",
-                      "average_last")
+# The integer arguments (checked in this order; `seed` may be 0, the others
+# are >= 1) and those of them that may be None.
 _INTEGERS = ("vocabulary_size", "tokens_per_batch", "max_length", "warmup_steps", "gradient_accumulation_steps",
              "checkpoint_every", "keep_checkpoints", "average_last", "bleu_beam_size", "seed",
              "tokenizer_max_sentences", "steps", "epochs")
+_OPTIONAL_INTEGERS = ("steps", "epochs", "vocabulary_size", "gradient_accumulation_steps", "tokenizer_max_sentences",
+                      "average_last")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -521,8 +522,11 @@ class TrainingConfig:
     `dataclasses.replace(config, steps=...)` makes a changed, checked copy.
 
     Example:
-        >>> config = TrainingConfig(preset="tiny", steps=200, checkpoint_every=50)
-        >>> metadata = run_training("runs/tiny", config, verbose=0)
+
+    ```python
+    config = TrainingConfig(preset="tiny", steps=200, checkpoint_every=50)
+    metadata = run_training("runs/tiny", config, verbose=0)  # keywords override fields
+    ```
     """
 
     preset: object = "small"
