@@ -39,6 +39,7 @@ from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
 from keras_transformer.tokenizer import Tokenizer, train_tokenizer
 from keras_transformer.utils import (
+    atomic_directory,
     atomic_path,
     open_hdf5,
     remove_directory,
@@ -596,7 +597,9 @@ class TrainingConfig:
 def _check_config(config):
     """Raises `BadArgumentError` naming the first nonsense argument of `config`."""
     if config.steps is not None and config.epochs is not None:
-        raise BadArgumentError(f"Pass steps or epochs, not both (received steps={config.steps}, epochs={config.epochs})")
+        raise BadArgumentError(
+            f"Pass steps or epochs, not both (received steps={config.steps}, epochs={config.epochs})"
+        )
     for name in _INTEGERS:
         value = getattr(config, name)
         if value is None and name in _OPTIONAL_INTEGERS:
@@ -622,11 +625,13 @@ def _check_config(config):
     if config.jit_compile not in ("auto", True, False):
         raise BadArgumentError(f"jit_compile={config.jit_compile!r} must be 'auto', True or False")
     _check_preset(config.preset)
-    if (config.train_src is None) != (config.train_tgt is None) or (config.valid_src is None) != (config.valid_tgt is None):
+    unpaired = [(config.train_src, config.train_tgt), (config.valid_src, config.valid_tgt)]
+    if any((src is None) != (tgt is None) for src, tgt in unpaired):
         raise BadArgumentError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
 
 
 def _check_preset(preset):
+    """Raises `BadArgumentError` unless `preset` is a built-in name or a directory with config.json."""
     if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
         if not os.path.isfile(os.path.join(preset, "config.json")):
             raise BadArgumentError(
@@ -967,18 +972,14 @@ def _start(run, data):
     exists without its state. Sets `run.state`.
     """
     work = run.work
-    remove_stale_temporaries(work)
     if run.state is None:
-        if work.exists():
-            remove_directory(work)
-        staging = temporary_sibling(work, "tmp")
-        staging.mkdir(parents=True)
         run.state = {"arguments": run.arguments, "interval": data.interval, "steps": data.total_steps,
                      "finished": False, "changes": []}
-        _write_state(staging / STATE_FILE, run.state)
-        data.tokenizer.save(staging)
-        os.replace(staging, work)
+        with atomic_directory(work) as staging:  # replaces a `training/` that is not resumed
+            _write_state(staging / STATE_FILE, run.state)
+            data.tokenizer.save(staging)
         return
+    remove_stale_temporaries(work)
     _remove_partial_files(work)
     if data.new_tokenizer:
         data.tokenizer.save(work)
