@@ -139,6 +139,18 @@ def test_run_training_refuses_bad_input_before_writing(tmp_path, arguments, mess
     assert not output.exists()
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="data checks only; the same on every backend")
+def test_validation_text_without_a_usable_pair_is_refused_before_writing(tmp_path):
+    src, tgt = _small_corpus(tmp_path)
+    for name in ("valid.en", "valid.de"):
+        (tmp_path / name).write_text("word " * 100 + "\n", encoding="utf-8")
+    output = tmp_path / "out"
+    with pytest.raises(training.BadArgumentError, match="No sentence pair is between 1 and 46 tokens long"):
+        training.run_training(output, preset="tiny", train_src=src, train_tgt=tgt, valid_src=tmp_path / "valid.en",
+                              valid_tgt=tmp_path / "valid.de", vocabulary_size=300, max_length=48)
+    assert not output.exists()
+
+
 def test_train_cli_prints_one_line_for_a_missing_file(tmp_path, capsys):
     from keras_transformer import train
 
