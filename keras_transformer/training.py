@@ -16,23 +16,38 @@ Distribution (`strategy=`):
 """
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import pathlib
 import re
 import shutil
+import sys
 import time
 
 import h5py
 import keras
 import numpy as np
 
+from keras_transformer import data as data_lib
+from keras_transformer import datasets
 from keras_transformer.losses import LabelSmoothedCrossEntropy
+from keras_transformer.model import TransformerModel
 from keras_transformer.presets import PRESETS
 from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
-from keras_transformer.utils import atomic_path, open_hdf5, remove_stale_temporaries, stale_temporaries, temporary_sibling
+from keras_transformer.tokenizer import Tokenizer, train_tokenizer
+from keras_transformer.utils import (
+    atomic_directory,
+    atomic_path,
+    open_hdf5,
+    remove_directory,
+    remove_stale_temporaries,
+    replace_directory,
+    stale_temporaries,
+    temporary_sibling,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -467,7 +482,7 @@ def _finish_interrupted_install(output_dir):
     for entry in stale_temporaries(output_dir):
         if entry.name.startswith(f".{output_dir.name}.tmp-") and (entry / TRAINING_DIR / STATE_FILE).is_file():
             logger.warning("Completing the interrupted installation of %s (from %s)", output_dir, entry.name)
-            _swap_in(entry, output_dir)
+            replace_directory(entry, output_dir)
             break
     for path in (output_dir, output_dir / TRAINING_DIR, _replacement_directory(output_dir) / TRAINING_DIR):
         for entry in remove_stale_temporaries(path):
@@ -486,54 +501,165 @@ def _remove_partial_files(work):
                     entry.unlink()
 
 
-def _remove_directory(directory):
-    """Renames `directory` away (atomic), then deletes it: a kill never leaves half of it in place."""
-    trash = temporary_sibling(directory, "old")
-    os.replace(directory, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+# ---------------------------------------------------------------------- #
+# The arguments of a run, checked once.
+# ---------------------------------------------------------------------- #
+# The integer arguments (checked in this order; `seed` may be 0, the others
+# are >= 1) and those of them that may be None.
+_INTEGERS = ("vocabulary_size", "tokens_per_batch", "max_length", "warmup_steps", "gradient_accumulation_steps",
+             "checkpoint_every", "keep_checkpoints", "average_last", "bleu_beam_size", "seed",
+             "tokenizer_max_sentences", "steps", "epochs")
+_OPTIONAL_INTEGERS = ("steps", "epochs", "vocabulary_size", "gradient_accumulation_steps", "tokenizer_max_sentences",
+                      "average_last")
 
 
-def _swap_in(staging, output_dir):
-    """Replaces `output_dir` by `staging` (two renames; `_finish_interrupted_install` completes a killed one)."""
-    trash = None
-    if output_dir.exists():
-        trash = temporary_sibling(output_dir, "old")
-        os.replace(output_dir, trash)
-    os.replace(staging, output_dir)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    """What `run_training` is asked to do: its keyword arguments, their defaults and their checks.
+
+    The fields are `run_training`'s arguments (documented there) with the
+    same defaults. A config is checked when it is made, so one that exists
+    is valid: nonsense raises `BadArgumentError` naming the first bad value.
+    `dataclasses.replace(config, steps=...)` makes a changed, checked copy.
+
+    Example:
+
+    ```python
+    config = TrainingConfig(preset="tiny", steps=200, checkpoint_every=50)
+    metadata = run_training("runs/tiny", config, verbose=0)  # keywords override fields
+    ```
+    """
+
+    preset: object = "small"
+    train_src: object = None
+    train_tgt: object = None
+    valid_src: object = None
+    valid_tgt: object = None
+    vocabulary_size: object = None
+    tokens_per_batch: int = 25000
+    steps: object = None
+    epochs: object = None
+    max_length: int = 128
+    warmup_steps: int = 4000
+    learning_rate_scale: float = 1.0
+    label_smoothing: float = 0.1
+    gradient_accumulation_steps: object = None
+    checkpoint_every: int = 500
+    checkpoint_every_minutes: object = None
+    keep_checkpoints: int = 5
+    average_last: object = None
+    strategy: str = "auto"
+    mixed_precision: object = None
+    jit_compile: object = "auto"
+    bleu_beam_size: int = 4
+    seed: int = 0
+    overwrite: bool = False
+    verbose: object = None
+    model_overrides: object = None
+    tokenizer_max_sentences: object = None
+
+    def __post_init__(self):
+        _check_config(self)
+
+    @property
+    def micro_batches(self):
+        """Batches per optimizer update (`gradient_accumulation_steps`, 1 without accumulation)."""
+        return self.gradient_accumulation_steps or 1
+
+    @property
+    def checkpoints_averaged(self):
+        """`average_last`, or the preset's default (`default_average_last`)."""
+        return self.average_last if self.average_last is not None else default_average_last(self.preset)
+
+    def recorded_arguments(self, train_pairs, valid_pairs):
+        """The arguments as `state.json` records them (a resume compares them), with the data's size."""
+        vocabulary_size = self.vocabulary_size
+        if isinstance(self.preset, str) and self.preset in PRESETS:
+            vocabulary_size = vocabulary_size or PRESETS[self.preset]["config"]["vocabulary_size"]
+        arguments = {
+            "preset": _path_or_name(self.preset), "train_src": _path_or_name(self.train_src),
+            "train_tgt": _path_or_name(self.train_tgt), "valid_src": _path_or_name(self.valid_src),
+            "valid_tgt": _path_or_name(self.valid_tgt), "train_pairs": train_pairs, "valid_pairs": valid_pairs,
+            "vocabulary_size": vocabulary_size, "tokenizer_max_sentences": self.tokenizer_max_sentences,
+            "tokens_per_batch": self.tokens_per_batch, "steps": self.steps, "epochs": self.epochs,
+            "max_length": self.max_length, "warmup_steps": self.warmup_steps,
+            "learning_rate_scale": self.learning_rate_scale, "label_smoothing": self.label_smoothing,
+            "gradient_accumulation_steps": accumulation_steps(self.gradient_accumulation_steps),
+            "checkpoint_every": self.checkpoint_every, "checkpoint_every_minutes": self.checkpoint_every_minutes,
+            "keep_checkpoints": self.keep_checkpoints, "average_last": self.checkpoints_averaged,
+            "strategy": self.strategy, "mixed_precision": self.mixed_precision, "jit_compile": self.jit_compile,
+            "bleu_beam_size": self.bleu_beam_size, "seed": self.seed,
+            "model_overrides": dict(self.model_overrides or {}),
+        }
+        return json.loads(json.dumps(arguments, default=str))  # as it reads back from state.json
 
 
-def run_training(
-    output_dir,
-    preset="small",
-    train_src=None,
-    train_tgt=None,
-    valid_src=None,
-    valid_tgt=None,
-    vocabulary_size=None,
-    tokens_per_batch=25000,
-    steps=None,
-    epochs=None,
-    max_length=128,
-    warmup_steps=4000,
-    learning_rate_scale=1.0,
-    label_smoothing=0.1,
-    gradient_accumulation_steps=None,
-    checkpoint_every=500,
-    checkpoint_every_minutes=None,
-    keep_checkpoints=5,
-    average_last=None,
-    strategy="auto",
-    mixed_precision=None,
-    jit_compile="auto",
-    bleu_beam_size=4,
-    seed=0,
-    overwrite=False,
-    verbose=None,
-    model_overrides=None,
-    tokenizer_max_sentences=None,
-):
+def _check_config(config):
+    """Raises `BadArgumentError` naming the first nonsense argument of `config`."""
+    if config.steps is not None and config.epochs is not None:
+        raise BadArgumentError(
+            f"Pass steps or epochs, not both (received steps={config.steps}, epochs={config.epochs})"
+        )
+    for name in _INTEGERS:
+        value = getattr(config, name)
+        if value is None and name in _OPTIONAL_INTEGERS:
+            continue
+        minimum = 0 if name == "seed" else 1
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise BadArgumentError(f"{name}={value!r} must be an integer >= {minimum}")
+    scale, minutes, smoothing = config.learning_rate_scale, config.checkpoint_every_minutes, config.label_smoothing
+    if not (isinstance(scale, (int, float)) and np.isfinite(scale) and scale > 0):
+        raise BadArgumentError(f"learning_rate_scale={scale!r} must be a number > 0")
+    if minutes is not None and not (
+        isinstance(minutes, (int, float)) and not isinstance(minutes, bool) and np.isfinite(minutes) and minutes > 0
+    ):
+        raise BadArgumentError(f"checkpoint_every_minutes={minutes!r} must be a number > 0")
+    if not (isinstance(smoothing, (int, float)) and 0.0 <= smoothing < 1.0):
+        raise BadArgumentError(f"label_smoothing={smoothing!r} must be in [0, 1)")
+    if config.strategy not in STRATEGIES:
+        raise BadArgumentError(f"strategy={config.strategy!r} must be one of {STRATEGIES}")
+    if config.mixed_precision not in (None, "mixed_bfloat16", "mixed_float16"):
+        raise BadArgumentError(
+            f"mixed_precision={config.mixed_precision!r} must be None, 'mixed_bfloat16' or 'mixed_float16'"
+        )
+    if config.jit_compile not in ("auto", True, False):
+        raise BadArgumentError(f"jit_compile={config.jit_compile!r} must be 'auto', True or False")
+    _check_preset(config.preset)
+    unpaired = [(config.train_src, config.train_tgt), (config.valid_src, config.valid_tgt)]
+    if any((src is None) != (tgt is None) for src, tgt in unpaired):
+        raise BadArgumentError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
+
+
+def _check_preset(preset):
+    """Raises `BadArgumentError` unless `preset` is a built-in name or a directory with config.json."""
+    if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
+        if not os.path.isfile(os.path.join(preset, "config.json")):
+            raise BadArgumentError(
+                f"--preset {preset} is a directory without config.json; pass a preset directory or one of "
+                f"{', '.join(PRESETS)}"
+            )
+    elif not (isinstance(preset, str) and preset in PRESETS):
+        raise BadArgumentError(f"Unknown preset {preset!r}: use one of {', '.join(PRESETS)} or a preset directory")
+
+
+def default_average_last(preset):
+    """Checkpoints averaged by default: the built-in preset's `average_last` (paper 6.1), else 5."""
+    if isinstance(preset, str) and preset in PRESETS:
+        return PRESETS[preset].get("average_last", 5)
+    return 5
+
+
+def _path_or_name(value):
+    """A file or directory as an absolute path (the comparison on resume), a name or None as it is."""
+    if value is None or (isinstance(value, str) and value in PRESETS):
+        return value
+    return os.path.abspath(os.fspath(value))
+
+
+# ---------------------------------------------------------------------- #
+# run_training and its stages: prepare, data, model, fit, finalize.
+# ---------------------------------------------------------------------- #
+def run_training(output_dir, config=None, **overrides):
     """Trains a Transformer on parallel text and writes a preset directory.
 
     Without data paths it trains on the bundled LibreOffice English-German
@@ -548,10 +674,18 @@ def run_training(
     `UserInputError`s. The preset is staged beside `output_dir` and swapped
     in at the end, so `output_dir` never holds weights without config.json.
 
+    The work is done in stages, each a function below: `_prepare` (the
+    work directory and the resume decision; reads only), `_prepare_data`
+    (tokenizer and batches; reads only), `_start` (the first writes),
+    `_build_model`, `_fit` and `_finalize` (averaging, metadata, validation
+    BLEU, installing the preset).
+
     Args:
         output_dir: where the preset (config.json, model.weights.h5 with
             the averaged weights, tokenizer.model, metadata.json) is written;
             `output_dir/training/` keeps checkpoints and resume state.
+        config: optional `TrainingConfig`; the keyword arguments below
+            override its fields (without one, they override the defaults).
         preset: architecture preset name (or a preset directory to fine-tune).
         train_src, train_tgt, valid_src, valid_tgt: parallel text files.
         vocabulary_size: shared subword vocabulary; default: the preset's.
@@ -600,341 +734,410 @@ def run_training(
     Returns:
         dict: the metadata written to `metadata.json`.
     """
-    from keras_transformer import data as data_lib
-    from keras_transformer import datasets
-    from keras_transformer.model import TransformerModel
-    from keras_transformer.tokenizer import Tokenizer, train_tokenizer
-
     started = time.time()
+    config = _configure(config, overrides)
     output_dir = pathlib.Path(os.path.abspath(output_dir))  # `.`, `runs/x/`: a name to stage beside
     # A preset installation that a kill interrupted is completed first (it is
     # the newest state of the run), then nothing is written until every
     # argument, the data and the interrupted run have been checked.
     _finish_interrupted_install(output_dir)
+    with _input_errors():
+        run = _prepare(output_dir, config, started)
+        if run.finished is not None:
+            return run.finished
+        data = _prepare_data(run)
+    # From here on the run writes, in `run.root / training` only.
+    _start(run, data)
+    with _global_policy(config.mixed_precision):
+        model, strategy_name = _build_model(run, data)
+        final_train_loss = _fit(run, data, model, strategy_name)
+        return _finalize(run, data, model, {"strategy": strategy_name, "final_train_loss": final_train_loss})
+
+
+def _configure(config, overrides):
+    """`config` (default: `TrainingConfig()`) with `overrides` applied, checked."""
+    if config is None:
+        config = TrainingConfig()
+    elif not isinstance(config, TrainingConfig):
+        raise TypeError(f"config={config!r} must be a TrainingConfig (pass the other arguments by keyword)")
+    unknown = sorted(set(overrides) - {field.name for field in dataclasses.fields(TrainingConfig)})
+    if unknown:
+        raise TypeError(f"run_training() got unknown argument(s) {unknown}; see TrainingConfig for the allowed ones")
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
+@contextlib.contextmanager
+def _input_errors():
+    """Re-raises a ValueError or OSError (bad data, a missing file) as the `UserInputError` it is."""
     try:
-        _check_arguments(
-            preset=preset, steps=steps, epochs=epochs, vocabulary_size=vocabulary_size,
-            tokens_per_batch=tokens_per_batch, max_length=max_length, warmup_steps=warmup_steps,
-            learning_rate_scale=learning_rate_scale, label_smoothing=label_smoothing,
-            gradient_accumulation_steps=gradient_accumulation_steps, checkpoint_every=checkpoint_every,
-            checkpoint_every_minutes=checkpoint_every_minutes,
-            keep_checkpoints=keep_checkpoints, average_last=average_last, strategy=strategy,
-            mixed_precision=mixed_precision, jit_compile=jit_compile, bleu_beam_size=bleu_beam_size,
-            seed=seed, tokenizer_max_sentences=tokenizer_max_sentences,
-        )
-        accumulation = accumulation_steps(gradient_accumulation_steps)
-        if average_last is None:
-            average_last = default_average_last(preset)
-        if (train_src is None) != (train_tgt is None) or (valid_src is None) != (valid_tgt is None):
-            raise BadArgumentError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
-        root, state = _choose_work_root(output_dir, overwrite)
-        work = root / TRAINING_DIR
-
-        # Data.
-        arguments = {
-            "preset": _path_or_name(preset), "train_src": _path_or_name(train_src),
-            "train_tgt": _path_or_name(train_tgt), "valid_src": _path_or_name(valid_src),
-            "valid_tgt": _path_or_name(valid_tgt),
-        }
-        if train_src is None:
-            train_src, train_tgt = datasets.bundled_paths("train")
-            if valid_src is None:
-                valid_src, valid_tgt = datasets.bundled_paths("valid")
-        train_sources, train_targets = data_lib.read_parallel(train_src, train_tgt)
-        valid_sources, valid_targets = (
-            data_lib.read_parallel(valid_src, valid_tgt) if valid_src is not None else ([], [])
-        )
-        if isinstance(preset, str) and preset in PRESETS:
-            vocabulary_size = vocabulary_size or PRESETS[preset]["config"]["vocabulary_size"]
-        arguments.update(
-            train_pairs=len(train_sources), valid_pairs=len(valid_sources), vocabulary_size=vocabulary_size,
-            tokenizer_max_sentences=tokenizer_max_sentences, tokens_per_batch=tokens_per_batch, steps=steps,
-            epochs=epochs, max_length=max_length, warmup_steps=warmup_steps,
-            learning_rate_scale=learning_rate_scale, label_smoothing=label_smoothing,
-            gradient_accumulation_steps=accumulation, checkpoint_every=checkpoint_every,
-            checkpoint_every_minutes=checkpoint_every_minutes,
-            keep_checkpoints=keep_checkpoints, average_last=average_last, strategy=strategy,
-            mixed_precision=mixed_precision, jit_compile=jit_compile, bleu_beam_size=bleu_beam_size, seed=seed,
-            model_overrides=dict(model_overrides or {}),
-        )
-        arguments = json.loads(json.dumps(arguments, default=str))  # as it reads back from state.json
-
-        # The interrupted run, if any: resume it, or say why not.
-        resume, changes = None, {}
-        if state is not None:
-            if "arguments" not in state:
-                raise OutputDirectoryError(
-                    f"{root} was written by an older version of this trainer, whose backups cannot be "
-                    f"resumed safely; its checkpoints are in {work / 'checkpoints'}. Pass --overwrite to start again"
-                )
-            changes = _describe_changes(state["arguments"], arguments)
-            if state.get("finished"):
-                if not changes:
-                    logger.info("%s already holds the finished run of these arguments; nothing to do", output_dir)
-                    return json.loads((output_dir / "metadata.json").read_text(encoding="utf-8"))
-                raise OutputDirectoryError(
-                    f"{output_dir} holds a finished training run (with {_format_changes(changes)}); "
-                    "pass --overwrite to train again"
-                )
-            resume = read_resume_point(work / "backup" / RESUME_FILE)
-            if resume is None and changes:
-                logger.info("%s has no finished interval: starting it again with the new arguments", root)
-                state = None
-            elif resume is not None and root != output_dir and changes:
-                logger.warning(
-                    "Discarding the interrupted --overwrite run in %s (%s): starting it again", root, _format_changes(changes)
-                )
-                state, resume = None, None
-            elif resume is not None:
-                fixed = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES}
-                if fixed:
-                    raise BadArgumentError(
-                        f"{root} holds an interrupted run ({resume['step']} steps done) with other arguments: "
-                        f"{_format_changes(fixed)}. Repeat the original arguments to resume it, or pass "
-                        "--overwrite to start again (the run there is kept until the new one is complete)"
-                    )
-
-        # The shared vocabulary (kept across a resume), then the batches.
-        if state is not None and (work / "tokenizer.model").is_file():
-            tokenizer = Tokenizer.load(work)
-            new_tokenizer = False
-        else:
-            logger.info("Training a %s-token shared vocabulary on %d sentence pairs", vocabulary_size, len(train_sources))
-            tokenizer = train_tokenizer(
-                train_sources + train_targets, vocabulary_size=vocabulary_size, max_sentences=tokenizer_max_sentences
-            )
-            new_tokenizer = True
-        train_ids = data_lib.encode_pairs(tokenizer, train_sources, train_targets, max_length)
-        train_data = data_lib.make_dataset(*train_ids, tokens_per_batch=tokens_per_batch, seed=seed, max_length=max_length)
-        batches_per_epoch = int(train_data.cardinality())
-        # Everything counts optimizer updates; one update is `micro` batches.
-        micro = accumulation or 1
-        total_steps = steps if steps is not None else -(-(epochs or 10) * batches_per_epoch // micro)
-        interval = state["interval"] if resume is not None else max(1, min(checkpoint_every, total_steps))
-        fit_epochs = -(-total_steps // interval)
-        # Keras runs whole "epochs" of `interval` updates (the resume points), so
-        # the total is rounded up to a multiple of the checkpoint interval.
-        total_steps = fit_epochs * interval
-        if resume is not None and fit_epochs < resume["intervals"]:
-            raise BadArgumentError(
-                f"The interrupted run in {root} has already trained {resume['intervals'] * interval} steps; "
-                f"this command asks for {total_steps}. Ask for at least as many steps, or pass --overwrite"
-            )
+        yield
     except (ValueError, OSError) as error:
         raise _as_input_error(error) from error
 
-    # From here on the run writes, in `root / training` only. A new
-    # `training/` is assembled beside its place and renamed: it never exists
-    # without its state.
-    remove_stale_temporaries(work)
-    if state is None:
-        if work.exists():
-            _remove_directory(work)
-        staging = temporary_sibling(work, "tmp")
-        staging.mkdir(parents=True)
-        state = {"arguments": arguments, "interval": interval, "steps": total_steps, "finished": False, "changes": []}
-        _write_state(staging / STATE_FILE, state)
-        tokenizer.save(staging)
-        os.replace(staging, work)
-    else:
-        _remove_partial_files(work)
-        if new_tokenizer:
-            tokenizer.save(work)
-        if changes:
-            logger.info("Resuming with %s", _format_changes(changes))
-            state["changes"].append({"at_step": resume["step"], "changed": {k: list(v) for k, v in changes.items()}})
-            state["arguments"] = arguments
-        state["steps"] = total_steps
-        _write_state(work / STATE_FILE, state)
 
-    train_data = data_lib.make_dataset(
-        *train_ids, tokens_per_batch=tokens_per_batch, seed=seed, repeat=True, max_length=max_length
-    )
-    initial_epoch = resume["intervals"] if resume is not None else 0
+@contextlib.contextmanager
+def _global_policy(mixed_precision):
+    """Sets Keras' (global) mixed-precision policy for this run only.
+
+    The written preset is float32 (the compute dtype is the user's choice
+    when loading it, not a leftover of how it was trained).
+    """
+    previous = keras.mixed_precision.global_policy()
+    try:
+        if mixed_precision:
+            keras.mixed_precision.set_global_policy(mixed_precision)
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+@dataclasses.dataclass
+class _Texts:
+    """The parallel text of a run: the files read (the bundled corpus by default) and their lines."""
+
+    paths: dict  # {"train": (src, tgt), "valid": (src, tgt)}
+    train_sources: list
+    train_targets: list
+    valid_sources: list
+    valid_targets: list
+
+
+@dataclasses.dataclass
+class _Run:
+    """What `_prepare` decided: where the run trains, its recorded arguments, and what it continues."""
+
+    config: TrainingConfig
+    output_dir: pathlib.Path
+    root: pathlib.Path  # holds `training/`: `output_dir`, or `.NAME.new/` under --overwrite
+    texts: _Texts
+    arguments: dict  # as recorded in state.json
+    state: dict = None  # the interrupted run's state.json; None: start afresh
+    resume: dict = None  # its resume point (`read_resume_point`); None: train from step 0
+    changes: dict = dataclasses.field(default_factory=dict)  # {argument: (recorded, now)}
+    finished: dict = None  # the metadata of the identical finished run: nothing to do
+    started: float = 0.0  # time.time() at the start
+
+    @property
+    def work(self):
+        return self.root / TRAINING_DIR
+
+    @property
+    def resume_path(self):
+        return self.work / "backup" / RESUME_FILE
+
+
+def _prepare(output_dir, config, started):
+    """Stage 1 (reads only): chooses the work root, reads the data and the interrupted state, decides the resume.
+
+    Raises `OutputDirectoryError` for an output that must not be touched and
+    `BadArgumentError` for a resume whose arguments differ where they may not.
+    """
+    root, state = _choose_work_root(output_dir, config.overwrite)
+    texts = _read_texts(config)
+    arguments = config.recorded_arguments(len(texts.train_sources), len(texts.valid_sources))
+    run = _Run(config, output_dir, root, texts, arguments, state=state, started=started)
+    if state is not None:
+        _decide_resume(run)
+    return run
+
+
+def _read_texts(config):
+    """The training and validation lines (the bundled corpus when no training files are given)."""
+    train_src, train_tgt, valid_src, valid_tgt = config.train_src, config.train_tgt, config.valid_src, config.valid_tgt
+    if train_src is None:
+        train_src, train_tgt = datasets.bundled_paths("train")
+        if valid_src is None:
+            valid_src, valid_tgt = datasets.bundled_paths("valid")
+    train_sources, train_targets = data_lib.read_parallel(train_src, train_tgt)
+    valid_sources, valid_targets = data_lib.read_parallel(valid_src, valid_tgt) if valid_src is not None else ([], [])
+    paths = {"train": (train_src, train_tgt), "valid": (valid_src, valid_tgt)}
+    return _Texts(paths, train_sources, train_targets, valid_sources, valid_targets)
+
+
+def _decide_resume(run):
+    """Resume the interrupted run in `run.root`, start it again, or say why neither (sets `run`'s fields)."""
+    root, work = run.root, run.work
+    if "arguments" not in run.state:
+        raise OutputDirectoryError(
+            f"{root} was written by an older version of this trainer, whose backups cannot be "
+            f"resumed safely; its checkpoints are in {work / 'checkpoints'}. Pass --overwrite to start again"
+        )
+    run.changes = changes = _describe_changes(run.state["arguments"], run.arguments)
+    if run.state.get("finished"):
+        if not changes:
+            logger.info("%s already holds the finished run of these arguments; nothing to do", run.output_dir)
+            run.finished = json.loads((run.output_dir / "metadata.json").read_text(encoding="utf-8"))
+            return
+        raise OutputDirectoryError(
+            f"{run.output_dir} holds a finished training run (with {_format_changes(changes)}); "
+            "pass --overwrite to train again"
+        )
+    run.resume = resume = read_resume_point(run.resume_path)
+    if resume is None and changes:
+        logger.info("%s has no finished interval: starting it again with the new arguments", root)
+        run.state = None
+    elif resume is not None and root != run.output_dir and changes:
+        logger.warning(
+            "Discarding the interrupted --overwrite run in %s (%s): starting it again", root, _format_changes(changes)
+        )
+        run.state, run.resume = None, None
+    elif resume is not None:
+        fixed = {k: v for k, v in changes.items() if k not in RESUMABLE_CHANGES}
+        if fixed:
+            raise BadArgumentError(
+                f"{root} holds an interrupted run ({resume['step']} steps done) with other arguments: "
+                f"{_format_changes(fixed)}. Repeat the original arguments to resume it, or pass "
+                "--overwrite to start again (the run there is kept until the new one is complete)"
+            )
+
+
+@dataclasses.dataclass
+class _Data:
+    """What `_prepare_data` made: the shared vocabulary, the batches, and the run's length in updates.
+
+    Everything counts optimizer updates; one update is `micro` batches, a
+    Keras fit "epoch" is one interval of `interval` updates (a resume point).
+    """
+
+    tokenizer: object
+    new_tokenizer: bool  # trained by this run (else loaded from `training/`)
+    train_pairs: int  # pairs kept after encoding
+    train_data: object  # repeated, positioned after what a resumed run has trained
+    valid_data: object  # None without validation text
+    batches_per_epoch: int  # batches in one pass over the training data
+    micro: int
+    interval: int
+    total_steps: int  # a multiple of `interval`
+    fit_epochs: int  # total_steps // interval
+    initial_epoch: int  # intervals already trained
+
+
+def _prepare_data(run):
+    """Stage 2 (reads only): the shared vocabulary (kept across a resume), the batches and the schedule.
+
+    Raises `BadArgumentError` when a resume asks for fewer steps than are done.
+    """
+    config, texts = run.config, run.texts
+    if run.state is not None and (run.work / "tokenizer.model").is_file():
+        tokenizer, new_tokenizer = Tokenizer.load(run.work), False
+    else:
+        vocabulary_size = run.arguments["vocabulary_size"]
+        logger.info("Training a %s-token shared vocabulary on %d sentence pairs", vocabulary_size,
+                    len(texts.train_sources))
+        tokenizer = train_tokenizer(
+            texts.train_sources + texts.train_targets, vocabulary_size=vocabulary_size,
+            max_sentences=config.tokenizer_max_sentences,
+        )
+        new_tokenizer = True
+    train_ids = data_lib.encode_pairs(tokenizer, texts.train_sources, texts.train_targets, config.max_length)
+    batching = dict(tokens_per_batch=config.tokens_per_batch, max_length=config.max_length)
+    one_pass = data_lib.make_dataset(*train_ids, seed=config.seed, **batching)
+    batches_per_epoch = int(one_pass.cardinality())
+    micro, interval, total_steps, fit_epochs = _schedule(run, batches_per_epoch)
+    initial_epoch = run.resume["intervals"] if run.resume is not None else 0
+    train_data = data_lib.make_dataset(*train_ids, seed=config.seed, repeat=True, **batching)
     if initial_epoch:
         # The same batches as an uninterrupted run: skip what was trained.
         train_data = train_data.skip(initial_epoch * interval * micro)
     valid_data = None
-    if valid_sources:
-        valid_ids = data_lib.encode_pairs(tokenizer, valid_sources, valid_targets, max_length)
-        valid_data = data_lib.make_dataset(*valid_ids, tokens_per_batch=tokens_per_batch, shuffle=False, max_length=max_length)
-
-    # Model. A mixed-precision policy is global in Keras: it is set for this
-    # run only, and the written preset is float32 (the compute dtype is the
-    # user's choice when loading it, not a leftover of how it was trained).
-    previous_policy = keras.mixed_precision.global_policy()
-    try:
-        if mixed_precision:
-            keras.mixed_precision.set_global_policy(mixed_precision)
-        keras.utils.set_random_seed(seed)
-        strategy_name, scope = resolve_strategy(strategy)
-        overrides = dict(model_overrides or {})
-        overrides.setdefault("vocabulary_size", tokenizer.vocabulary_size)
-        overrides.setdefault("max_sequence_length", max(max_length, 8))
-        resume_path = work / "backup" / RESUME_FILE
-        with scope:
-            model = TransformerModel.from_preset(preset, **overrides)
-            compile_model(
-                model,
-                warmup_steps=warmup_steps,
-                learning_rate_scale=learning_rate_scale,
-                label_smoothing=label_smoothing,
-                gradient_accumulation_steps=accumulation,
-                jit_compile=jit_compile,
-                strategy_name=strategy_name,
-            )
-            if initial_epoch:
-                if not model.optimizer.built:
-                    model.optimizer.build(model.trainable_variables)
-                model.load_weights(str(resume_path))
-                logger.info("Resuming %s after step %d (interval %d of %d)", root, resume["step"], initial_epoch, fit_epochs)
-        nan_guard = StopOnNaN()
-        callbacks = [
-            ResumePoint(resume_path),
-            PeriodicCheckpoint(
-                work / "checkpoints", every_steps=interval, every_minutes=checkpoint_every_minutes,
-                keep=max(keep_checkpoints, average_last),
-            ),
-            nan_guard,
-            keras.callbacks.CSVLogger(str(work / "log.csv"), append=True),
-        ]
-        logger.info(
-            "Training %s (%d parameters) for %d updates of %d batch%s (%d batches per pass over the data), strategy=%s",
-            preset, model.count_params(), total_steps, micro, "" if micro == 1 else "es", batches_per_epoch,
-            strategy_name,
-        )
-        if verbose is None:
-            import sys
-
-            verbose = 1 if sys.stderr.isatty() else 2
-        final_train_loss = (resume or {}).get("loss")
-        if verbose:
-            # In steps and passes over the data, not Keras' fit epochs (checkpoint intervals).
-            callbacks.append(
-                TrainingProgress(
-                    total_steps, batches_per_epoch, checkpoint_every=None if checkpoint_every_minutes else interval,
-                    bar=verbose == 1,
-                )
-            )
-        if initial_epoch < fit_epochs:
-            history = model.fit(
-                train_data,
-                epochs=fit_epochs,
-                initial_epoch=initial_epoch,
-                steps_per_epoch=interval * micro,  # Keras counts batches
-                validation_data=valid_data,
-                callbacks=callbacks,
-                shuffle=False,  # the tf.data pipeline shuffles
-                verbose=0,
-            )
-            if history.history.get("loss"):
-                final_train_loss = float(history.history["loss"][-1])
-        if nan_guard.bad_step is not None:
-            raise FloatingPointError(
-                f"The training loss became NaN or infinite at step {nan_guard.bad_step}. Lower the "
-                "learning rate (--learning-rate-scale), use float32, or check the data. "
-                f"Checkpoints before that step are in {work / 'checkpoints'}."
-            )
-
-        # Average the last checkpoints (paper section 6.1) into a fresh, uncompiled model.
-        checkpoints = list_checkpoints(work / "checkpoints")[-average_last:]
-        config = model.get_config()
-        config["dtype"] = "float32"
-        final = TransformerModel.from_config(config)
-        if checkpoints:
-            averaged_path = work / "averaged.weights.h5"
-            average_checkpoints(checkpoints, averaged_path)
-            model.load_weights(str(averaged_path))
-        final.set_weights(model.get_weights())
-        final.tokenizer = tokenizer
-
-        metadata = {
-            "preset": str(preset),
-            # Portable: the bundled corpus by name and version, other files as given.
-            "data": {**datasets.data_record({"train": (train_src, train_tgt), "valid": (valid_src, valid_tgt)}),
-                     "train_pairs": len(train_ids[0])},
-            "steps": total_steps,
-            "tokens_per_batch": tokens_per_batch,
-            "hyperparameters": {
-                "warmup_steps": warmup_steps, "learning_rate_scale": learning_rate_scale,
-                "label_smoothing": label_smoothing, "gradient_accumulation_steps": accumulation,
-                "checkpoint_every": interval, "checkpoint_every_minutes": checkpoint_every_minutes,
-                "average_last": average_last, "max_length": max_length,
-                "seed": seed,
-            },
-            "averaged_checkpoints": [p.name for p in checkpoints],
-            "backend": keras.backend.backend(),
-            "strategy": strategy_name,
-            "mixed_precision": mixed_precision,
-            "train_seconds_this_run": round(time.time() - started, 1),
-            "final_train_loss": final_train_loss,
-        }
-        if state["changes"]:
-            metadata["resumed_with_changes"] = state["changes"]
-        if valid_data is not None:
-            results = model.evaluate(valid_data, verbose=0, return_dict=True)
-            metadata["valid_loss"] = float(results["loss"])
-            metadata["valid_token_accuracy"] = float(results["masked_accuracy"])
-            metadata.update(_validation_bleu(final, tokenizer, valid_sources, valid_targets, bleu_beam_size))
-        _install_preset(final, metadata, root, output_dir, state)
-        logger.info("Wrote %s: %s", output_dir, {k: v for k, v in metadata.items() if k.startswith("valid")})
-        return metadata
-    finally:
-        keras.mixed_precision.set_global_policy(previous_policy)
+    if texts.valid_sources:
+        valid_ids = data_lib.encode_pairs(tokenizer, texts.valid_sources, texts.valid_targets, config.max_length)
+        valid_data = data_lib.make_dataset(*valid_ids, shuffle=False, **batching)
+    return _Data(tokenizer, new_tokenizer, len(train_ids[0]), train_data, valid_data, batches_per_epoch, micro,
+                 interval, total_steps, fit_epochs, initial_epoch)
 
 
-def default_average_last(preset):
-    """Checkpoints averaged by default: the built-in preset's `average_last` (paper 6.1), else 5."""
-    if isinstance(preset, str) and preset in PRESETS:
-        return PRESETS[preset].get("average_last", 5)
-    return 5
-
-
-def _path_or_name(value):
-    """A file or directory as an absolute path (the comparison on resume), a name or None as it is."""
-    if value is None or (isinstance(value, str) and value in PRESETS):
-        return value
-    return os.path.abspath(os.fspath(value))
-
-
-def _check_arguments(preset, strategy, mixed_precision, jit_compile, label_smoothing, learning_rate_scale, steps,
-                     epochs, checkpoint_every_minutes, **positive):
-    """Raises `BadArgumentError` naming the first nonsense argument."""
-    if steps is not None and epochs is not None:
-        raise BadArgumentError(f"Pass steps or epochs, not both (received steps={steps}, epochs={epochs})")
-    positive.update(steps=steps, epochs=epochs)
-    for name, value in positive.items():
-        allowed_none = name in (
-            "steps", "epochs", "vocabulary_size", "gradient_accumulation_steps", "tokenizer_max_sentences",
-            "average_last",
-        )
-        if value is None and allowed_none:
-            continue
-        minimum = 0 if name == "seed" else 1
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-            raise BadArgumentError(f"{name}={value!r} must be an integer >= {minimum}")
-    if not (isinstance(learning_rate_scale, (int, float)) and np.isfinite(learning_rate_scale) and learning_rate_scale > 0):
-        raise BadArgumentError(f"learning_rate_scale={learning_rate_scale!r} must be a number > 0")
-    if checkpoint_every_minutes is not None and not (
-        isinstance(checkpoint_every_minutes, (int, float)) and not isinstance(checkpoint_every_minutes, bool)
-        and np.isfinite(checkpoint_every_minutes) and checkpoint_every_minutes > 0
-    ):
-        raise BadArgumentError(f"checkpoint_every_minutes={checkpoint_every_minutes!r} must be a number > 0")
-    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 1.0):
-        raise BadArgumentError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
-    if strategy not in STRATEGIES:
-        raise BadArgumentError(f"strategy={strategy!r} must be one of {STRATEGIES}")
-    if mixed_precision not in (None, "mixed_bfloat16", "mixed_float16"):
+def _schedule(run, batches_per_epoch):
+    """`(micro, interval, total_steps, fit_epochs)`: batches per update, updates per interval, and the length."""
+    config, resume = run.config, run.resume
+    micro = config.micro_batches
+    total_steps = config.steps if config.steps is not None else -(-(config.epochs or 10) * batches_per_epoch // micro)
+    interval = run.state["interval"] if resume is not None else max(1, min(config.checkpoint_every, total_steps))
+    fit_epochs = -(-total_steps // interval)
+    # Keras runs whole "epochs" of `interval` updates (the resume points), so
+    # the total is rounded up to a multiple of the checkpoint interval.
+    total_steps = fit_epochs * interval
+    if resume is not None and fit_epochs < resume["intervals"]:
         raise BadArgumentError(
-            f"mixed_precision={mixed_precision!r} must be None, 'mixed_bfloat16' or 'mixed_float16'"
+            f"The interrupted run in {run.root} has already trained {resume['intervals'] * interval} steps; "
+            f"this command asks for {total_steps}. Ask for at least as many steps, or pass --overwrite"
         )
-    if jit_compile not in ("auto", True, False):
-        raise BadArgumentError(f"jit_compile={jit_compile!r} must be 'auto', True or False")
-    if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
-        if not os.path.isfile(os.path.join(preset, "config.json")):
-            raise BadArgumentError(f"--preset {preset} is a directory without config.json; pass a preset directory or one of {', '.join(PRESETS)}")
-    elif not (isinstance(preset, str) and preset in PRESETS):
-        raise BadArgumentError(f"Unknown preset {preset!r}: use one of {', '.join(PRESETS)} or a preset directory")
+    return micro, interval, total_steps, fit_epochs
+
+
+def _start(run, data):
+    """The first writes: a new `training/` (state and tokenizer), or the resumed state with its changes.
+
+    A new `training/` is assembled beside its place and renamed: it never
+    exists without its state. Sets `run.state`.
+    """
+    work = run.work
+    if run.state is None:
+        run.state = {"arguments": run.arguments, "interval": data.interval, "steps": data.total_steps,
+                     "finished": False, "changes": []}
+        with atomic_directory(work) as staging:  # replaces a `training/` that is not resumed
+            _write_state(staging / STATE_FILE, run.state)
+            data.tokenizer.save(staging)
+        return
+    remove_stale_temporaries(work)
+    _remove_partial_files(work)
+    if data.new_tokenizer:
+        data.tokenizer.save(work)
+    if run.changes:
+        logger.info("Resuming with %s", _format_changes(run.changes))
+        changed = {k: list(v) for k, v in run.changes.items()}
+        run.state["changes"].append({"at_step": run.resume["step"], "changed": changed})
+        run.state["arguments"] = run.arguments
+    run.state["steps"] = data.total_steps
+    _write_state(work / STATE_FILE, run.state)
+
+
+def _build_model(run, data):
+    """Stage 3: builds and compiles the model under the strategy, restoring the resume point.
+
+    Returns `(model, strategy_name)`.
+    """
+    config = run.config
+    keras.utils.set_random_seed(config.seed)
+    strategy_name, scope = resolve_strategy(config.strategy)
+    overrides = dict(config.model_overrides or {})
+    overrides.setdefault("vocabulary_size", data.tokenizer.vocabulary_size)
+    overrides.setdefault("max_sequence_length", max(config.max_length, 8))
+    with scope:
+        model = TransformerModel.from_preset(config.preset, **overrides)
+        compile_model(
+            model,
+            warmup_steps=config.warmup_steps,
+            learning_rate_scale=config.learning_rate_scale,
+            label_smoothing=config.label_smoothing,
+            gradient_accumulation_steps=accumulation_steps(config.gradient_accumulation_steps),
+            jit_compile=config.jit_compile,
+            strategy_name=strategy_name,
+        )
+        if data.initial_epoch:
+            if not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)
+            model.load_weights(str(run.resume_path))
+            logger.info("Resuming %s after step %d (interval %d of %d)", run.root, run.resume["step"],
+                        data.initial_epoch, data.fit_epochs)
+    return model, strategy_name
+
+
+def _fit(run, data, model, strategy_name):
+    """Stage 4: `model.fit` from the resumed interval to the last, with resume points and checkpoints.
+
+    Returns the last training loss (the resume point's when nothing was left
+    to train). Raises `FloatingPointError` when the loss became NaN.
+    """
+    config, work = run.config, run.work
+    nan_guard = StopOnNaN()
+    callbacks = [
+        ResumePoint(run.resume_path),
+        PeriodicCheckpoint(
+            work / "checkpoints", every_steps=data.interval, every_minutes=config.checkpoint_every_minutes,
+            keep=max(config.keep_checkpoints, config.checkpoints_averaged),
+        ),
+        nan_guard,
+        keras.callbacks.CSVLogger(str(work / "log.csv"), append=True),
+    ]
+    micro = data.micro
+    logger.info(
+        "Training %s (%d parameters) for %d updates of %d batch%s (%d batches per pass over the data), strategy=%s",
+        config.preset, model.count_params(), data.total_steps, micro, "" if micro == 1 else "es",
+        data.batches_per_epoch, strategy_name,
+    )
+    verbose = config.verbose if config.verbose is not None else (1 if sys.stderr.isatty() else 2)
+    if verbose:
+        # In steps and passes over the data, not Keras' fit epochs (checkpoint intervals).
+        callbacks.append(TrainingProgress(
+            data.total_steps, data.batches_per_epoch,
+            checkpoint_every=None if config.checkpoint_every_minutes else data.interval, bar=verbose == 1,
+        ))
+    final_train_loss = (run.resume or {}).get("loss")
+    if data.initial_epoch < data.fit_epochs:
+        history = model.fit(
+            data.train_data,
+            epochs=data.fit_epochs,
+            initial_epoch=data.initial_epoch,
+            steps_per_epoch=data.interval * micro,  # Keras counts batches
+            validation_data=data.valid_data,
+            callbacks=callbacks,
+            shuffle=False,  # the tf.data pipeline shuffles
+            verbose=0,
+        )
+        if history.history.get("loss"):
+            final_train_loss = float(history.history["loss"][-1])
+    if nan_guard.bad_step is not None:
+        raise FloatingPointError(
+            f"The training loss became NaN or infinite at step {nan_guard.bad_step}. Lower the "
+            "learning rate (--learning-rate-scale), use float32, or check the data. "
+            f"Checkpoints before that step are in {work / 'checkpoints'}."
+        )
+    return final_train_loss
+
+
+def _finalize(run, data, model, trained):
+    """Stage 5: averages the last checkpoints, scores them on the validation text, installs the preset.
+
+    Args:
+        trained: `{"strategy": ..., "final_train_loss": ...}` from the model and fit stages.
+
+    Returns:
+        dict: the metadata written to `metadata.json`.
+    """
+    work = run.work
+    # Average the last checkpoints (paper section 6.1) into a fresh, uncompiled model.
+    checkpoints = list_checkpoints(work / "checkpoints")[-run.config.checkpoints_averaged:]
+    model_config = model.get_config()
+    model_config["dtype"] = "float32"
+    final = TransformerModel.from_config(model_config)
+    if checkpoints:
+        averaged_path = work / "averaged.weights.h5"
+        average_checkpoints(checkpoints, averaged_path)
+        model.load_weights(str(averaged_path))
+    final.set_weights(model.get_weights())
+    final.tokenizer = data.tokenizer
+
+    metadata = _metadata(run, data, checkpoints, trained)
+    if data.valid_data is not None:
+        results = model.evaluate(data.valid_data, verbose=0, return_dict=True)
+        metadata["valid_loss"] = float(results["loss"])
+        metadata["valid_token_accuracy"] = float(results["masked_accuracy"])
+        texts = run.texts
+        metadata.update(_validation_bleu(final, data.tokenizer, texts.valid_sources, texts.valid_targets,
+                                         run.config.bleu_beam_size))
+    _install_preset(final, metadata, run.root, run.output_dir, run.state)
+    logger.info("Wrote %s: %s", run.output_dir, {k: v for k, v in metadata.items() if k.startswith("valid")})
+    return metadata
+
+
+def _metadata(run, data, checkpoints, trained):
+    """metadata.json before the validation scores: what trained the model, on what, for how long."""
+    config = run.config
+    metadata = {
+        "preset": str(config.preset),
+        # Portable: the bundled corpus by name and version, other files as given.
+        "data": {**datasets.data_record(run.texts.paths), "train_pairs": data.train_pairs},
+        "steps": data.total_steps,
+        "tokens_per_batch": config.tokens_per_batch,
+        "hyperparameters": {
+            "warmup_steps": config.warmup_steps, "learning_rate_scale": config.learning_rate_scale,
+            "label_smoothing": config.label_smoothing,
+            "gradient_accumulation_steps": accumulation_steps(config.gradient_accumulation_steps),
+            "checkpoint_every": data.interval, "checkpoint_every_minutes": config.checkpoint_every_minutes,
+            "average_last": config.checkpoints_averaged, "max_length": config.max_length,
+            "seed": config.seed,
+        },
+        "averaged_checkpoints": [p.name for p in checkpoints],
+        "backend": keras.backend.backend(),
+        "strategy": trained["strategy"],
+        "mixed_precision": config.mixed_precision,
+        "train_seconds_this_run": round(time.time() - run.started, 1),
+        "final_train_loss": trained["final_train_loss"],
+    }
+    if run.state["changes"]:
+        metadata["resumed_with_changes"] = run.state["changes"]
+    return metadata
 
 
 def _validation_bleu(model, tokenizer, sources, references, beam_size):
@@ -962,6 +1165,6 @@ def _install_preset(model, metadata, root, output_dir, state):
     os.replace(root / TRAINING_DIR, staging / TRAINING_DIR)
     state["finished"] = True
     _write_state(staging / TRAINING_DIR / STATE_FILE, state)
-    _swap_in(staging, output_dir)
+    replace_directory(staging, output_dir)
     if root != output_dir:
-        _remove_directory(root)
+        remove_directory(root)

@@ -87,16 +87,35 @@ def atomic_directory(directory):
     staging.mkdir()
     try:
         yield staging
-        if directory.exists():
-            trash = temporary_sibling(directory, "old")
-            os.replace(directory, trash)
-            os.replace(staging, directory)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, directory)
+        replace_directory(staging, directory)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def replace_directory(staging, directory):
+    """Moves the complete directory `staging` onto `directory`, replacing what is there.
+
+    Two renames: an existing `directory` is renamed away to `.NAME.old-PID-HEX`
+    (then deleted), and `staging` takes its place. A kill between them leaves
+    no `directory`, its old content and `staging` under their temporary names
+    (`stale_temporaries`); a reader never sees a partial `directory`.
+    """
+    directory = pathlib.Path(directory)
+    trash = None
+    if directory.exists():
+        trash = temporary_sibling(directory, "old")
+        os.replace(directory, trash)
+    os.replace(staging, directory)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_directory(directory):
+    """Renames `directory` away (atomic), then deletes it: a kill never leaves half of it in place."""
+    trash = temporary_sibling(directory, "old")
+    os.replace(directory, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _fsync(path):

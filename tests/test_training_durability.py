@@ -139,6 +139,18 @@ def test_run_training_refuses_bad_input_before_writing(tmp_path, arguments, mess
     assert not output.exists()
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="data checks only; the same on every backend")
+def test_validation_text_without_a_usable_pair_is_refused_before_writing(tmp_path):
+    src, tgt = _small_corpus(tmp_path)
+    for name in ("valid.en", "valid.de"):
+        (tmp_path / name).write_text("word " * 100 + "\n", encoding="utf-8")
+    output = tmp_path / "out"
+    with pytest.raises(training.BadArgumentError, match="No sentence pair is between 1 and 46 tokens long"):
+        training.run_training(output, preset="tiny", train_src=src, train_tgt=tgt, valid_src=tmp_path / "valid.en",
+                              valid_tgt=tmp_path / "valid.de", vocabulary_size=300, max_length=48)
+    assert not output.exists()
+
+
 def test_train_cli_prints_one_line_for_a_missing_file(tmp_path, capsys):
     from keras_transformer import train
 
@@ -267,6 +279,62 @@ def test_a_run_without_progress_starts_again_with_the_corrected_arguments(tmp_pa
             training.run_training(output, **{**arguments, "vocabulary_size": 350})
     state = json.loads((output / "training" / "state.json").read_text())
     assert state["arguments"]["vocabulary_size"] == 350
+
+
+# What state.json records (a resume compares it): the same keys as before `TrainingConfig`,
+# so that runs interrupted under an earlier version still resume.
+RECORDED_ARGUMENTS = [
+    "preset", "train_src", "train_tgt", "valid_src", "valid_tgt", "train_pairs", "valid_pairs", "vocabulary_size",
+    "tokenizer_max_sentences", "tokens_per_batch", "steps", "epochs", "max_length", "warmup_steps",
+    "learning_rate_scale", "label_smoothing", "gradient_accumulation_steps", "checkpoint_every",
+    "checkpoint_every_minutes", "keep_checkpoints", "average_last", "strategy", "mixed_precision", "jit_compile",
+    "bleu_beam_size", "seed", "model_overrides",
+]
+
+
+def test_a_config_object_is_the_same_run_as_its_keywords(tmp_path, monkeypatch):
+    """`run_training(output, TrainingConfig(...), **overrides)` records what the keyword call recorded."""
+    output, arguments = _interrupted_run(tmp_path, monkeypatch)
+    state_path = output / "training" / "state.json"
+    recorded = json.loads(state_path.read_text())["arguments"]
+    assert list(recorded) == RECORDED_ARGUMENTS
+    assert (recorded["average_last"], recorded["gradient_accumulation_steps"]) == (5, None)  # tiny's default, 1 -> None
+    config = training.TrainingConfig(**{k: v for k, v in arguments.items() if k != "seed"}, seed=3)
+    before = _snapshot(output)
+    with pytest.raises(training.BadArgumentError, match=r"seed=3 \(was 0\)"):
+        training.run_training(output, config)
+    assert _snapshot(output) == before
+
+    def stop(strategy):
+        raise RuntimeError("resumed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training, "resolve_strategy", stop)
+        with pytest.raises(RuntimeError, match="resumed"):  # the same arguments: it resumes, changing nothing
+            training.run_training(output, config, seed=0, gradient_accumulation_steps=1)
+    state = json.loads(state_path.read_text())
+    assert state["arguments"] == recorded and state["changes"] == []
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="argument checks only; the same on every backend")
+def test_a_config_is_checked_when_it_is_made_and_changed(tmp_path):
+    import dataclasses
+
+    with pytest.raises(training.BadArgumentError, match=r"^keep_checkpoints=0 must be an integer >= 1$"):
+        training.TrainingConfig(keep_checkpoints=0)
+    config = training.TrainingConfig(preset="tiny", steps=10)
+    with pytest.raises(training.BadArgumentError, match="Pass steps or epochs, not both"):
+        dataclasses.replace(config, epochs=2)
+    with pytest.raises(training.BadArgumentError, match="Pass --train-src with --train-tgt"):
+        training.run_training(tmp_path / "out", config, train_src="a.en")
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['step'\]"):
+        training.run_training(tmp_path / "out", config, step=3)
+    with pytest.raises(TypeError, match="must be a TrainingConfig"):
+        training.run_training(tmp_path / "out", "tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.steps = 20
+    assert (config.checkpoints_averaged, training.TrainingConfig(preset="big").checkpoints_averaged) == (5, 20)
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------- #
