@@ -9,7 +9,7 @@ submodules that need no training framework (`keras_transformer.textio`,
 
 import importlib
 
-__version__ = "0.1.0.dev0"
+from keras_transformer.version import __version__
 
 # Public name -> the module that defines it.
 _EXPORTS = {

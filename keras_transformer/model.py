@@ -21,6 +21,7 @@ from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 from keras_transformer.presets import PRESETS
+from keras_transformer.version import __version__
 from keras_transformer.utils import atomic_directory, is_integer, is_real, open_hdf5
 
 CONFIG_FILE = "config.json"
@@ -582,8 +583,6 @@ class TransformerModel(keras.Model):
             raise FileExistsError(f"{directory} already exists; pass overwrite=True to replace it")
         tokenizer = tokenizer if tokenizer is not None else self.tokenizer
         with atomic_directory(directory) as staging:
-            from keras_transformer import __version__
-
             config = {
                 "module": "keras_transformer",
                 "class_name": type(self).__name__,
