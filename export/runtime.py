@@ -44,6 +44,7 @@ from export.contract import CONFIG_FILE, ValidationError
 from export.validate import check_graph_signature
 from keras_transformer.decoding import check_search_args, finish_rows
 from keras_transformer.textio import read_lines
+from keras_transformer.token_ids import check_id_range
 from keras_transformer.tokenizer import TOKENIZER_FILENAME, Tokenizer
 from keras_transformer.translator import Translator
 
@@ -200,15 +201,7 @@ def _check_ids(token_ids, name, rank, vocabulary_size):
         raise ValueError(f"{name} must have rank {rank} {expected}, received shape {ids.shape}")
     if ids.dtype.kind not in "iu":
         raise ValueError(f"{name} must be an integer array of token ids, received dtype {ids.dtype}")
-    if ids.size:
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocabulary_size:
-            bad = low if low < 0 else high
-            raise ValueError(
-                f"{name} contains token id {bad}, outside [0, {vocabulary_size}) for "
-                f"vocabulary_size={vocabulary_size}. Check that the tokenizer and the model "
-                "use the same vocabulary."
-            )
+    check_id_range(ids, name, vocabulary_size)
     return ids.astype(np.int32, copy=False)
 
 

@@ -9,6 +9,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_transformer.token_ids import check_id_range
+
 
 def _is_symbolic(x):
     """True inside tracing (tf.function, jax.jit, torch.compile) or for KerasTensors."""
@@ -53,15 +55,7 @@ def check_token_ids(token_ids, name, vocabulary_size):
     if "int" not in dtype:
         raise ValueError(f"{name} must be an integer tensor of token ids, received dtype {dtype}")
     if 0 not in shape:
-        values = ops.convert_to_numpy(token_ids)
-        low, high = int(values.min()), int(values.max())
-        if low < 0 or high >= vocabulary_size:
-            bad = low if low < 0 else high
-            raise ValueError(
-                f"{name} contains token id {bad}, outside [0, {vocabulary_size}) "
-                f"for vocabulary_size={vocabulary_size}. Check that the tokenizer "
-                "and the model use the same vocabulary."
-            )
+        check_id_range(ops.convert_to_numpy(token_ids), name, vocabulary_size)
     return ops.cast(token_ids, "int32")
 
 
