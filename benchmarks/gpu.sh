@@ -18,7 +18,8 @@ cd "$(dirname "$0")/.."
 export TF_CPP_MIN_LOG_LEVEL=2
 
 if [[ "${KT_GPU_INSTALL:-0}" == 1 ]]; then
-  python -m pip uninstall --quiet --yes onnxruntime jax-cuda12-plugin >/dev/null 2>&1 || true
+  # The CPU onnxruntime of [all] and onnxruntime-gpu are one module: keep only the GPU one.
+  python -m pip uninstall --quiet --yes onnxruntime >/dev/null 2>&1 || true
   python -m pip install --quiet -e ".[gpu]"
 fi
 

@@ -2,7 +2,8 @@
 
 Each entry: `config` (TransformerModel arguments), `description`, the
 paper's reference, and `average_last`: how many of the last checkpoints
-`run_training` averages by default (section 6.1: 5 for base, 20 for big). Paper: Vaswani et al., "Attention Is All You Need",
+`run_training` averages by default (section 6.1: 5 for base, 20 for big).
+Paper: Vaswani et al., "Attention Is All You Need",
 NeurIPS 2017, arXiv:1706.03762; Table 3 lists base and big.
 """
 

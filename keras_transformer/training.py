@@ -1010,7 +1010,7 @@ def _build_model(run, data):
             warmup_steps=config.warmup_steps,
             learning_rate_scale=config.learning_rate_scale,
             label_smoothing=config.label_smoothing,
-            gradient_accumulation_steps=accumulation_steps(config.gradient_accumulation_steps),
+            gradient_accumulation_steps=config.gradient_accumulation_steps,  # compile_model normalizes 1 to None
             jit_compile=config.jit_compile,
             strategy_name=strategy_name,
         )

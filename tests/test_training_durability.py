@@ -52,6 +52,20 @@ def _finished_run(directory):
     return _snapshot(directory)
 
 
+def _run_until_the_first_resume_point(monkeypatch, output, arguments):
+    """`run_training(output, **arguments)`, stopped right after its first resume point (as if killed there)."""
+    save = training.ResumePoint.on_epoch_end
+
+    def save_then_stop(self, epoch, logs=None):
+        save(self, epoch, logs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training.ResumePoint, "on_epoch_end", save_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            training.run_training(output, **arguments)
+
+
 def _dead_pid():
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()
@@ -375,16 +389,7 @@ def test_an_interrupted_run_resumes_with_its_optimizer_state(tmp_path, monkeypat
     arguments = dict(preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300, tokens_per_batch=512,
                      steps=2, checkpoint_every=1, warmup_steps=10, max_length=32, verbose=0,
                      model_overrides={"max_sequence_length": 32, "num_layers": 1})
-    save = training.ResumePoint.on_epoch_end
-
-    def save_then_stop(self, epoch, logs=None):
-        save(self, epoch, logs)
-        raise KeyboardInterrupt  # as if killed right after the first resume point
-
-    with monkeypatch.context() as patch:
-        patch.setattr(training.ResumePoint, "on_epoch_end", save_then_stop)
-        with pytest.raises(KeyboardInterrupt):
-            training.run_training(output, **arguments)
+    _run_until_the_first_resume_point(monkeypatch, output, arguments)
     resume_path = output / "training" / "backup" / training.RESUME_FILE
     assert training.read_resume_point(resume_path)["intervals"] == 1
     assert not (output / "config.json").exists()
@@ -415,16 +420,7 @@ def test_a_resumed_run_with_accumulation_skips_whole_updates(tmp_path, monkeypat
                      steps=4, checkpoint_every=2, warmup_steps=10, max_length=32, verbose=0,
                      gradient_accumulation_steps=3, average_last=1,
                      model_overrides={"max_sequence_length": 32, "num_layers": 1})
-    save = training.ResumePoint.on_epoch_end
-
-    def save_then_stop(self, epoch, logs=None):
-        save(self, epoch, logs)
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patch:
-        patch.setattr(training.ResumePoint, "on_epoch_end", save_then_stop)
-        with pytest.raises(KeyboardInterrupt):
-            training.run_training(tmp_path / "run", **arguments)
+    _run_until_the_first_resume_point(monkeypatch, tmp_path / "run", arguments)
     resume = training.read_resume_point(tmp_path / "run" / "training" / "backup" / training.RESUME_FILE)
     assert (resume["intervals"], resume["step"]) == (1, 2)  # 6 batches, 2 updates
     skipped = []
@@ -444,16 +440,7 @@ def test_overwrite_replaces_the_old_run_only_when_the_new_one_is_complete(tmp_pa
     arguments = dict(preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300, tokens_per_batch=512,
                      steps=2, checkpoint_every=1, warmup_steps=10, max_length=32, verbose=0, overwrite=True,
                      model_overrides={"max_sequence_length": 32, "num_layers": 1})
-    save = training.ResumePoint.on_epoch_end
-
-    def save_then_stop(self, epoch, logs=None):
-        save(self, epoch, logs)
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as patch:
-        patch.setattr(training.ResumePoint, "on_epoch_end", save_then_stop)
-        with pytest.raises(KeyboardInterrupt):
-            training.run_training(output, **arguments)
+    _run_until_the_first_resume_point(monkeypatch, output, arguments)
     assert _snapshot(output) == before  # interrupted: the old run is untouched
     assert (tmp_path / ".run.new" / "training" / "state.json").is_file()
 
