@@ -382,3 +382,14 @@ def test_mixed_precision_with_gradient_accumulation_trains_and_writes_a_float32_
     loaded = kt.TransformerModel.from_preset(str(out))
     assert loaded.dtype_policy.name == "float32"
     assert loaded.compute_dtype == "float32"
+
+
+def test_jit_compile_option_reaches_run_training_as_auto_or_a_bool():
+    from keras_transformer.train import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["--output", "x"]).jit_compile == "auto"
+    assert parse(["--output", "x", "--jit-compile", "true"]).jit_compile is True
+    assert parse(["--output", "x", "--jit-compile", "False"]).jit_compile is False
+    with pytest.raises(SystemExit):
+        parse(["--output", "x", "--jit-compile", "yes"])
