@@ -56,3 +56,30 @@ def test_epochs_can_be_overridden_after_the_settings():
     # scripts/quickstart.sh: EPOCHS=6 appends --epochs 6; the last one counts.
     args = build_parser().parse_args(["--output", "x", *quickstart.train_arguments(), "--epochs", "6"])
     assert args.epochs == 6 and args.warmup_steps == quickstart.SETTINGS["warmup_steps"]
+
+
+def test_the_script_passes_epochs_and_mixed_precision_from_the_environment(tmp_path):
+    # A stand-in `python` first on PATH: the real one for quickstart.py, and for the
+    # training command a recorder of its arguments that stops the script there.
+    real_python = sys.executable
+    recorder = tmp_path / "bin" / "python"
+    recorder.parent.mkdir()
+    recorder.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = "-m" ]; then echo "$@" > "{tmp_path}/train-args"; exit 3; fi\n'
+        f'exec "{real_python}" "$@"\n'
+    )
+    recorder.chmod(0o755)
+    env = {"PATH": f"{recorder.parent}:/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+           "EPOCHS": "18", "MIXED_PRECISION": "mixed_bfloat16"}
+    result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stderr
+    arguments = (tmp_path / "train-args").read_text().split()
+    assert arguments[:2] == ["-m", "keras_transformer.train"]
+    assert arguments[-4:] == ["--epochs", "18", "--mixed-precision", "mixed_bfloat16"]
+    assert build_parser().parse_args(arguments[2:]).epochs == 18
+    del env["EPOCHS"], env["MIXED_PRECISION"]
+    (tmp_path / "train-args").unlink()
+    subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    arguments = (tmp_path / "train-args").read_text().split()
+    assert "--mixed-precision" not in arguments and arguments.count("--epochs") == 1
