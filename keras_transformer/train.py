@@ -15,7 +15,9 @@ if __name__ == "__main__":  # a command: quiet the frameworks before anything im
     cli.quiet_startup()
 
 from keras_transformer.training import STRATEGIES, UserInputError, run_training  # noqa: E402
-from keras_transformer.utils import non_negative_int, positive_float, positive_int, unit_interval  # noqa: E402
+from keras_transformer.utils import (  # noqa: E402
+    auto_or_bool, non_negative_int, positive_float, positive_int, unit_interval,
+)
 
 
 def build_parser():
@@ -50,21 +52,13 @@ def build_parser():
                         help="average the last K checkpoints (default: the preset's; paper: 5 base, 20 big)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--mixed-precision", choices=["mixed_bfloat16", "mixed_float16"])
-    parser.add_argument("--jit-compile", type=_auto_or_bool, default="auto", metavar="{auto,true,false}",
+    parser.add_argument("--jit-compile", type=auto_or_bool, default="auto", metavar="{auto,true,false}",
                         help="XLA-compile the training step (default auto: off under MirroredStrategy and for "
                              "TensorFlow on a CPU, else Keras' choice)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace a run or preset at --output once the new one is complete")
     cli.add_verbose_argument(parser)
     return parser
-
-
-def _auto_or_bool(text):
-    """`--jit-compile`: "auto", or true/false (any case) as a bool."""
-    value = {"auto": "auto", "true": True, "false": False}.get(text.lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not auto, true or false")
-    return value
 
 
 def main(argv=None):

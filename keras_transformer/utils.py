@@ -221,6 +221,14 @@ def positive_float(text):
     return value
 
 
+def auto_or_bool(text):
+    """argparse type: "auto", or true / false (any case) as a bool."""
+    value = {"auto": "auto", "true": True, "false": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be auto, true or false, got {text}")
+    return value
+
+
 def unit_interval(text):
     """argparse type: a number in [0, 1) (a probability such as label smoothing)."""
     value = _number(float, text)
