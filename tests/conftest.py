@@ -58,6 +58,7 @@ BACKEND_INDEPENDENT = {
     "test_tokenizer.py": ["*"],
     "test_data.py": ["*"],
     "test_benchmarks.py": ["*"],
+    "test_benchmark_quickstart.py": ["*"],
     "test_progress.py": ["*"],
     "test_quickstart.py": ["*"],
     "test_utils.py": ["*"],
