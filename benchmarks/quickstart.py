@@ -111,16 +111,16 @@ def launch(name, output, arguments, minutes=None, done=None):
     output.parent.mkdir(parents=True, exist_ok=True)
     command = train_command(output, arguments)
     print(" ".join(command), flush=True)
-    log = open(output.parent / f"{name}.log", "w")
-    started = time.time()
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    deadline = None if minutes is None else started + 60 * minutes
-    while process.poll() is None:
-        if (deadline is not None and time.time() >= deadline) or (done is not None and done()):
-            process.terminate()  # resumable: the run can be continued with the same command
-            break
-        time.sleep(1.0)
-    rc = process.wait()
+    with open(output.parent / f"{name}.log", "w") as log:
+        started = time.time()
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        deadline = None if minutes is None else started + 60 * minutes
+        while process.poll() is None:
+            if (deadline is not None and time.time() >= deadline) or (done is not None and done()):
+                process.terminate()  # resumable: the run can be continued with the same command
+                break
+            time.sleep(1.0)
+        rc = process.wait()
     return started, time.time() - started, rc
 
 

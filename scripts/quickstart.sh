@@ -4,8 +4,8 @@
 # translate with ONNX Runtime. Interrupted training resumes when run again.
 # The training settings are keras_transformer/quickstart.py's (the notebook
 # colab/01_quickstart.ipynb reads the same ones).
-#   OUT=runs/small EPOCHS=18 bash scripts/quickstart.sh   (the longer setting: about 75 minutes, a better model)
-#   MIXED_PRECISION=mixed_bfloat16 bash scripts/quickstart.sh   (about 1.25x faster on a CPU with AVX512-BF16 or AMX)
+#   OUT=runs/small EPOCHS=18 bash scripts/quickstart.sh   (the longer setting: an estimated 75 minutes, a better model)
+#   MIXED_PRECISION=mixed_bfloat16 bash scripts/quickstart.sh   (1.28x faster on a CPU with AVX512-BF16, measured)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/small}
