@@ -20,7 +20,7 @@ from keras_transformer.layers.arguments import check_layer_args, check_positive_
 from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
-from keras_transformer.presets import PRESETS
+from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS
 from keras_transformer.version import __version__
 from keras_transformer.utils import atomic_directory, is_integer, is_real, open_hdf5
 
@@ -32,12 +32,19 @@ TOKENIZER_FILE = "tokenizer.model"
 # is the window's width r (see `upgrade_preset_config` for format 1).
 PRESET_FORMAT_VERSION = 2
 READABLE_PRESET_FORMATS = (1, 2)
+# "sinusoidal" is the paper's interleaved table; "sinusoidal_halves" puts the
+# sines in the first half of the features (Marian / OPUS-MT checkpoints).
+POSITION_ENCODINGS = ("sinusoidal", "sinusoidal_halves", "learned")
+# The feed-forward activation: ReLU in the paper (equation 2); the others
+# for imported checkpoints (Marian's "swish" is `silu`).
+ACTIVATIONS = ("relu", "gelu", "silu")
 
 
 def check_model_args(
     vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
     attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
     layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
+    activation="relu", logits_bias=False,
 ):
     """Raises a `ValueError` naming the first bad `TransformerModel` argument; returns `(d_k, d_v)` per head.
 
@@ -55,15 +62,19 @@ def check_model_args(
     check_layer_args(intermediate_dim, num_heads, dropout, attention_dropout, key_dim, value_dim, attention_window)
     if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
         raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
-    for name, value in (("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention)):
+    for name, value in (
+        ("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention), ("logits_bias", logits_bias)
+    ):
         if not isinstance(value, (bool, np.bool_)):
             raise ValueError(f"{name}={value!r} must be True or False")
     key_dim_resolved, value_dim_resolved = head_dims(hidden_dim, num_heads, key_dim, value_dim)
-    if position_encoding not in ("sinusoidal", "learned"):
+    if position_encoding not in POSITION_ENCODINGS:
         raise ValueError(
-            f"position_encoding={position_encoding!r} must be 'sinusoidal' or 'learned'"
+            f"position_encoding={position_encoding!r} must be one of {', '.join(map(repr, POSITION_ENCODINGS))}"
         )
-    if position_encoding == "sinusoidal" and hidden_dim % 2:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} must be one of {', '.join(map(repr, ACTIVATIONS))}")
+    if position_encoding.startswith("sinusoidal") and hidden_dim % 2:
         raise ValueError(f"hidden_dim={hidden_dim} must be even for sinusoidal positions")
     for name, value in special_ids.items():
         if not is_integer(value) or not 0 <= value < vocabulary_size:
@@ -115,7 +126,10 @@ class TransformerModel(keras.Model):
         attention_dropout: float, dropout on attention weights (not in the
             paper, 0.0).
         max_sequence_length: int, longest source or target accepted.
-        position_encoding: "sinusoidal" (paper) or "learned" (Table 3, row E).
+        position_encoding: "sinusoidal" (paper: sines and cosines
+            interleaved), "learned" (Table 3, row E), or "sinusoidal_halves"
+            (the same sinusoids, sines in the first half of the features and
+            cosines in the second: the layout of Marian checkpoints).
         normalize_first: bool, pre-LN instead of the paper's post-LN; adds a
             final LayerNorm after each stack.
         attention_window: optional odd int r, restricted self-attention
@@ -130,6 +144,10 @@ class TransformerModel(keras.Model):
         use_fused_attention: bool, use `keras.ops.dot_product_attention`
             where it computes the same numbers.
         pad_id, unk_id, start_id, end_id: the tokenizer's special ids.
+        activation: the feed-forward activation, "relu" (the paper's
+            equation 2), or "gelu" / "silu" (= swish) for imported checkpoints.
+        logits_bias: bool, add a learned bias `[V]` to the output logits (not
+            in the paper; Marian's `final_logits_bias`). Defaults to False.
 
     Example:
     >>> model = TransformerModel.from_preset("tiny")
@@ -142,7 +160,8 @@ class TransformerModel(keras.Model):
     - Vaswani et al., "Attention Is All You Need", NeurIPS 2017, arXiv:1706.03762.
     """
 
-    presets = {name: preset["description"] for name, preset in PRESETS.items()}
+    # The paper's architectures (random weights) and named pretrained checkpoints.
+    presets = {name: preset["description"] for name, preset in {**PRESETS, **PRETRAINED_PRESETS}.items()}
 
     def __init__(
         self,
@@ -167,6 +186,8 @@ class TransformerModel(keras.Model):
         unk_id=1,
         start_id=2,
         end_id=3,
+        activation="relu",
+        logits_bias=False,
         **kwargs,
     ):
         special_ids = {"pad_id": pad_id, "unk_id": unk_id, "start_id": start_id, "end_id": end_id}
@@ -174,6 +195,7 @@ class TransformerModel(keras.Model):
             vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
             attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
             layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
+            activation=activation, logits_bias=logits_bias,
         )
         super().__init__(**kwargs)
 
@@ -195,6 +217,8 @@ class TransformerModel(keras.Model):
         self.num_decoder_layers = num_decoder_layers
         self.use_fused_attention = use_fused_attention
         self.pad_id, self.unk_id, self.start_id, self.end_id = (int(i) for i in special_ids.values())
+        self.activation = activation
+        self.logits_bias = bool(logits_bias)
         self.head_key_dim, self.head_value_dim = key_dim_resolved, value_dim_resolved
         self.tokenizer = None
 
@@ -217,9 +241,10 @@ class TransformerModel(keras.Model):
             dtype=self.dtype_policy,
             name="token_embedding",
         )
-        if self.position_encoding == "sinusoidal":
+        if self.position_encoding.startswith("sinusoidal"):
+            layout = "halves" if self.position_encoding == "sinusoidal_halves" else "interleaved"
             position_layer = lambda name: SinusoidalPositionEncoding(  # noqa: E731
-                self.max_sequence_length, dtype=self.dtype_policy, name=name
+                self.max_sequence_length, layout=layout, dtype=self.dtype_policy, name=name
             )
         else:
             position_layer = lambda name: LearnedPositionEmbedding(  # noqa: E731
@@ -240,6 +265,7 @@ class TransformerModel(keras.Model):
             normalize_first=self.normalize_first,
             attention_window=self.attention_window,
             use_fused_attention=self.use_fused_attention,
+            activation=self.activation,
             dtype=self.dtype_policy,
         )
         self.encoder_layers = [
@@ -284,6 +310,12 @@ class TransformerModel(keras.Model):
         if self.normalize_first:
             self.encoder_final_norm.build(sequence)
             self.decoder_final_norm.build(sequence)
+        if self.logits_bias and not hasattr(self, "logits_bias_weight"):
+            # Not in the paper: Marian's `final_logits_bias`, added to the
+            # logits of the shared pre-softmax projection.
+            self.logits_bias_weight = self.add_weight(
+                name="logits_bias", shape=(self.vocabulary_size,), initializer="zeros", dtype="float32"
+            )
         self.built = True
 
     # ------------------------------------------------------------------ #
@@ -311,7 +343,10 @@ class TransformerModel(keras.Model):
             x = self.decoder_final_norm(x)
         # Pre-softmax projection with the shared embedding matrix; logits
         # are float32 even under mixed precision.
-        return ops.cast(self.token_embedding(x, reverse=True), "float32")  # [B, T, V]
+        logits = ops.cast(self.token_embedding(x, reverse=True), "float32")  # [B, T, V]
+        if self.logits_bias:
+            logits = logits + ops.cast(self.logits_bias_weight, "float32")
+        return logits
 
     def decode(self, decoder_token_ids, encoder_outputs, encoder_token_ids, training=False):
         """Full (uncached) decoder: logits `[B, T, V]` for target ids `[B, T]`.
@@ -531,6 +566,8 @@ class TransformerModel(keras.Model):
                 "unk_id": self.unk_id,
                 "start_id": self.start_id,
                 "end_id": self.end_id,
+                "activation": self.activation,
+                "logits_bias": self.logits_bias,
             }
         )
         return config
@@ -544,24 +581,44 @@ class TransformerModel(keras.Model):
 
     @classmethod
     def from_preset(cls, preset, **overrides):
-        """A built-in preset (random weights) or a directory from `save_to_preset`.
+        """A built-in preset, a directory from `save_to_preset`, or a pretrained checkpoint.
 
         Args:
-            preset: a name in `TransformerModel.presets` or a directory path.
+            preset: a name in `TransformerModel.presets` (an architecture with
+                random weights, or a named pretrained checkpoint such as
+                "opus_mt_en_de"), a directory written by `save_to_preset`, a
+                Hugging Face checkpoint directory (`config.json` with
+                `"model_type": "marian"`, `model.safetensors`, the tokenizer
+                files), or a handle "hf://org/name" (downloaded once into the
+                Hugging Face cache; see `keras_transformer.convert`).
             **overrides: constructor arguments replacing the preset's
-                (e.g. `vocabulary_size=32000`, `dropout=0.0`).
+                (e.g. `vocabulary_size=32000`, `dropout=0.0`); a pretrained
+                checkpoint takes only those that keep its weights' meaning
+                (dropout, attention_dropout, use_fused_attention,
+                max_sequence_length, dtype, name).
+
+        Returns:
+            the model; a preset directory's or checkpoint's tokenizer is
+            `model.tokenizer` (None for an architecture preset).
         """
+        from keras_transformer import convert
+
         allowed = set(_constructor_args())
         unknown = sorted(set(overrides) - allowed)
         if unknown:
             raise ValueError(f"Unknown TransformerModel argument(s) {unknown}; allowed: {sorted(allowed)}")
+        if isinstance(preset, str) and preset in PRETRAINED_PRESETS:
+            preset = PRETRAINED_PRESETS[preset]["handle"]
+        checkpoint = convert.checkpoint_directory(preset)
+        if checkpoint is not None:
+            return convert.load_checkpoint(cls, checkpoint, overrides)
         if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
             return _load_preset_directory(cls, pathlib.Path(preset), overrides)
         if isinstance(preset, str) and preset in PRESETS:
             return cls(**{**PRESETS[preset]["config"], **overrides})
         raise ValueError(
-            f"Unknown preset {preset!r}. Built-in presets: {', '.join(PRESETS)}; "
-            "or pass a directory written by save_to_preset."
+            f"Unknown preset {preset!r}. Built-in presets: {', '.join([*PRESETS, *PRETRAINED_PRESETS])}; "
+            "or pass a directory written by save_to_preset, a Hugging Face checkpoint directory, or hf://org/name."
         )
 
     def save_to_preset(self, directory, tokenizer=None, metadata=None, overwrite=False):
@@ -641,10 +698,9 @@ def _load_preset_directory(cls, directory, overrides):
         raise ValueError(
             f"Could not load {weights_path} into a model built from {config_path}: {reason}"
         ) from error
-    if (directory / TOKENIZER_FILE).is_file():
-        from keras_transformer.tokenizer import Tokenizer
+    from keras_transformer.tokenizer import load_tokenizer
 
-        model.tokenizer = Tokenizer.load(directory)
+    model.tokenizer = load_tokenizer(directory)
     return model
 
 

@@ -1,8 +1,14 @@
-"""Built-in architecture presets: data, not code.
+"""Built-in presets: data, not code.
 
-Each entry: `config` (TransformerModel arguments), `description`, the
-paper's reference, and `average_last`: how many of the last checkpoints
-`run_training` averages by default (section 6.1: 5 for base, 20 for big).
+`PRESETS` are architectures (random weights). Each entry: `config`
+(TransformerModel arguments), `description`, the paper's reference, and
+`average_last`: how many of the last checkpoints `run_training` averages by
+default (section 6.1: 5 for base, 20 for big).
+
+`PRETRAINED_PRESETS` are trained checkpoints of the same architecture: each
+entry's `handle` is a Hugging Face repository (`hf://org/name`), converted on
+load by `keras_transformer.convert` (downloaded once, then read from the
+Hugging Face cache).
 Paper: Vaswani et al., "Attention Is All You Need",
 NeurIPS 2017, arXiv:1706.03762; Table 3 lists base and big.
 """
@@ -95,4 +101,29 @@ PRESETS = {
             "max_sequence_length": 256,
         },
     },
+}
+
+
+OPUS_MT = (
+    "OPUS-MT (Tiedemann & Thottingal 2020, Helsinki-NLP), trained with Marian on OPUS data; CC-BY 4.0. "
+    "The paper's base size (6+6 layers, d_model 512, 8 heads, d_ff 2048) with Marian's departures: "
+    "swish feed-forward activation, sin|cos-halves positions, a logits bias. Trained weights, "
+    "downloaded once from the Hugging Face Hub."
+)
+
+PRETRAINED_PRESETS = {
+    f"opus_mt_{source}_{target}": {
+        "description": f"{names[0]} -> {names[1]}: {OPUS_MT}",
+        "handle": f"hf://Helsinki-NLP/opus-mt-{source}-{target}",
+        "reference": "Tiedemann & Thottingal, 'OPUS-MT - Building open translation services for the World', EAMT 2020",
+        "average_last": 5,
+    }
+    for source, target, names in (
+        ("en", "de", ("English", "German")),
+        ("de", "en", ("German", "English")),
+        ("en", "fr", ("English", "French")),
+        ("fr", "en", ("French", "English")),
+        ("en", "es", ("English", "Spanish")),
+        ("es", "en", ("Spanish", "English")),
+    )
 }

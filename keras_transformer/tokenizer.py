@@ -27,7 +27,9 @@ from tqdm.auto import tqdm
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILENAME = "tokenizer.model"
+# The special ids, the one home every module reads them from.
 PAD_ID, UNK_ID, START_ID, END_ID = 0, 1, 2, 3
+FIRST_ORDINARY_ID = 4  # the first id of an ordinary piece
 MODEL_TYPES = ("bpe", "unigram")
 _SAMPLING_SEED = 1234
 
@@ -284,13 +286,15 @@ class Tokenizer:
     def end_id(self):
         return self._processor.eos_id()
 
-    def encode(self, texts, add_start=False, add_end=True):
+    def encode(self, texts, add_start=False, add_end=True, target=False):
         """Text to ids.
 
         Args:
             texts: list of str (a single str is treated as a list of one).
             add_start: bool. Prepend the start id. Defaults to `False`.
             add_end: bool. Append the end id. Defaults to `True`.
+            target: bool, the texts are in the target language (the same
+                vocabulary here: it is shared; a `MarianTokenizer` has two).
 
         Returns:
             list of lists of int, one per text, unpadded.
@@ -337,6 +341,10 @@ class Tokenizer:
                     kept.append(token)
             sequences.append(kept)
         return self._processor.decode(sequences)
+
+    def pieces(self):
+        """The piece of each id, in id order."""
+        return [self._processor.id_to_piece(i) for i in range(self.vocabulary_size)]
 
     def save(self, directory):
         """Writes `directory/tokenizer.model` atomically; returns its path.
@@ -402,3 +410,20 @@ class Tokenizer:
         return tensorflow_text.SentencepieceTokenizer(
             model=self._proto, out_type=tf.int32, add_bos=add_start, add_eos=add_end
         )
+
+
+def load_tokenizer(directory):
+    """The tokenizer stored in a preset (or exported) directory, or None if it has none.
+
+    `tokenizer.model` is a `Tokenizer` (one shared SentencePiece vocabulary);
+    `marian_tokenizer.json` with `source.spm`, `target.spm` and `vocab.json`
+    is a `MarianTokenizer` (an imported OPUS-MT checkpoint's).
+    """
+    from keras_transformer import marian_tokenizer
+
+    directory = os.fspath(directory)
+    if os.path.isfile(os.path.join(directory, TOKENIZER_FILENAME)):
+        return Tokenizer.load(directory)
+    if os.path.isfile(os.path.join(directory, marian_tokenizer.SPECIALS_FILE)):
+        return marian_tokenizer.MarianTokenizer.load(directory)
+    return None

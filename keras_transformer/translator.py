@@ -58,12 +58,15 @@ class Translator:
         self.tokenizer = tokenizer
 
     @classmethod
-    def from_preset(cls, preset):
-        """A translator from a preset directory holding the model and `tokenizer.model`.
+    def from_preset(cls, preset, **overrides):
+        """A translator from a preset directory or a pretrained checkpoint, with its tokenizer.
 
         Args:
             preset: a directory written by `TransformerModel.save_to_preset`
-                with a tokenizer.
+                with a tokenizer, a named pretrained preset (e.g.
+                "opus_mt_en_de"), a Hugging Face Marian checkpoint directory or
+                an "hf://org/name" handle (see `TransformerModel.from_preset`).
+            **overrides: passed to `TransformerModel.from_preset`.
 
         Raises:
             ValueError: when the preset has no tokenizer (built-in preset
@@ -71,10 +74,10 @@ class Translator:
         """
         from keras_transformer.model import TOKENIZER_FILE, TransformerModel
 
-        model = TransformerModel.from_preset(preset)
+        model = TransformerModel.from_preset(preset, **overrides)
         if model.tokenizer is None:
             where = (
-                f"the directory {os.fspath(preset)!r} has no {TOKENIZER_FILE}"
+                f"the directory {os.fspath(preset)!r} has no tokenizer ({TOKENIZER_FILE})"
                 if os.path.isdir(preset)
                 else f"{preset!r} is a built-in architecture preset (random weights, no tokenizer)"
             )

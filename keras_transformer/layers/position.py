@@ -6,32 +6,43 @@ import keras
 from keras import ops
 
 
-def sinusoidal_table(positions, hidden_dim, dtype="float32"):
+SINUSOID_LAYOUTS = ("interleaved", "halves")
+
+
+def sinusoidal_table(positions, hidden_dim, dtype="float32", layout="interleaved"):
     """The paper's sinusoids for the given positions.
 
     PE(pos, 2i)   = sin(pos / 10000^(2i / d_model))
     PE(pos, 2i+1) = cos(pos / 10000^(2i / d_model))
 
-    Sine on even and cosine on odd dimensions, interleaved, exactly as the
-    paper writes it (tensor2tensor and keras-hub's `SinePositionEncoding`
-    concatenate or interleave differently; the function is the same up to
-    a permutation of dimensions, but weights trained with one layout do not
-    transfer to the other).
+    `layout="interleaved"` (the default) puts the sine on even and the cosine
+    on odd dimensions, exactly as the paper writes it. `layout="halves"` puts
+    the same sines in the first d_model / 2 dimensions and the cosines in the
+    second half, the layout of Marian / OPUS-MT checkpoints (and of
+    tensor2tensor and CTranslate2's built-in table): the same function up to a
+    permutation of dimensions, but weights trained with one layout do not
+    transfer to the other, so an imported checkpoint needs its own.
 
     Args:
-        positions: `[T]` positions (int or float tensor).
+        positions: `[T]` positions (int or float tensor), counted from 0.
         hidden_dim: even int, d_model.
         dtype: dtype of the result.
+        layout: "interleaved" (paper) or "halves" (sin | cos).
 
     Returns:
         `[T, hidden_dim]` table.
     """
+    if layout not in SINUSOID_LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {SINUSOID_LAYOUTS}")
     positions = ops.cast(positions, "float32")
     # 1 / 10000^(2i / d) for i = 0 .. d/2 - 1
     inverse_frequency = ops.exp(
         ops.arange(0, hidden_dim, 2, dtype="float32") * (-math.log(10000.0) / hidden_dim)
     )
     angles = ops.expand_dims(positions, 1) * ops.expand_dims(inverse_frequency, 0)  # [T, D/2]
+    if layout == "halves":
+        # [T, D/2] + [T, D/2] -> [T, D]: sines on dimensions i, cosines on D/2 + i.
+        return ops.cast(ops.concatenate([ops.sin(angles), ops.cos(angles)], axis=-1), dtype)
     # [T, D/2, 2] -> [T, D]: (sin, cos) pairs land on dimensions (2i, 2i+1).
     table = ops.reshape(ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1), (-1, hidden_dim))
     return ops.cast(table, dtype)
@@ -63,6 +74,8 @@ class SinusoidalPositionEncoding(keras.layers.Layer):
         max_sequence_length: optional int. The sinusoids are defined for any
             length; when set, longer inputs raise a ValueError (so that a
             sinusoidal and a learned model accept the same inputs).
+        layout: "interleaved" (the paper, default) or "halves" (sines, then
+            cosines; imported Marian checkpoints), see `sinusoidal_table`.
 
     Example:
     >>> x = keras.ops.zeros((2, 10, 512))
@@ -70,9 +83,12 @@ class SinusoidalPositionEncoding(keras.layers.Layer):
     (2, 10, 512)
     """
 
-    def __init__(self, max_sequence_length=None, **kwargs):
+    def __init__(self, max_sequence_length=None, layout="interleaved", **kwargs):
         super().__init__(**kwargs)
+        if layout not in SINUSOID_LAYOUTS:
+            raise ValueError(f"layout={layout!r} must be one of {SINUSOID_LAYOUTS}")
         self.max_sequence_length = max_sequence_length
+        self.layout = layout
 
     def build(self, inputs_shape):
         if inputs_shape[-1] is not None and inputs_shape[-1] % 2:
@@ -84,12 +100,13 @@ class SinusoidalPositionEncoding(keras.layers.Layer):
         _check_length(self, inputs, start_index)
         shape = ops.shape(inputs)
         positions = ops.arange(shape[1], dtype="int32") + ops.cast(start_index, "int32")
-        table = sinusoidal_table(positions, shape[-1], self.compute_dtype)
+        table = sinusoidal_table(positions, shape[-1], self.compute_dtype, layout=self.layout)
         return ops.broadcast_to(ops.expand_dims(table, 0), shape)
 
     def get_config(self):
         config = super().get_config()
         config["max_sequence_length"] = self.max_sequence_length
+        config["layout"] = self.layout
         return config
 
 

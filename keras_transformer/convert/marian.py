@@ -1,0 +1,308 @@
+"""Marian (OPUS-MT) checkpoints in the Hugging Face layout -> `TransformerModel` + `MarianTokenizer`.
+
+OPUS-MT models are the paper's architecture trained by the Helsinki-NLP
+group with Marian: post-LN encoder-decoder, sinusoidal positions, embeddings
+scaled by sqrt(d_model) and shared by both embeddings and the output
+projection. What they carry that the paper does not is expressed exactly by
+`TransformerModel` options, never approximated:
+
+| Marian (`config.json`)              | `TransformerModel`                         |
+|-------------------------------------|--------------------------------------------|
+| `activation_function` "swish"       | `activation="silu"` (paper: relu)          |
+| sin \\| cos halves, from position 0   | `position_encoding="sinusoidal_halves"`    |
+| `final_logits_bias`                 | `logits_bias=True`                         |
+| pad = last id, `</s>` = 0, start = pad | ids renumbered by `MarianTokenizer`     |
+| LayerNorm epsilon 1e-5 (PyTorch's)  | `layer_norm_epsilon=1e-5`                  |
+
+Three steps, as keras-hub's converters: `convert_config` (config.json ->
+constructor arguments, refusing in one line what the model cannot express),
+`convert_tokenizer` (the SentencePiece models and vocab.json), and
+`convert_weights` (each weight ported by name, transposed where PyTorch's
+`Linear` stores [out, in], rows renumbered to our ids; every tensor of the
+file is used or checked).
+"""
+
+import json
+import logging
+import pathlib
+
+import numpy as np
+
+from keras_transformer.convert import HF_CONFIG_FILE, PICKLES, CheckpointError, read_hf_config
+from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, VOCAB_FILE, MarianTokenizer
+
+logger = logging.getLogger(__name__)
+
+ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}
+# Overrides that keep the checkpoint's computation (anything else would change its shapes or its numbers).
+ALLOWED_OVERRIDES = ("dropout", "attention_dropout", "use_fused_attention", "max_sequence_length", "dtype", "name")
+LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which MarianMTModel uses
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def _field(config, name, default=None):
+    return config.get(name, default) if config.get(name) is not None else default
+
+
+def convert_config(config, path="config.json"):
+    """`TransformerModel` arguments for a Marian `config.json` (a dict).
+
+    Raises:
+        CheckpointError: naming the first field the model cannot express.
+    """
+    def refuse(field, why):
+        raise CheckpointError(f"{path}: {field}={config.get(field)!r} {why}")
+
+    if not _field(config, "share_encoder_decoder_embeddings", True):
+        refuse("share_encoder_decoder_embeddings", "(separate source and target vocabularies) is not supported: "
+               "TransformerModel shares one embedding matrix (section 3.4)")
+    vocabulary_size = config.get("vocab_size")
+    if _field(config, "decoder_vocab_size", vocabulary_size) != vocabulary_size:
+        refuse("decoder_vocab_size", f"differs from vocab_size={vocabulary_size}: separate vocabularies are not supported")
+    if not _field(config, "tie_word_embeddings", True):
+        refuse("tie_word_embeddings", "is not supported: the output projection must share the embedding matrix")
+    if not _field(config, "scale_embedding", False):
+        refuse("scale_embedding", "is not supported: TransformerModel multiplies embeddings by sqrt(d_model)")
+    activation = _field(config, "activation_function", "gelu")
+    if activation not in ACTIVATIONS:
+        refuse("activation_function", f"is not supported; supported: {', '.join(sorted(ACTIVATIONS))}")
+    for side in ("ffn_dim", "attention_heads"):
+        if config.get(f"encoder_{side}") != config.get(f"decoder_{side}"):
+            refuse(f"decoder_{side}", f"differs from encoder_{side}={config.get(f'encoder_{side}')!r}; "
+                   "TransformerModel has one size for both stacks")
+    for field in ("normalize_before", "add_final_layer_norm", "normalize_embedding"):
+        if config.get(field):
+            refuse(field, "is not supported (post-LN without an embedding LayerNorm, as Marian checkpoints)")
+    for field in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
+        if _field(config, field, 0.0):
+            # Training-only: inference is exact, fine-tuning would not apply it.
+            logger.warning("%s: %s=%s is not applied by TransformerModel (training only; inference is exact)",
+                           path, field, config[field])
+    hidden_dim, num_heads = config.get("d_model"), config.get("encoder_attention_heads")
+    if not isinstance(hidden_dim, int) or not isinstance(num_heads, int) or num_heads < 1 or hidden_dim % num_heads:
+        refuse("d_model", f"must be an integer multiple of encoder_attention_heads={num_heads!r}")
+    return {
+        "vocabulary_size": vocabulary_size,
+        "num_layers": config.get("encoder_layers"),
+        "num_encoder_layers": config.get("encoder_layers"),
+        "num_decoder_layers": config.get("decoder_layers"),
+        "num_heads": num_heads,
+        "hidden_dim": hidden_dim,
+        "intermediate_dim": config.get("encoder_ffn_dim"),
+        "dropout": float(_field(config, "dropout", 0.1)),
+        "attention_dropout": float(_field(config, "attention_dropout", 0.0)),
+        "max_sequence_length": _field(config, "max_position_embeddings", 512),
+        "position_encoding": "sinusoidal_halves",
+        "layer_norm_epsilon": LAYER_NORM_EPSILON,
+        "activation": ACTIVATIONS[activation],
+        "logits_bias": True,
+    }
+
+
+def convert_tokenizer(directory, config):
+    """The `MarianTokenizer` of a checkpoint directory (our ids), refusing what it cannot express."""
+    directory = pathlib.Path(directory)
+    tokenizer_config = {}
+    if (directory / TOKENIZER_CONFIG).is_file():
+        tokenizer_config = _read_json(directory / TOKENIZER_CONFIG)
+        if not isinstance(tokenizer_config, dict):
+            raise CheckpointError(f"{directory / TOKENIZER_CONFIG} must hold a JSON object")
+    if tokenizer_config.get("separate_vocabs"):
+        raise CheckpointError(f"{directory / TOKENIZER_CONFIG}: separate_vocabs=true (separate source and target "
+                              "vocabularies) is not supported")
+    for name in (SOURCE_SPM, TARGET_SPM, VOCAB_FILE):
+        if not (directory / name).is_file():
+            raise CheckpointError(f"{directory} has no {name}: a Marian checkpoint's tokenizer is source.spm, "
+                                  "target.spm and vocab.json")
+    vocab = _read_json(directory / VOCAB_FILE)
+    if not isinstance(vocab, dict):
+        raise CheckpointError(f"{directory / VOCAB_FILE} must be a JSON object of piece -> id")
+    by_id = {i: piece for piece, i in vocab.items()}
+    if len(vocab) != config.get("vocab_size"):
+        raise CheckpointError(f"{directory / HF_CONFIG_FILE}: vocab_size={config.get('vocab_size')!r} but "
+                              f"{VOCAB_FILE} has {len(vocab)} pieces")
+
+    def special(field):
+        value = config.get(field)
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, int) or value not in by_id:
+            raise CheckpointError(f"{directory / HF_CONFIG_FILE}: {field}={value!r} must be one id of {VOCAB_FILE}")
+        return by_id[value]
+
+    pad_token, end_token = special("pad_token_id"), special("eos_token_id")
+    start_token = special("decoder_start_token_id") if config.get("decoder_start_token_id") is not None else pad_token
+    unk_token = tokenizer_config.get("unk_token", "<unk>")
+    if isinstance(unk_token, dict):  # an AddedToken as serialized by transformers
+        unk_token = unk_token.get("content")
+    source_proto, target_proto = ((directory / name).read_bytes() for name in (SOURCE_SPM, TARGET_SPM))
+    try:
+        return MarianTokenizer(source_proto, target_proto, vocab, pad_token=pad_token, unk_token=unk_token,
+                               end_token=end_token, start_token=start_token)
+    except ValueError as error:
+        raise CheckpointError(f"{directory}: {error}") from None
+
+
+def _read_json(path):
+    try:
+        return json.loads(pathlib.Path(path).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid UTF-8 JSON: {error}") from None
+
+
+def read_safetensors(directory):
+    """Every tensor of the checkpoint's safetensors file(s), as float32 NumPy arrays by name.
+
+    Raises:
+        CheckpointError: there is no safetensors file (a pickle-only
+            checkpoint is named with the way to convert it), or a tensor of a
+            dtype NumPy cannot hold.
+    """
+    directory = pathlib.Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    else:
+        files = ["model.safetensors"] if (directory / "model.safetensors").is_file() else []
+    if not files:
+        pickles = [name for name in PICKLES if (directory / name).is_file()]
+        found = f" (it has {', '.join(pickles)}, which this package does not read: a pickle can run code)" if pickles else ""
+        raise CheckpointError(
+            f"{directory} has no model.safetensors{found}. Convert it once, where you trust the file: "
+            f"python -c \"from transformers import AutoModelForSeq2SeqLM as M; "
+            f"M.from_pretrained('{directory}').save_pretrained('{directory}')\" (writes model.safetensors), "
+            "or use a revision of the repository that has model.safetensors (hf://org/name@revision)"
+        )
+    try:
+        from safetensors import safe_open
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("Reading safetensors checkpoints needs safetensors: pip install \"keras-aiayn[hub]\"",
+                                  name="safetensors") from None
+    tensors = {}
+    for name in files:
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{directory} is missing {name} (named by model.safetensors.index.json)")
+        try:
+            with safe_open(str(path), framework="numpy") as handle:
+                for key in handle.keys():
+                    tensors[key] = np.asarray(handle.get_tensor(key), dtype=np.float32)
+        except (TypeError, ValueError, OSError) as error:  # bfloat16 and damaged files land here
+            raise CheckpointError(f"Cannot read {path}: {error}") from None
+    return tensors
+
+
+class _WeightWalk:
+    """Ports checkpoint tensors into Keras variables by name, keeping track of what was used."""
+
+    def __init__(self, tensors, source):
+        self.tensors = tensors
+        self.source = source
+        self.used = set()
+
+    def take(self, key):
+        if key not in self.tensors:
+            raise CheckpointError(f"{self.source} has no tensor {key!r}; the checkpoint does not match its config.json")
+        self.used.add(key)
+        return self.tensors[key]
+
+    def port_weight(self, variable, key, hook_fn=None):
+        """Assigns `hook_fn(tensor)` (or the tensor) to `variable`, checking the shape."""
+        value = self.take(key)
+        if hook_fn is not None:
+            value = hook_fn(value)
+        if tuple(value.shape) != tuple(variable.shape):
+            raise CheckpointError(
+                f"{self.source}: {key} has shape {tuple(value.shape)} where {variable.path} needs {tuple(variable.shape)}"
+            )
+        variable.assign(value.astype(np.float32))
+
+    def port_dense(self, dense, key):
+        """A PyTorch `Linear` ([out, in] weight and bias) into a Keras `Dense` ([in, out] kernel)."""
+        self.port_weight(dense.kernel, f"{key}.weight", np.transpose)
+        self.port_weight(dense.bias, f"{key}.bias")
+
+    def port_norm(self, norm, key):
+        self.port_weight(norm.gamma, f"{key}.weight")
+        self.port_weight(norm.beta, f"{key}.bias")
+
+    def port_attention(self, attention, norm, key, norm_key):
+        for dense, name in ((attention.query_dense, "q_proj"), (attention.key_dense, "k_proj"),
+                            (attention.value_dense, "v_proj"), (attention.output_dense, "out_proj")):
+            self.port_dense(dense, f"{key}.{name}")
+        self.port_norm(norm, norm_key)
+
+    def port_feedforward(self, layer, key):
+        self.port_dense(layer.feedforward_intermediate, f"{key}.fc1")
+        self.port_dense(layer.feedforward_output, f"{key}.fc2")
+        self.port_norm(layer.feedforward_norm, f"{key}.final_layer_norm")
+
+
+def _same_as(walk, key, reference, what):
+    """Checks that an optional duplicate tensor (a tied copy, a stored table) equals what the model computes."""
+    if key in walk.tensors:
+        walk.used.add(key)
+        value = walk.tensors[key]
+        if value.shape != reference.shape or not np.allclose(value, reference, atol=1e-5, rtol=0):
+            raise CheckpointError(f"{walk.source}: {key} differs from {what}; TransformerModel cannot express that")
+
+
+def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
+    """Ports a Marian checkpoint's tensors into `model` (built by `convert_config`), every tensor accounted for."""
+    walk = _WeightWalk(tensors, source)
+    embeddings_key = next((key for key in ("model.shared.weight", "model.encoder.embed_tokens.weight") if key in tensors),
+                          "model.shared.weight")
+    shared = walk.take(embeddings_key)
+    rows = tokenizer.marian_ids  # our id -> Marian row (the added start id takes <pad>'s)
+    walk.port_weight(model.token_embedding.embeddings, embeddings_key, lambda table: table[rows])
+    for key in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
+        _same_as(walk, key, shared, embeddings_key + " (they are tied in Marian)")
+    walk.port_weight(model.logits_bias_weight, "final_logits_bias", lambda bias: bias.reshape(-1)[rows])
+    from keras_transformer.layers.position import sinusoidal_table
+
+    table = np.asarray(sinusoidal_table(np.arange(model.max_sequence_length), model.hidden_dim, layout="halves"))
+    for side in ("encoder", "decoder"):
+        stored = tensors.get(f"model.{side}.embed_positions.weight")
+        if stored is not None:
+            length = min(len(stored), len(table))
+            _same_as(walk, f"model.{side}.embed_positions.weight", np.concatenate([table[:length], stored[length:]]),
+                     "the sin|cos-halves sinusoids from position 0")
+    for i, layer in enumerate(model.encoder_layers):
+        key = f"model.encoder.layers.{i}"
+        walk.port_attention(layer.self_attention, layer.self_attention_norm, f"{key}.self_attn",
+                            f"{key}.self_attn_layer_norm")
+        walk.port_feedforward(layer, key)
+    for i, layer in enumerate(model.decoder_layers):
+        key = f"model.decoder.layers.{i}"
+        walk.port_attention(layer.self_attention, layer.self_attention_norm, f"{key}.self_attn",
+                            f"{key}.self_attn_layer_norm")
+        walk.port_attention(layer.cross_attention, layer.cross_attention_norm, f"{key}.encoder_attn",
+                            f"{key}.encoder_attn_layer_norm")
+        walk.port_feedforward(layer, key)
+    unused = sorted(set(tensors) - walk.used)
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise CheckpointError(f"{source} has tensors the converted model does not use: {shown}")
+
+
+def load(cls, directory, overrides):
+    """A `cls` from a Marian checkpoint directory, with its `MarianTokenizer` as `model.tokenizer`."""
+    directory = pathlib.Path(directory)
+    config = read_hf_config(directory)
+    arguments = convert_config(config, directory / HF_CONFIG_FILE)
+    refused = sorted(set(overrides) - set(ALLOWED_OVERRIDES))
+    if refused:
+        raise CheckpointError(
+            f"Cannot override {refused} of the pretrained checkpoint {directory} (its weights fix them); "
+            f"allowed: {', '.join(ALLOWED_OVERRIDES)}"
+        )
+    tokenizer = convert_tokenizer(directory, config)
+    tensors = read_safetensors(directory)
+    # One more row than Marian's vocabulary when the decoder starts from <pad> (see MarianTokenizer).
+    arguments["vocabulary_size"] = tokenizer.vocabulary_size
+    model = cls(**{**arguments, **overrides})
+    convert_weights(model, tensors, tokenizer, source=str(directory / "model.safetensors"))
+    model.tokenizer = tokenizer
+    logger.info("Imported the Marian checkpoint %s (%d parameters)", directory, model.count_params())
+    return model
+

@@ -1,0 +1,172 @@
+"""A small Marian checkpoint built locally with Hugging Face `transformers`, for tests and smoke runs.
+
+Nothing is downloaded: the two SentencePiece models are trained on the
+bundled English-German corpus, a `MarianMTModel` is built at a small size
+(random init, or trained for a few hundred steps so that its translations
+end with `</s>`), and everything is written with `save_pretrained` in the
+Hugging Face layout of an OPUS-MT checkpoint (`config.json`,
+`model.safetensors`, `generation_config.json`, `source.spm`, `target.spm`,
+`vocab.json`, `tokenizer_config.json`). It stands in for
+`Helsinki-NLP/opus-mt-en-de` where there is no network (CI, the notebook's
+smoke mode); it needs `transformers` and PyTorch (the `[test]` extra).
+
+Example:
+
+```python
+from keras_transformer.convert.standin import build_marian_checkpoint
+
+build_marian_checkpoint("runs/opus-mt-standin", train_steps=300)
+model = kt.TransformerModel.from_preset("runs/opus-mt-standin")
+```
+"""
+
+import io
+import json
+import logging
+import os
+import pathlib
+import tempfile
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# The shapes of the stand-in; Marian's own (opus-mt-en-de) are 512 / 2048 / 8 heads / 6 + 6 layers.
+DEFAULT_SIZES = dict(d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_layers=2, decoder_layers=2)
+
+
+def _train_spm(lines, vocabulary_size):
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    # SentencePiece's defaults (unigram, unk 0, <s> 1, </s> 2), as Marian's own models.
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocabulary_size, model_type="unigram",
+        character_coverage=1.0, num_threads=1, input_sentence_size=0, shuffle_input_sentence=False, minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def _marian_vocab(source_proto, target_proto, language_codes=()):
+    """Marian's layout: `</s>` 0, `<unk>` 1, the pieces of both models (and codes), `<pad>` last."""
+    import sentencepiece as spm
+
+    vocab = {"</s>": 0, "<unk>": 1}
+    for code in language_codes:
+        vocab.setdefault(code, len(vocab))
+    for proto in (source_proto, target_proto):
+        processor = spm.SentencePieceProcessor(model_proto=proto)
+        for i in range(processor.get_piece_size()):
+            if not (processor.is_control(i) or processor.is_unknown(i)):
+                vocab.setdefault(processor.id_to_piece(i), len(vocab))
+    vocab["<pad>"] = len(vocab)
+    return vocab
+
+
+def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400, target_vocabulary_size=400,
+                            activation_function="swish", language_codes=(), seed=0, max_sentences=4000,
+                            batch_size=32, max_tokens=40, **sizes):
+    """Writes a Marian checkpoint in the Hugging Face layout; returns the directory.
+
+    Args:
+        directory: where to write (created; must not hold a checkpoint already).
+        train_steps: int, Adam steps on the bundled training split (0: random
+            init, with a random `final_logits_bias` and `<pad>` row so that a
+            converter that drops or misplaces them is caught).
+        source_vocabulary_size, target_vocabulary_size: pieces of source.spm and target.spm.
+        activation_function: the config's (Marian: "swish").
+        language_codes: e.g. (">>deu<<", ">>nld<<"): a multilingual target side.
+        seed: torch's and NumPy's seed.
+        max_sentences, batch_size, max_tokens: the training data: the first
+            `max_sentences` pairs of at most `max_tokens` pieces.
+        **sizes: `MarianConfig` fields replacing `DEFAULT_SIZES`.
+    """
+    import torch
+    import transformers
+
+    from keras_transformer.datasets import load_bundled
+
+    directory = pathlib.Path(directory)
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    english, german = load_bundled("train")
+    english, german = english[:max_sentences], german[:max_sentences]
+    source_proto = _train_spm(english, source_vocabulary_size)
+    target_proto = _train_spm(german, target_vocabulary_size)
+    vocab = _marian_vocab(source_proto, target_proto, language_codes)
+    pad = vocab["<pad>"]
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = pathlib.Path(scratch)
+        (scratch / "source.spm").write_bytes(source_proto)
+        (scratch / "target.spm").write_bytes(target_proto)
+        (scratch / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+        tokenizer = transformers.MarianTokenizer(
+            str(scratch / "source.spm"), str(scratch / "target.spm"), str(scratch / "vocab.json"),
+            source_lang="en", target_lang="de",
+        )
+        tokenizer.save_pretrained(str(directory))
+
+    config = transformers.MarianConfig(
+        vocab_size=len(vocab), decoder_vocab_size=len(vocab), max_position_embeddings=256,
+        activation_function=activation_function, scale_embedding=True, pad_token_id=pad, eos_token_id=0,
+        decoder_start_token_id=pad, forced_eos_token_id=0, share_encoder_decoder_embeddings=True,
+        dropout=0.1, attention_dropout=0.0, activation_dropout=0.0, **{**DEFAULT_SIZES, **sizes},
+    )
+    model = transformers.MarianMTModel(config)
+    if train_steps:
+        _train(model, tokenizer, english, german, train_steps, batch_size, max_tokens, rng)
+    else:
+        with torch.no_grad():
+            model.final_logits_bias.copy_(torch.randn_like(model.final_logits_bias) * 0.5)
+            model.model.shared.weight[pad].copy_(torch.randn_like(model.model.shared.weight[pad]))
+    model.eval()
+    # As the Hub's OPUS-MT generation configs: never generate <pad>.
+    model.generation_config = transformers.GenerationConfig(
+        bad_words_ids=[[pad]], decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
+        pad_token_id=pad, max_length=256, num_beams=4,
+    )
+    model.save_pretrained(str(directory))
+    logger.info("Wrote a Marian stand-in checkpoint (%d pieces, %d steps) to %s", len(vocab), train_steps, directory)
+    return directory
+
+
+def _train(model, tokenizer, english, german, steps, batch_size, max_tokens, rng):
+    import torch
+
+    sources = tokenizer(english, truncation=False)["input_ids"]
+    targets = tokenizer(text_target=german, truncation=False)["input_ids"]
+    pairs = [(s, t) for s, t in zip(sources, targets) if len(s) <= max_tokens and len(t) <= max_tokens]
+    pad = model.config.pad_token_id
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(steps):
+        batch = [pairs[i] for i in rng.integers(0, len(pairs), size=batch_size)]
+        source = _pad([s for s, _ in batch], pad)
+        labels = _pad([t for _, t in batch], -100)
+        loss = model(input_ids=source, attention_mask=source.ne(pad), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if (step + 1) % 100 == 0:
+            logger.info("stand-in training step %d: loss %.3f", step + 1, loss.item())
+
+
+def _pad(rows, value):
+    import torch
+
+    width = max(len(row) for row in rows)
+    return torch.tensor([row + [value] * (width - len(row)) for row in rows], dtype=torch.long)
+
+
+if __name__ == "__main__":  # pragma: no cover - a convenience for notebooks and manual runs
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory")
+    parser.add_argument("--train-steps", type=int, default=300)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(build_marian_checkpoint(args.directory, train_steps=args.train_steps))
+    os.sys.exit(0)

@@ -1,0 +1,313 @@
+"""The tokenizer of Marian / OPUS-MT checkpoints, in this package's ids.
+
+A Marian checkpoint tokenizes with two SentencePiece models, `source.spm`
+for the input language and `target.spm` for the output language, and maps the
+pieces of both to ids with one vocabulary, `vocab.json` (a piece missing
+from it is `<unk>`). Its special ids differ from ours: `</s>` is 0, `<unk>`
+1 and `<pad>` the last id, and the decoder starts from `<pad>`.
+
+`MarianTokenizer` gives the same pieces as Hugging Face's `MarianTokenizer`
+but numbers them as every other part of this package expects: the
+vocabulary is permuted so that pad = 0, unk = 1, start = 2 and end = 3, and
+the other pieces keep their Marian order from id 4 on. Because the Marian
+decoder starts from the padding token, and our model masks padding, the
+start token is one added piece (`<s>`) whose embedding the importer copies
+from Marian's `<pad>` row: the model computes exactly what the Marian one
+does, and the search, the exports and the server need no other special ids.
+`marian_ids` is that permutation (the Marian id behind each of our ids),
+which `keras_transformer.convert.marian` applies to the weights.
+
+Only NumPy, SentencePiece and the standard library are imported: the ONNX
+Runtime server uses this class without Keras.
+
+Example:
+
+```python
+from keras_transformer.marian_tokenizer import MarianTokenizer
+
+tokenizer = MarianTokenizer.load("preset_dir")       # or a converted checkpoint's
+ids = tokenizer.encode(["A sentence."])               # [[..., tokenizer.end_id]]
+tokenizer.decode(ids)                                 # ["A sentence."] (target side)
+```
+"""
+
+import json
+import os
+
+import numpy as np
+import sentencepiece as spm
+
+from keras_transformer.tokenizer import END_ID, FIRST_ORDINARY_ID, PAD_ID, START_ID, UNK_ID
+from keras_transformer.utils import atomic_path
+
+SOURCE_SPM = "source.spm"
+TARGET_SPM = "target.spm"
+VOCAB_FILE = "vocab.json"
+# Ours: which pieces of vocab.json are special (Hugging Face keeps this in
+# config.json and tokenizer_config.json, which a preset directory does not have).
+SPECIALS_FILE = "marian_tokenizer.json"
+FILES = (SOURCE_SPM, TARGET_SPM, VOCAB_FILE, SPECIALS_FILE)
+SPIECE_UNDERLINE = "\u2581"
+ADDED_START_PIECES = ("<s>", "<start>", "<decoder_start>")
+
+
+def split_language_code(text):
+    """`(code, rest)`: a leading `>>xx<<` target-language token and the text after it.
+
+    As Hugging Face's `MarianTokenizer.remove_language_code`: a text that
+    starts with ">>" and has a "<<" after it starts with a code (kept whole,
+    one piece); otherwise `code` is None.
+    """
+    if text.startswith(">>"):
+        end = text.find("<<")
+        if end != -1:
+            return text[: end + 2], text[end + 2:]
+    return None, text
+
+
+def _processor(proto, name):
+    try:
+        return spm.SentencePieceProcessor(model_proto=proto)
+    except RuntimeError:
+        raise ValueError(f"{name} is not a SentencePiece model ({len(proto)} bytes SentencePiece cannot parse)") from None
+
+
+class MarianTokenizer:
+    """Source and target SentencePiece models with Marian's shared vocabulary, in our ids.
+
+    Args:
+        source_proto: bytes, the serialized `source.spm`.
+        target_proto: bytes, the serialized `target.spm`.
+        vocab: dict piece -> Marian id (`vocab.json`), ids 0 .. len - 1.
+        pad_token, unk_token, end_token: the special pieces of `vocab`.
+        start_token: the piece the Marian decoder starts from; None or equal
+            to `pad_token` (Marian's convention) adds a start piece.
+
+    Raises:
+        ValueError: naming the field: ids that are not 0 .. len - 1, a special
+            piece missing from `vocab`, two special roles on one piece, or a
+            proto SentencePiece cannot read.
+    """
+
+    def __init__(self, source_proto, target_proto, vocab, pad_token="<pad>", unk_token="<unk>", end_token="</s>",
+                 start_token=None):
+        if not isinstance(vocab, dict) or not vocab:
+            raise ValueError(f"{VOCAB_FILE} must be a non-empty JSON object of piece -> id")
+        marian_ids = sorted(vocab.values()) if all(isinstance(i, int) for i in vocab.values()) else None
+        if marian_ids != list(range(len(vocab))):
+            raise ValueError(
+                f"{VOCAB_FILE}: the ids must be the integers 0 .. {len(vocab) - 1}, each once "
+                "(a vocabulary with gaps or repeated ids cannot be a model's embedding rows)"
+            )
+        start_token = None if start_token == pad_token else start_token
+        specials = {"pad_token": pad_token, "unk_token": unk_token, "end_token": end_token}
+        if start_token is not None:
+            specials["start_token"] = start_token
+        for name, piece in specials.items():
+            if piece not in vocab:
+                raise ValueError(f"{name}={piece!r} is not in {VOCAB_FILE}")
+        if len(set(specials.values())) != len(specials):
+            raise ValueError(f"the special pieces {specials} must be distinct")
+        self._source = _processor(bytes(source_proto), SOURCE_SPM)
+        self._target = _processor(bytes(target_proto), TARGET_SPM)
+        self._source_proto, self._target_proto = bytes(source_proto), bytes(target_proto)
+        self._vocab = dict(vocab)
+        self.pad_token, self.unk_token, self.end_token = pad_token, unk_token, end_token
+        self.start_token = start_token
+        by_marian_id = sorted(vocab, key=vocab.get)
+        if start_token is None:
+            # Marian starts from <pad>; our start id is an added piece with <pad>'s embedding.
+            self.added_start_token = next(piece for piece in ADDED_START_PIECES if piece not in vocab)
+            start_piece, start_marian_id = self.added_start_token, vocab[pad_token]
+        else:
+            self.added_start_token = None
+            start_piece, start_marian_id = start_token, vocab[start_token]
+        special = {vocab[pad_token], vocab[unk_token], vocab[end_token], vocab.get(start_token)}
+        ordinary = [piece for piece in by_marian_id if vocab[piece] not in special]
+        self._pieces = [pad_token, unk_token, start_piece, end_token] + ordinary
+        # marian_ids[i]: the Marian id (embedding row, logits-bias entry) of our id i.
+        self.marian_ids = np.array(
+            [vocab[pad_token], vocab[unk_token], start_marian_id, vocab[end_token]] + [vocab[p] for p in ordinary],
+            dtype=np.int64,
+        )
+        self._ids = {piece: i for i, piece in enumerate(self._pieces)}
+        self.language_codes = sorted(piece for piece in vocab if piece.startswith(">>") and piece.endswith("<<"))
+
+    # The special ids, as `keras_transformer.tokenizer.Tokenizer` has them.
+    pad_id, unk_id, start_id, end_id = PAD_ID, UNK_ID, START_ID, END_ID
+
+    @property
+    def vocabulary_size(self):
+        return len(self._pieces)
+
+    @property
+    def vocab(self):
+        """Marian's `vocab.json` (piece -> Marian id), as loaded."""
+        return dict(self._vocab)
+
+    @property
+    def source_proto(self):
+        return self._source_proto
+
+    @property
+    def target_proto(self):
+        return self._target_proto
+
+    def pieces(self):
+        """The piece of each of our ids, in id order (the added start piece included)."""
+        return list(self._pieces)
+
+    def id_of(self, piece):
+        """Our id of `piece` (`unk_id` for a piece outside the vocabulary, as Marian)."""
+        return self._ids.get(piece, UNK_ID)
+
+    def encode(self, texts, add_start=False, add_end=True, target=False):
+        """Text to our ids, as Hugging Face's `MarianTokenizer` tokenizes (then renumbered).
+
+        A leading `>>xx<<` language code is one piece; the rest is cut into
+        pieces by `source.spm` (`target.spm` with `target=True`, for training
+        targets); a piece outside `vocab.json` is unk.
+
+        Args:
+            texts: list of str (a single str is a list of one).
+            add_start: bool, prepend the start id (training targets).
+            add_end: bool, append the end id.
+            target: bool, the texts are in the target language.
+
+        Returns:
+            list of lists of int, one per text, unpadded.
+
+        Raises:
+            ValueError: the model translates into several languages (its
+                vocabulary has `>>xx<<` codes) and a source text does not
+                start with one.
+        """
+        if isinstance(texts, (str, bytes)):
+            texts = [texts]
+        texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in texts]
+        processor = self._target if target else self._source
+        encoded = []
+        for index, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"Expected str, received {text!r} of type {type(text).__name__}")
+            code, rest = split_language_code(text)
+            if not target and self.language_codes and code not in self.language_codes and text.strip():
+                shown = ", ".join(self.language_codes[:5]) + (", ..." if len(self.language_codes) > 5 else "")
+                raise ValueError(
+                    f"texts[{index}] does not start with a target-language token: this model translates into "
+                    f"{len(self.language_codes)} languages; start each text with one of {shown} "
+                    f"(e.g. '{self.language_codes[0]} {text[:30]}')"
+                )
+            pieces = ([code] if code is not None else []) + processor.encode(rest, out_type=str)
+            ids = [self._ids.get(piece, UNK_ID) for piece in pieces]
+            encoded.append(([START_ID] if add_start else []) + ids + ([END_ID] if add_end else []))
+        return encoded
+
+    def decode(self, ids):
+        """Our ids to target text, as `MarianTokenizer.batch_decode(..., skip_special_tokens=True)`.
+
+        Each sequence is cut at its first end id; the special pieces (pad,
+        start, unk) are dropped; the rest is joined by `target.spm`, with
+        any "▁" left (pieces `target.spm` does not know) made a space, and
+        the ends stripped.
+
+        Args:
+            ids: list of lists of int, or a 2D array `[B, L]` (a flat sequence
+                is one sequence).
+
+        Returns:
+            list of str.
+        """
+        if hasattr(ids, "shape"):
+            ids = np.asarray(ids)
+            ids = ids.tolist() if ids.ndim > 1 else [ids.tolist()]
+        else:
+            ids = list(ids)
+            if not ids or not isinstance(ids[0], (list, tuple, np.ndarray)):
+                ids = [ids]
+        texts = []
+        for sequence in ids:
+            pieces = []
+            for token in sequence:
+                token = int(token)
+                if token == END_ID:
+                    break
+                if token >= FIRST_ORDINARY_ID:
+                    pieces.append(self._pieces[token])
+            texts.append(self._target.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip())
+        return texts
+
+    def specials(self):
+        """What `SPECIALS_FILE` holds: the special pieces and the added start piece."""
+        return {
+            "format": "marian",
+            "pad_token": self.pad_token,
+            "unk_token": self.unk_token,
+            "end_token": self.end_token,
+            "start_token": self.start_token,
+        }
+
+    def save(self, directory):
+        """Writes source.spm, target.spm, vocab.json and marian_tokenizer.json, each atomically.
+
+        Returns:
+            the directory (str).
+        """
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        contents = {
+            SOURCE_SPM: self._source_proto,
+            TARGET_SPM: self._target_proto,
+            VOCAB_FILE: (json.dumps(self._vocab, ensure_ascii=False, indent=2) + "\n").encode("utf-8"),
+            SPECIALS_FILE: (json.dumps(self.specials(), indent=2, sort_keys=True) + "\n").encode("utf-8"),
+        }
+        for name, data in contents.items():
+            with atomic_path(os.path.join(directory, name)) as temporary, open(temporary, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        return directory
+
+    @classmethod
+    def load(cls, directory, specials=None):
+        """Reads a directory written by `save` (or a Marian checkpoint's files, given `specials`).
+
+        Args:
+            directory: str or path.
+            specials: optional dict with pad_token, unk_token, end_token and
+                start_token; read from marian_tokenizer.json when None.
+
+        Raises:
+            FileNotFoundError: naming the missing file.
+            ValueError: naming the file that cannot be used.
+        """
+        directory = os.fspath(directory)
+        needed = (SOURCE_SPM, TARGET_SPM, VOCAB_FILE) + (() if specials is not None else (SPECIALS_FILE,))
+        for name in needed:
+            if not os.path.isfile(os.path.join(directory, name)):
+                raise FileNotFoundError(f"No Marian tokenizer in {directory!r}: {name} is missing")
+        if specials is None:
+            specials = _read_json(os.path.join(directory, SPECIALS_FILE))
+            if not isinstance(specials, dict) or specials.get("format") != "marian":
+                raise ValueError(f"{os.path.join(directory, SPECIALS_FILE)} is not a Marian tokenizer description")
+        vocab = _read_json(os.path.join(directory, VOCAB_FILE))
+        protos = []
+        for name in (SOURCE_SPM, TARGET_SPM):
+            with open(os.path.join(directory, name), "rb") as f:
+                protos.append(f.read())
+        try:
+            return cls(
+                *protos, vocab,
+                pad_token=specials.get("pad_token", "<pad>"), unk_token=specials.get("unk_token", "<unk>"),
+                end_token=specials.get("end_token", "</s>"), start_token=specials.get("start_token"),
+            )
+        except ValueError as error:
+            raise ValueError(f"Cannot load the Marian tokenizer in {directory}: {error}") from None
+
+
+def _read_json(path):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid UTF-8 JSON: {error}") from None
