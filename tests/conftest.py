@@ -1,6 +1,7 @@
 """Shared test helpers. The backend comes from KERAS_BACKEND (tensorflow, jax, torch)."""
 
 import os
+import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -94,3 +95,52 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _backend_independent(item):
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------- #
+# Marian (OPUS-MT) stand-in checkpoints, built locally with transformers.
+# ---------------------------------------------------------------------- #
+# Built once per machine and reused by every backend's run (tests/run.sh runs
+# pytest once per backend): the checkpoint only depends on the builder's code
+# and the versions of transformers, torch and sentencepiece, which key the cache.
+MARIAN_STANDINS = {
+    "random": dict(train_steps=0),      # random init (random logits bias and <pad> row)
+    "trained": dict(train_steps=400),   # trained on the bundled corpus: outputs end with </s>
+}
+
+
+def _marian_standin(request, kind):
+    import hashlib
+    import importlib.metadata
+    import inspect
+    import shutil
+    import tempfile
+
+    pytest.importorskip("transformers")
+    from keras_transformer.convert import standin
+
+    versions = [importlib.metadata.version(name) for name in ("transformers", "torch", "sentencepiece")]
+    key = hashlib.sha256((inspect.getsource(standin) + repr(versions) + repr(MARIAN_STANDINS[kind])).encode()).hexdigest()[:16]
+    root = pathlib.Path(request.config.cache.mkdir("marian-standins"))
+    directory = root / f"{kind}-{key}"
+    if not (directory / "model.safetensors").is_file():
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=root))
+        standin.build_marian_checkpoint(staging / "checkpoint", **MARIAN_STANDINS[kind])
+        try:
+            (staging / "checkpoint").rename(directory)
+        except OSError:  # another process built it first
+            pass
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def marian_random(request):
+    """A random-init Marian checkpoint directory in the Hugging Face layout (read only)."""
+    return _marian_standin(request, "random")
+
+
+@pytest.fixture(scope="session")
+def marian_trained(request):
+    """A Marian checkpoint trained for a few hundred steps on the bundled corpus (read only)."""
+    return _marian_standin(request, "trained")
