@@ -208,12 +208,13 @@ class _WeightWalk:
 
     def port_weight(self, variable, key, hook_fn=None):
         """Assigns `hook_fn(tensor)` (or the tensor) to `variable`, checking the shape."""
-        value = self.take(key)
-        if hook_fn is not None:
-            value = hook_fn(value)
+        stored = self.take(key)
+        value = stored if hook_fn is None else hook_fn(stored)
         if tuple(value.shape) != tuple(variable.shape):
+            converted = f" ({tuple(value.shape)} once converted)" if hook_fn is not None else ""
             raise CheckpointError(
-                f"{self.source}: {key} has shape {tuple(value.shape)} where {variable.path} needs {tuple(variable.shape)}"
+                f"{self.source}: {key} has shape {tuple(stored.shape)}{converted}, which does not fit "
+                f"{variable.path} {tuple(variable.shape)}; the checkpoint does not match its config.json"
             )
         variable.assign(value.astype(np.float32))
 
