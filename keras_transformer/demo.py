@@ -22,12 +22,13 @@ def run():
     import keras
 
     from keras_transformer.presets import PRESETS
+    from keras_transformer.tokenizer import FIRST_ORDINARY_ID
 
     counts = {name: kt.TransformerModel.from_preset(name).count_params() for name in PRESETS}
     model = kt.TransformerModel.from_preset("tiny", dropout=0.0)
     rng = np.random.default_rng(0)
-    src = rng.integers(4, model.vocabulary_size, size=(2, 9)).astype("int32")
-    tgt = rng.integers(4, model.vocabulary_size, size=(2, 6)).astype("int32")
+    src = rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, size=(2, 9)).astype("int32")
+    tgt = rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, size=(2, 6)).astype("int32")
     full = keras.ops.convert_to_numpy(model({"encoder_token_ids": src, "decoder_token_ids": tgt}))
     cache = model.init_cache(model.encode(src), src, max_length=tgt.shape[1])
     difference = 0.0

@@ -21,6 +21,7 @@ from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS
+from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
 from keras_transformer.version import __version__
 from keras_transformer.utils import atomic_directory, is_integer, is_real, open_hdf5
 
@@ -182,10 +183,10 @@ class TransformerModel(keras.Model):
         num_encoder_layers=None,
         num_decoder_layers=None,
         use_fused_attention=True,
-        pad_id=0,
-        unk_id=1,
-        start_id=2,
-        end_id=3,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        start_id=START_ID,
+        end_id=END_ID,
         activation="relu",
         logits_bias=False,
         **kwargs,

@@ -121,11 +121,11 @@ def train_tokenizer(
     if (
         isinstance(vocabulary_size, bool)
         or not isinstance(vocabulary_size, int)
-        or vocabulary_size <= END_ID + 1
+        or vocabulary_size <= FIRST_ORDINARY_ID
     ):
         raise ValueError(
-            f"vocabulary_size={vocabulary_size!r} must be an int > {END_ID + 1} "
-            "(ids 0-3 are reserved)"
+            f"vocabulary_size={vocabulary_size!r} must be an int > {FIRST_ORDINARY_ID} "
+            f"(ids 0-{FIRST_ORDINARY_ID - 1} are reserved)"
         )
     if model_type not in MODEL_TYPES:
         raise ValueError(f"model_type={model_type!r} must be one of {MODEL_TYPES}")
