@@ -315,3 +315,23 @@ def test_paper_defaults_are_unchanged():
     assert (model.activation, model.position_encoding, model.logits_bias) == ("relu", "sinusoidal", False)
     assert not any("logits_bias" in weight.path for weight in model.weights)
     assert os.environ.get("KERAS_BACKEND", BACKEND) == keras.backend.backend()
+
+
+def test_stored_position_tables_are_checked_not_trusted(marian_random, tmp_path):
+    """Older Hub checkpoints store the sinusoids (`embed_positions`): HF's own table loads, another layout is refused."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(marian_random, directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    table = hf_model(marian_random).model.encoder.embed_positions.create_weight().numpy()  # float64 -> float32
+    for side in ("encoder", "decoder"):
+        tensors[f"model.{side}.embed_positions.weight"] = table
+    save_file(tensors, str(directory / "model.safetensors"))
+    kt.TransformerModel.from_preset(directory)
+    half = table.shape[1] // 2
+    interleaved = np.stack([table[:, :half], table[:, half:]], axis=-1).reshape(table.shape)
+    tensors["model.decoder.embed_positions.weight"] = interleaved
+    save_file(tensors, str(directory / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="embed_positions.weight differs from the sin|cos-halves sinusoids"):
+        kt.TransformerModel.from_preset(directory)
