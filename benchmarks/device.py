@@ -170,7 +170,7 @@ def _synchronize(value=None):
         import jax
 
         jax.block_until_ready(value)
-    else:
+    elif _backend() == "torch":
         import torch
 
         if torch.cuda.is_available():
@@ -183,9 +183,11 @@ def _on_gpu():
         import jax
 
         return jax.devices()[0].platform == "gpu"
-    import torch
+    if _backend() == "torch":
+        import torch
 
-    return torch.cuda.is_available()
+        return torch.cuda.is_available()
+    return False
 
 
 def _device_name():
@@ -195,9 +197,12 @@ def _device_name():
         device = jax.devices()[0]
         kind = platform.machine() if device.platform == "cpu" else getattr(device, "device_kind", device)
         return f"{device.platform}: {kind}"
-    import torch
+    if _backend() == "torch":
+        import torch
 
-    return f"cuda: {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else f"cpu: {platform.machine()}"
+        if torch.cuda.is_available():
+            return f"cuda: {torch.cuda.get_device_name(0)}"
+    return f"cpu: {platform.machine()}"
 
 
 def median_device_seconds(run, repeats, warmup=1):
@@ -228,7 +233,7 @@ def peak_memory():
         stats = jax.devices()[0].memory_stats() or {}
         if "peak_bytes_in_use" in stats:
             return stats["peak_bytes_in_use"] / 2**30, "jax memory_stats peak_bytes_in_use (process peak so far)"
-    else:
+    elif _backend() == "torch":
         import torch
 
         if torch.cuda.is_available():
@@ -278,14 +283,19 @@ def environment():
         import jax
         import jaxlib
 
+        stats = jax.devices()[0].memory_stats() or {}
         info.update(jax=jax.__version__, jaxlib=jaxlib.__version__, device_count=jax.device_count(),
-                    default_matmul_precision=str(jax.config.jax_default_matmul_precision))
+                    default_matmul_precision=str(jax.config.jax_default_matmul_precision),
+                    device_memory_gb=stats["bytes_limit"] / 2**30 if "bytes_limit" in stats else None,
+                    xla_flags=os.environ.get("XLA_FLAGS"))
     else:
         import torch
 
         info.update(torch=torch.__version__, cuda=torch.version.cuda,
                     float32_matmul_precision=torch.get_float32_matmul_precision(),
-                    device_count=torch.cuda.device_count())
+                    device_count=torch.cuda.device_count(),
+                    device_memory_gb=torch.cuda.get_device_properties(0).total_memory / 2**30
+                    if torch.cuda.is_available() else None)
     return info
 
 
@@ -792,7 +802,7 @@ def _worker_env(backend, cpu_only=False, smoke=False):
 
 
 # Seconds a worker leaves at the end of its share for the CPU half of the logits check.
-CPU_LOGITS_SECONDS = 40
+CPU_LOGITS_SECONDS = 60
 
 
 def run_backend(backend, scratch, results_dir, sections, smoke, seconds):
@@ -815,7 +825,7 @@ def run_backend(backend, scratch, results_dir, sections, smoke, seconds):
     if "logits" in data and "logits" not in data["errors"]:
         command = [sys.executable, "-m", "benchmarks.device", "--cpu-logits", str(scratch), "--backend", backend]
         status = _stream(command, _worker_env(backend, cpu_only=True, smoke=smoke), log,
-                         timeout=max(CPU_LOGITS_SECONDS, start + seconds - time.time()))
+                         timeout=max(30, start + seconds - time.time()))
         if status == 0:
             data["logits"].update(compare_logits(scratch, backend))
         else:
