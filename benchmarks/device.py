@@ -4,9 +4,13 @@ The GPU machine this workplace lends (one H200; Python 3.12, JAX with its
 CUDA plugin, PyTorch with CUDA, no TensorFlow, no network) runs this module
 through `benchmarks/device.sh`, which installs the carried Keras wheels first.
 Each backend runs in its own process (the backend is fixed at import), one
-after the other, so each has the GPU to itself. Nothing here imports
-TensorFlow: the batches are NumPy arrays given to `train_on_batch`, not the
-tf.data pipeline of `keras_transformer.data`.
+after the other (PyTorch first: eager, it needs less time, and JAX, which
+compiles, gets what it leaves of `--budget`), so each has the GPU to itself.
+A section that would start too close to its backend's share of the budget is
+skipped and named in the JSON; a worker still running at the end of its share
+is stopped, and what it had written stays. Nothing here imports TensorFlow:
+the batches are NumPy arrays given to `train_on_batch`, not the tf.data
+pipeline of `keras_transformer.data`.
 
 Sections, per backend (`--sections` picks some):
 
@@ -20,7 +24,11 @@ Sections, per backend (`--sections` picks some):
   batches of the paper's size (section 5.1: about 25,000 target tokens):
   448 rows x 64 positions, each row padded after a random length in
   [48, 64]. If a batch does not fit, it is split into 2 or 4 micro-batches
-  with the optimizer's gradient accumulation. Reported: target (non-padding
+  with the optimizer's gradient accumulation. `train_on_batch` returns NumPy
+  values, so each timed step includes waiting for the last one (the host's
+  share of a step is in the figure). The presets' attention dropout is 0
+  (the paper's dropout is on sub-layer outputs), so training runs the fused
+  attention too. Reported: target (non-padding
   label) tokens per second, seconds per step, MFU (training FLOPs per step,
   as `benchmarks.train.training_flops` counts them, over the step time and
   the measured bf16 rate), peak device memory (PyTorch:
@@ -46,12 +54,13 @@ Sections, per backend (`--sections` picks some):
   position and target tokens per second; compiled on JAX, eager on PyTorch.
 - `logits`: the same float32 base model's teacher-forced logits on the GPU
   against the CPU (a separate process of the same backend that loads the
-  weights), within `LOGITS_ATOL` (max abs difference), at float32 precision
-  ("highest": JAX's default lets XLA use TF32 for float32 products on the
-  GPU, reported beside it).
+  weights), within `LOGITS_ATOL` (max abs difference), with float32 products
+  computed in float32 (JAX's "highest" precision: its default may let XLA use
+  TF32 on the GPU; that difference is reported beside it, not checked).
 
 `--smoke` (`KT_DEVICE_SMOKE=1 bash benchmarks/device.sh`) runs the same code at
-tiny sizes on the CPU: it checks the script, not the figures.
+tiny sizes on the CPU, both backends side by side: it checks the script, not
+the figures.
 
 ```
 bash benchmarks/device.sh                       # on the GPU machine (see its header)
@@ -510,15 +519,15 @@ def attention(lengths, tokens, num_heads, head_dim, repeats):
         mask = keras.ops.convert_to_tensor(np.arange(length)[None, :] < real[:, None])
         cotangent = keras.ops.convert_to_tensor(rng.standard_normal((batch, length, hidden)).astype("float32"))
         functions = {name: _attention_functions(layer, x, mask, cotangent) for name, layer in layers.items()}
-        outputs = {
-            name: keras.ops.convert_to_numpy(keras.ops.cast(forward(), "float32")).astype("float64")
-            for name, (forward, _, _) in functions.items()
-        }
+        outputs = {}
+        for name, (forward, _, _) in functions.items():
+            with highest_precision() if name == "reference" else contextlib.nullcontext():
+                outputs[name] = keras.ops.convert_to_numpy(keras.ops.cast(forward(), "float32")).astype("float64")
         reference = outputs["reference"]
-        padded_rows = np.arange(length)[None, :] < real[:, None]  # compare the real query positions
+        real_queries = np.arange(length)[None, :] < real[:, None]  # padded queries are never read
 
         def error(a, b):
-            return float(np.linalg.norm((a - b)[padded_rows]) / np.linalg.norm(b[padded_rows]))
+            return float(np.linalg.norm((a - b)[real_queries]) / np.linalg.norm(b[real_queries]))
 
         row = {
             "source_length": length,
@@ -529,7 +538,7 @@ def attention(lengths, tokens, num_heads, head_dim, repeats):
             "fused_vs_plain_rel_error": error(outputs["fused"], outputs["plain"]),
             "fused_vs_float32_rel_error": error(outputs["fused"], reference),
             "plain_vs_float32_rel_error": error(outputs["plain"], reference),
-            "fused_vs_plain_max_abs_diff": float(np.abs(outputs["fused"] - outputs["plain"])[padded_rows].max()),
+            "fused_vs_plain_max_abs_diff": float(np.abs(outputs["fused"] - outputs["plain"])[real_queries].max()),
             "tolerance_rel_error": ATTENTION_RTOL,
         }
         row["equal"] = all(row[key] <= ATTENTION_RTOL for key in
@@ -607,14 +616,19 @@ def logits_inputs(model, shape, seed=0):
     return {"encoder_token_ids": source, "decoder_token_ids": target}
 
 
-def model_logits(model, inputs, highest=False):
-    """float32 teacher-forced logits; `highest`: full float32 products (no TF32) on JAX."""
-    context = contextlib.nullcontext()
-    if highest and _backend() == "jax":
+def highest_precision():
+    """A context in which float32 products are computed in float32 (JAX on a GPU may use TF32 otherwise)."""
+    if _backend() == "jax":
         import jax
 
-        context = jax.default_matmul_precision("highest")
-    with context:  # predict_on_batch is compiled on JAX (inside the context: its precision holds)
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()  # PyTorch: float32 unless torch.backends.cuda.matmul.allow_tf32 is set
+
+
+def model_logits(model, inputs, highest=False):
+    """float32 teacher-forced logits; `highest`: full float32 products (no TF32)."""
+    with highest_precision() if highest else contextlib.nullcontext():
+        # Compiled on JAX, and traced inside the context: its precision holds.
         return np.asarray(model.predict_on_batch(inputs), "float32")
 
 
@@ -917,7 +931,7 @@ def format_table(results):
         version = env.get("jax") or env.get("torch") or "?"
         matmul = data.get("matmul", {})
         lines.append(f"  {backend} {version} on {env.get('device', '?')}, keras {env.get('keras', '?')}, "
-                     f"bf16 matmul {matmul.get('size', '-')}^3: {_f(matmul.get('tflops'), '.1f')} TFLOP/s")
+                     f"bf16 matmul {matmul.get('size', '-')}^3: {_f(matmul.get('tflops'), '.3g')} TFLOP/s")
     paper = results["paper"]
     lines += ["", f"Training (mixed_bfloat16; paper: {paper['gpus']}, ~{paper['target_tokens_per_step']:,} target "
                   "tokens per step)",
