@@ -92,6 +92,7 @@ def test_device_smoke_runs_every_section_on_jax_and_torch_without_tensorflow(tmp
         assert math.isfinite(number), f"{path} = {number}"
     for backend, part in data["backends"].items():
         assert part["errors"] == {} and part["skipped"] == [], (backend, part["errors"], part["skipped"])
+        # keras.utils.set_random_seed imports TensorFlow where it can: not here, so the blocker reached the workers.
         assert part["tensorflow_loaded"] is False
         assert part["environment"]["backend"] == backend
         assert part["environment"]["keras_transformer_path"] == str(REPOSITORY / "keras_transformer")
@@ -135,7 +136,6 @@ def test_failures_name_each_failed_check():
                                "speedup_forward_backward": 2.0, "fused_kernels": []}],
                 "logits": {"within_tolerance": False, "max_abs_diff_highest": 0.01, "max_abs_diff_default": 0.02,
                            "rel_error_highest": 0.001},
-                "tensorflow_loaded": True,
             },
         },
     }
@@ -144,7 +144,6 @@ def test_failures_name_each_failed_check():
         "jax generation: skipped (time budget)",
         "jax attention S=512: outputs differ beyond 0.02 (fused vs plain 5.0e-01)",
         "jax logits: GPU vs CPU max abs diff 1.0e-02 > 0.001",
-        "jax: TensorFlow was imported",
     ]
     table = device.format_table(results)
     assert "| jax | 512 | 32 |" in table and "| NO |" in table and "Problems:" in table
