@@ -53,7 +53,8 @@ elif compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$python" -c "import importlib.metadata as m, sys; print('python', sys.version.split()[0], '| keras', m.version('keras'))"; then
+versions="import importlib.metadata as m, sys; print('python', sys.version.split()[0], '| keras', m.version('keras'))"
+if ! "$python" -c "$versions"; then
   echo "benchmarks/device.sh: no Keras here. Run 'bash benchmarks/device.sh wheels' on the development machine" \
     "and carry .whl (run(..., carry=[\".whl\"]))." >&2
   exit 2
