@@ -707,36 +707,42 @@ def run_worker(part_path, scratch, sections, sizes, deadline, require_gpu):
                     sizes["attention_lengths"], sizes["attention_tokens"], sizes["attention_heads"],
                     sizes["attention_head_dim"], sizes["attention_repeats"],
                 )
-    if "generation" in sections or "logits" in sections:
-        import keras_transformer as kt
+    models = {}
 
-        keras.mixed_precision.set_global_policy("float32")
-        preset, overrides = sizes["generation_preset"]
-        keras.utils.set_random_seed(0)
-        model = kt.TransformerModel.from_preset(preset, dropout=0.0, **overrides)
-        if "logits" in sections:
-            with part.section("logits", deadline, reserve=20 if full else 0) as go:
-                if go:
-                    inputs = logits_inputs(model, sizes["logits_shape"])
-                    weights = pathlib.Path(scratch) / f"{backend}.weights.h5"
-                    model.save_weights(weights)
-                    np.savez(
-                        pathlib.Path(scratch) / f"{backend}_logits.npz",
-                        highest=model_logits(model, inputs, highest=True), default=model_logits(model, inputs),
-                        **inputs,
-                    )
-                    (pathlib.Path(scratch) / f"{backend}_model.json").write_text(
-                        json.dumps({"preset": preset, "overrides": dict(overrides, dropout=0.0)})
-                    )
-                    part.data["logits"] = {"device": part.data["environment"]["device"],
-                                           "shape": list(sizes["logits_shape"])}
-        if "generation" in sections:
-            with part.section("generation", deadline, reserve=40 if full else 0) as go:
-                if go:
-                    part.data["generation"] = generation(
-                        model, sizes["generation_batches"], sizes["generation_source_length"],
-                        sizes["generation_length"], sizes["generation_repeats"],
-                    )
+    def float32_model():
+        """The base model in float32 with dropout 0 (built once, for the logits and the generation)."""
+        if not models:
+            import keras_transformer as kt
+
+            keras.mixed_precision.set_global_policy("float32")
+            keras.utils.set_random_seed(0)
+            models["base"] = kt.TransformerModel.from_preset(preset, dropout=0.0, **overrides)
+        return models["base"]
+
+    preset, overrides = sizes["generation_preset"]
+    if "logits" in sections:
+        with part.section("logits", deadline, reserve=20 if full else 0) as go:
+            if go:
+                model = float32_model()
+                inputs = logits_inputs(model, sizes["logits_shape"])
+                model.save_weights(pathlib.Path(scratch) / f"{backend}.weights.h5")
+                np.savez(
+                    pathlib.Path(scratch) / f"{backend}_logits.npz",
+                    highest=model_logits(model, inputs, highest=True), default=model_logits(model, inputs),
+                    **inputs,
+                )
+                (pathlib.Path(scratch) / f"{backend}_model.json").write_text(
+                    json.dumps({"preset": preset, "overrides": dict(overrides, dropout=0.0)})
+                )
+                part.data["logits"] = {"device": part.data["environment"]["device"],
+                                       "shape": list(sizes["logits_shape"])}
+    if "generation" in sections:
+        with part.section("generation", deadline, reserve=40 if full else 0) as go:
+            if go:
+                part.data["generation"] = generation(
+                    float32_model(), sizes["generation_batches"], sizes["generation_source_length"],
+                    sizes["generation_length"], sizes["generation_repeats"],
+                )
     # Information, not a check: where TensorFlow is installed, keras.utils.set_random_seed imports it
     # (to seed it too); where it is not, nothing here needs it (the smoke test blocks it).
     part.data["tensorflow_loaded"] = "tensorflow" in sys.modules
@@ -843,6 +849,7 @@ def run_backend(backend, scratch, results_dir, sections, smoke, seconds):
         status = _stream(command, _worker_env(backend, cpu_only=True, smoke=smoke), log,
                          timeout=max(30, start + seconds - time.time()))
         if status == 0:
+            data["logits"]["reference"] = "the same backend in a process that sees no GPU"
             data["logits"].update(compare_logits(scratch, backend))
         else:
             data["errors"]["logits_cpu"] = f"the CPU process ended with {status}"
