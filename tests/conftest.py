@@ -60,6 +60,8 @@ BACKEND_INDEPENDENT = {
     "test_data.py": ["*"],
     "test_benchmarks.py": ["*"],
     "test_benchmark_quickstart.py": ["*"],
+    # benchmarks/device.sh starts its own JAX and PyTorch processes.
+    "test_device_benchmark.py": ["*"],
     "test_progress.py": ["*"],
     "test_quickstart.py": ["*"],
     "test_utils.py": ["*"],
