@@ -113,7 +113,13 @@ def make_dataset(
         `tf.data.Dataset`; decoder inputs are targets without the last
         token, labels are targets without the first.
     """
-    import tensorflow as tf
+    try:
+        import tensorflow as tf
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "Training batches sentence pairs with tf.data on every Keras backend, and TensorFlow is not "
+            'installed: pip install "keras-aiayn[train]"', name="tensorflow",
+        ) from error
 
     if len(source_ids) != len(target_ids) or not source_ids:
         raise ValueError(
