@@ -2,7 +2,8 @@
 
 `write_text_graph(directory)` adds `translate.onnx` to a directory written
 by `python -m export.onnx` from a preset with a tokenizer. The graph wraps
-the exported `beam_search.onnx` in SentencePiece encoding and decoding (the
+the exported `beam_search.onnx` and `greedy_search.onnx` in SentencePiece
+encoding and decoding (the
 `SentencepieceTokenizer` and `SentencepieceDecoder` custom operators of
 onnxruntime-extensions, domain `ai.onnx.contrib`, with the directory's
 `tokenizer.model` as their `model` attribute), so that any ONNX Runtime
@@ -43,9 +44,11 @@ does in Python (`translator.py`, `tokenizer.py`):
    the end id appended and is right-padded with 0 into an int32
    `[batch', width]` matrix, where batch' counts the texts with at least
    one piece (Gather from the values with per-row offsets; no Python).
-3. If batch' > 0, the search graph's nodes (embedded unchanged; its weights
-   stay in the export's `weights.bin`, shared, not copied) run on that
-   matrix; texts without pieces (empty or whitespace-only) never reach the
+3. If batch' > 0, a search graph's nodes run on that matrix: the greedy
+   search's for `beam_size` 1, the beam search's otherwise, as the
+   Translator chooses (embedded unchanged, the greedy one's names
+   prefixed; the weights stay in the export's `weights.bin`, shared, not
+   copied); texts without pieces (empty or whitespace-only) never reach the
    model, as in the Translator.
 4. A Loop over the batch decodes each row: ids up to the first end id,
    pad and start ids dropped, then `SentencepieceDecoder` (which decodes
@@ -106,12 +109,15 @@ logger = logging.getLogger("export.text_graph")
 
 TEXT_GRAPH_FILE = "translate.onnx"
 SEARCH_FILE = "beam_search.onnx"
+GREEDY_FILE = "greedy_search.onnx"
 # The custom-op domain of onnxruntime-extensions.
 EXTENSIONS_DOMAIN = "ai.onnx.contrib"
 # Version of the graph's layout, stored in its metadata.
 TEXT_GRAPH_VERSION = 1
-# Our own value names start with this; the search graph's keep theirs.
+# Our own value names start with this; the beam search graph's keep theirs,
+# the greedy one's get `_GREEDY_PREFIX`.
 _PREFIX = "translate/"
+_GREEDY_PREFIX = "greedy/"
 # A leading `>>xx<<` target-language token, as `marian_tokenizer.split_language_code` finds it.
 LANGUAGE_CODE_RE2 = r"^>>(?s:.*?)<<"
 
@@ -176,28 +182,101 @@ class _GraphBuilder:
         return outputs[0] if len(outputs) == 1 else outputs
 
 
-def _check_search_graph(search_model):
-    """Checks `beam_search.onnx`'s inputs, outputs, opset (13 or newer) and value names.
+def _check_search_graph(search_model, spec=contract.BEAM_SEARCH, file=SEARCH_FILE):
+    """Checks a search graph's inputs, outputs, opset (13 or newer) and value names.
+
+    Args:
+        search_model: `onnx.ModelProto` of `file`.
+        spec: its `contract.Graph` (`BEAM_SEARCH` or `GREEDY_SEARCH`).
 
     Raises:
         ValueError: naming what the search graph has and what is expected.
     """
     search = search_model.graph
-    expected_inputs = sorted(contract.BEAM_SEARCH.input_names())
+    expected_inputs = sorted(spec.input_names())
     if sorted(value.name for value in search.input) != expected_inputs:
         raise ValueError(
             f"The search graph has inputs {sorted(v.name for v in search.input)}; expected "
-            f"{expected_inputs} (beam_search.onnx of export format {contract.ONNX.version})"
+            f"{expected_inputs} ({file} of export format {contract.ONNX.version})"
         )
     if "sequences" not in {value.name for value in search.output}:
-        raise ValueError("The search graph has no `sequences` output")
+        raise ValueError(f"The search graph {file} has no `sequences` output")
     # Our nodes take the search's opset: they are the same from opset 13 to 18.
     opset = next(o.version for o in search_model.opset_import if o.domain in ("", "ai.onnx"))
     if opset < 13:
-        raise ValueError(f"The search graph has opset {opset}; translate.onnx needs 13 or newer")
-    clash = sorted(n for n in _graph_names(search) if n.startswith(_PREFIX) or n in ("text", "translation"))
+        raise ValueError(f"The search graph {file} has opset {opset}; translate.onnx needs 13 or newer")
+    clash = sorted(
+        n for n in _graph_names(search)
+        if n.startswith((_PREFIX, _GREEDY_PREFIX)) or n in ("text", "translation")
+    )
     if clash:
-        raise ValueError(f"The search graph uses names reserved for translate.onnx: {clash[:5]}")
+        raise ValueError(f"The search graph {file} uses names reserved for translate.onnx: {clash[:5]}")
+
+
+def _subgraphs(graph):
+    """`graph` and every graph below it (the bodies and branches of its nodes)."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == attribute.GRAPH:
+                yield from _subgraphs(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _subgraphs(subgraph)
+
+
+def _tensor_key(tensor):
+    """The tensor without its name: equal for equal values (or the same place in weights.bin)."""
+    from onnx import TensorProto
+
+    unnamed = TensorProto()
+    unnamed.CopyFrom(tensor)
+    unnamed.name = ""
+    return unnamed.SerializeToString()
+
+
+def _greedy_graph(greedy_model, beam_graph):
+    """`greedy_search.onnx`'s graph, to run beside the beam search's in one model.
+
+    Every value it defines gets `_GREEDY_PREFIX` (both graphs come from
+    tf2onnx, whose names repeat with other meanings); it still reads the
+    search inputs by their names. Its initializers that equal one of the beam
+    search's (the weights: the same bytes of `weights.bin`) read that one
+    instead, so the weights are held once.
+
+    Returns:
+        `onnx.GraphProto`, whose `sequences` output is `_GREEDY_PREFIX + "sequences"`.
+    """
+    from onnx import GraphProto
+
+    graph = GraphProto()
+    graph.CopyFrom(greedy_model.graph)
+    defined = set()
+    for inner in _subgraphs(graph):
+        defined.update(tensor.name for tensor in inner.initializer)
+        defined.update(value.name for value in inner.input)
+        defined.update(output for node in inner.node for output in node.output)
+    defined -= {"", *contract.GREEDY_SEARCH.input_names()}
+    rename = {value: _GREEDY_PREFIX + value for value in defined}
+    beam_tensors = {}
+    for tensor in beam_graph.initializer:
+        beam_tensors.setdefault(_tensor_key(tensor), tensor.name)
+    shared = [tensor for tensor in graph.initializer if _tensor_key(tensor) in beam_tensors]
+    for tensor in shared:
+        rename[tensor.name] = beam_tensors[_tensor_key(tensor)]
+        graph.initializer.remove(tensor)
+    for inner in _subgraphs(graph):
+        for tensor in inner.initializer:
+            tensor.name = rename.get(tensor.name, tensor.name)
+        for value in (*inner.input, *inner.output, *inner.value_info):
+            value.name = rename.get(value.name, value.name)
+        for node in inner.node:
+            if node.name:
+                node.name = _GREEDY_PREFIX + node.name
+            for names in (node.input, node.output):
+                renamed = [rename.get(value, value) for value in names]
+                del names[:]
+                names.extend(renamed)
+    return graph
 
 
 class _Ragged(typing.NamedTuple):
@@ -488,13 +567,17 @@ def _pad_nodes(graph, ragged, pad_id, end_id, limit, leads=None, lead_id=None):
     return has_pieces
 
 
-def _search_nodes(graph, search):
-    """Step 3: the search graph's nodes in an If, run only when B' > 0.
+def _search_nodes(graph, search, greedy):
+    """Step 3: the search graphs' nodes in If nodes, run only when B' > 0.
 
-    Its nodes read `encoder_token_ids`, `beam_size`, `alpha` and
-    `max_extra_length` from this graph by name; its weights become this
-    graph's initializers (`build_text_graph` adds them, still stored in
-    weights.bin when the export put them there).
+    As `Translator` (`generation.generate`) chooses: the greedy search's
+    nodes (`_greedy_graph`) when `beam_size` is 1, the beam search's
+    otherwise (a beam search of one beam is not greedy search: it may end
+    with a hypothesis it finished earlier). Their nodes read
+    `encoder_token_ids`, `beam_size`, `alpha` and `max_extra_length` from
+    this graph by name; their weights become this graph's initializers
+    (`build_text_graph` adds them, still stored in weights.bin when the
+    export put them there).
 
     Returns:
         The name of `sequences` [B', L] int32 ([0, 1] when B' = 0).
@@ -505,9 +588,20 @@ def _search_nodes(graph, search):
     rows = node("Shape", ["encoder_token_ids"], [name("ids_shape")])
     rows = node("Gather", [rows, graph.const("first_axis_1", [0], np.int64)], [name("rows")], axis=0)  # [1]
     any_rows = node("Greater", [rows, graph.const("zero_rows", [0], np.int64)], [name("any_rows")])
-    run_search = helper.make_graph(
-        list(search.node), "search", [], [helper.make_tensor_value_info("sequences", TensorProto.INT32, None)],
+    is_greedy = node("Equal", ["beam_size", graph.const("one_beam", 1, np.int32)], [name("is_greedy")])
+    run_beam = helper.make_graph(
+        list(search.node), "beam_search", [], [helper.make_tensor_value_info("sequences", TensorProto.INT32, None)],
         value_info=list(search.value_info),
+    )
+    run_greedy = helper.make_graph(
+        list(greedy.node), "greedy_search", [],
+        [helper.make_tensor_value_info(_GREEDY_PREFIX + "sequences", TensorProto.INT32, None)],
+        value_info=list(greedy.value_info),
+    )
+    choose = helper.make_node("If", [is_greedy], [name("searched")], name=name("searched"), then_branch=run_greedy,
+                              else_branch=run_beam)
+    run_search = helper.make_graph(
+        [choose], "search", [], [helper.make_tensor_value_info(name("searched"), TensorProto.INT32, None)]
     )
     skip_search = helper.make_graph(
         [helper.make_node("Constant", [], [name("no_sequences")],
@@ -633,8 +727,8 @@ def _contract_values(default_values):
     return inputs, outputs, defaults
 
 
-def _text_model(graph, search_model, default_values):
-    """Wraps `graph` in a ModelProto: the search's opsets and functions, ours, and the metadata."""
+def _text_model(graph, search_model, default_values, greedy_model):
+    """Wraps `graph` in a ModelProto: the searches' opsets and functions, ours, and the metadata."""
     from onnx import helper
 
     opsets = [o for o in search_model.opset_import if o.domain != EXTENSIONS_DOMAIN]
@@ -647,6 +741,8 @@ def _text_model(graph, search_model, default_values):
         "Needs onnxruntime-extensions (register its library in the session options).",
     )
     model.functions.extend(search_model.functions)
+    known = {(function.domain, function.name) for function in search_model.functions}
+    model.functions.extend(f for f in greedy_model.functions if (f.domain, f.name) not in known)
     helper.set_model_props(model, {
         "keras_transformer.text_graph_version": str(TEXT_GRAPH_VERSION),
         "keras_transformer.defaults": json.dumps(default_values),
@@ -669,8 +765,9 @@ def _decode_ids(config):
     return tuple(int(config[key]) for key in ("pad_id", "start_id", "end_id"))
 
 
-def build_text_graph(search_model, tokenizer, config, beam_size=4, length_penalty=0.6, max_extra_length=50):
-    """The `translate.onnx` ModelProto around an exported beam search.
+def build_text_graph(search_model, tokenizer, config, beam_size=4, length_penalty=0.6, max_extra_length=50, *,
+                     greedy_model):
+    """The `translate.onnx` ModelProto around an exported beam search (and greedy search).
 
     The steps of the module docstring, in order: `_tokenize_nodes` (or
     `_marian_tokenize_nodes`), `_pad_nodes`, `_search_nodes`,
@@ -679,6 +776,8 @@ def build_text_graph(search_model, tokenizer, config, beam_size=4, length_penalt
 
     Args:
         search_model: `onnx.ModelProto` of `beam_search.onnx`.
+        greedy_model: `onnx.ModelProto` of `greedy_search.onnx` (run for
+            `beam_size` 1).
         tokenizer: the directory's tokenizer (`load_tokenizer`): a
             `Tokenizer` or a `MarianTokenizer` (`check_tokenizer`).
         config: dict, the directory's `config.json` (ids and
@@ -690,8 +789,9 @@ def build_text_graph(search_model, tokenizer, config, beam_size=4, length_penalt
         `onnx.ModelProto`.
 
     Raises:
-        ValueError: the search graph is not a `beam_search.onnx` of this
-            export format (`_check_search_graph`), or the graph cannot
+        ValueError: a search graph is not a `beam_search.onnx` (or
+            `greedy_search.onnx`) of this export format
+            (`_check_search_graph`), or the graph cannot
             tokenize as `tokenizer` (`check_tokenizer`).
     """
     from onnx import helper
@@ -699,17 +799,19 @@ def build_text_graph(search_model, tokenizer, config, beam_size=4, length_penalt
     check_tokenizer(tokenizer)
     search = search_model.graph
     _check_search_graph(search_model)
+    _check_search_graph(greedy_model, contract.GREEDY_SEARCH, GREEDY_FILE)
+    greedy = _greedy_graph(greedy_model, search)
     graph = _GraphBuilder()
     has_pieces = _source_nodes(graph, tokenizer, config)
-    sequences = _search_nodes(graph, search)
+    sequences = _search_nodes(graph, search, greedy)
     _decode_nodes(graph, has_pieces, sequences, tokenizer, *_decode_ids(config))
     default_values = {"beam_size": beam_size, "alpha": length_penalty, "max_extra_length": max_extra_length}
     inputs, outputs, defaults = _contract_values(default_values)
     text_graph = helper.make_graph(
         graph.nodes, "translate", inputs, outputs,
-        initializer=defaults + graph.initializers + list(search.initializer),
+        initializer=defaults + graph.initializers + list(search.initializer) + list(greedy.initializer),
     )
-    return _text_model(text_graph, search_model, default_values)
+    return _text_model(text_graph, search_model, default_values, greedy_model)
 
 
 def build_tokenizer_graphs(tokenizer, config, opset=17):
@@ -913,7 +1015,7 @@ def write_text_graph(directory, beam_size=4, length_penalty=0.6, max_extra_lengt
 
     check_search_args(beam_size, length_penalty, max_extra_length)
     directory = pathlib.Path(directory)
-    for file in (CONFIG_FILE, SEARCH_FILE):
+    for file in (CONFIG_FILE, SEARCH_FILE, GREEDY_FILE):
         if not (directory / file).is_file():
             raise FileNotFoundError(f"{directory} has no {file}; expected a directory written by "
                                     f"`python -m export.onnx`")
@@ -932,6 +1034,7 @@ def write_text_graph(directory, beam_size=4, length_penalty=0.6, max_extra_lengt
         onnx.load(str(directory / SEARCH_FILE), load_external_data=False),
         tokenizer,
         config,
+        greedy_model=onnx.load(str(directory / GREEDY_FILE), load_external_data=False),
         beam_size=beam_size,
         length_penalty=length_penalty,
         max_extra_length=max_extra_length,
