@@ -113,7 +113,8 @@ GREEDY_FILE = "greedy_search.onnx"
 # The custom-op domain of onnxruntime-extensions.
 EXTENSIONS_DOMAIN = "ai.onnx.contrib"
 # Version of the graph's layout, stored in its metadata.
-TEXT_GRAPH_VERSION = 1
+# 2: greedy_search.onnx's nodes for beam_size 1 (1 ran a beam search of one beam).
+TEXT_GRAPH_VERSION = 2
 # Our own value names start with this; the beam search graph's keep theirs,
 # the greedy one's get `_GREEDY_PREFIX`.
 _PREFIX = "translate/"
