@@ -317,6 +317,18 @@ def test_ctranslate2_beam_search_agrees_where_the_searches_do(ct2_dir, model):
     assert report["largest_log_prob_difference"] < 1e-4
 
 
+def test_ctranslate2_maps_gelu_and_the_halves_layout_exactly(tmp_path):
+    """The other imported options on a small random model (no tokenizer: random ids), validated at export."""
+    from conftest import tiny_model
+
+    model = tiny_model(activation="gelu", position_encoding="sinusoidal_halves", logits_bias=True, max_sequence_length=24)
+    model.logits_bias_weight.assign(np.random.default_rng(3).normal(0.0, 1.0, (model.vocabulary_size,)))
+    output = ct2_export.export_ctranslate2(model, tmp_path / "gelu", validation_sentences=8)
+    validation = ct2_export.read_metadata(output)["validation"]
+    assert validation["identical"] == 8 and validation["largest_log_prob_difference"] < 1e-4
+    assert ct2_export.activation(model) == "GELU"
+
+
 # --------------------------------------------------------------------------- #
 # SavedModel
 # --------------------------------------------------------------------------- #
