@@ -40,6 +40,13 @@ FIXED_AXES = {
     "hidden_dim": "D", "num_decoder_layers": "L", "num_heads": "N", "head_key_dim": "K",
     "head_value_dim": "Vh", "vocabulary_size": "V",
 }
+# The special ids' names, as the model, the tokenizers and every config.json
+# name them (their values have one home: `keras_transformer.tokenizer`).
+SPECIAL_IDS = ("pad_id", "unk_id", "start_id", "end_id")
+# The characters Python's `str.isspace()` is true for, as an RE2 class (TensorFlow's
+# and onnxruntime-extensions' regular expressions): the graphs strip and skip
+# whitespace as `str.strip()` does.
+WHITESPACE_RE2 = r"[\t-\r\x{1c}-\x{1f}\x{85}\p{Z}]"
 # The dtype of the model's activations and caches (config.json `cache_dtype`).
 COMPUTE = "compute"
 _NUMPY_DTYPES = {"string": object}
@@ -280,10 +287,7 @@ def model_fields(model):
     """
     return {
         "vocabulary_size": model.vocabulary_size,
-        "pad_id": model.pad_id,
-        "unk_id": model.unk_id,
-        "start_id": model.start_id,
-        "end_id": model.end_id,
+        **{name: getattr(model, name) for name in SPECIAL_IDS},
         "hidden_dim": model.hidden_dim,
         "num_decoder_layers": len(model.decoder_layers),
         "num_heads": model.num_heads,
@@ -293,6 +297,21 @@ def model_fields(model):
         "cache_dtype": model.compute_dtype,
         "model_config": jsonable(model.get_config()),
     }
+
+
+def tokenizer_files(tokenizer):
+    """The files `tokenizer.save(directory)` writes, which every export copies beside its graphs.
+
+    `tokenizer.model` for our shared vocabulary; source.spm, target.spm,
+    vocab.json and marian_tokenizer.json for an imported Marian checkpoint's
+    (`keras_transformer.tokenizer.load_tokenizer` reads either back).
+    """
+    from keras_transformer import marian_tokenizer
+    from keras_transformer.tokenizer import TOKENIZER_FILENAME
+
+    if isinstance(tokenizer, marian_tokenizer.MarianTokenizer):
+        return marian_tokenizer.FILES
+    return (TOKENIZER_FILENAME,)
 
 
 def versions(*packages, optional=()):

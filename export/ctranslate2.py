@@ -8,7 +8,9 @@ Keras (greedy float32 tokens must be identical).
 What the export maps, and how:
 
 - Architecture: post-LN (`pre_norm=False`) as the paper, or pre-LN with a
-  final LayerNorm per stack (`normalize_first=True`); ReLU; `num_heads`;
+  final LayerNorm per stack (`normalize_first=True`); the feed-forward
+  activation (ReLU, the paper's; GELU or SiLU, which CTranslate2 calls
+  SWISH, for imported checkpoints: `ACTIVATIONS`); `num_heads`;
   `key_dim == value_dim != hidden_dim // num_heads` as the spec's `head_dim`.
   LayerNorm epsilon: `config.json`'s `layer_norm_epsilon` is set to the
   model's (both default to 1e-5, CTranslate2's default for LayerNorms with a
@@ -22,18 +24,22 @@ What the export maps, and how:
   by sqrt(d_model) by default (`scale_embeddings`), as we do.
 - Positions: CTranslate2's built-in sinusoid is another function (positions
   from 1, all sines then all cosines, frequencies 10000^(-i / (d/2 - 1))), so our table
-  (`layers.position.sinusoidal_table`, interleaved sin/cos from position 0)
-  is written as the position-encoding weights, `max_sequence_length` rows;
-  learned positions (Table 3 row E) likewise.
-- Ids: the vocabulary is the preset's SentencePiece pieces in id order
-  (`shared_vocabulary.json`), so CTranslate2's ids are ours; `config.json`
+  (`layers.position.sinusoidal_table` in the model's layout: interleaved
+  sin/cos, or Marian's sines then cosines, from position 0) is written as
+  the position-encoding weights, `max_sequence_length` rows; learned
+  positions (Table 3 row E) likewise.
+- Ids: the vocabulary is the tokenizer's pieces in id order
+  (`tokenizer.pieces()`, `shared_vocabulary.json`; an imported Marian
+  checkpoint's are its vocab.json in our order, with the added start piece),
+  so CTranslate2's ids are ours; `config.json`
   names our unknown, start and end pieces, the decoder starts with our start
   id and stops at our end id, and `add_source_eos` makes CTranslate2 append
   the end id to the source: callers pass the pieces *without* the end piece
   and the encoder sees `pieces + [end]`, what our Keras model reads.
 - Our search never generates the pad or start id; the pre-softmax projection
-  gets a bias of `SUPPRESSED_LOGIT` on those two ids (0 elsewhere) so that
-  CTranslate2 does not either, without options. Greedy tokens are unchanged;
+  gets a bias of `SUPPRESSED_LOGIT` on those two ids (elsewhere 0, or the
+  model's logits bias: Marian's `final_logits_bias`) so that CTranslate2
+  does not either, without options. Greedy tokens are unchanged;
   CTranslate2's log-probabilities are then normalised over the other ids
   (ours over all, before excluding them), a difference of
   log(1 - P(pad) - P(start)) per token: negligible for a trained model,
@@ -42,7 +48,7 @@ What the export maps, and how:
 Not expressible, refused with a message: `attention_window` (restricted
 self-attention; CTranslate2's `sliding_window` is a causal cache window, and
 its encoder has none), `key_dim != value_dim` (CTranslate2 splits its fused
-projections in equal parts) and activations other than ReLU.
+projections in equal parts) and activations other than ReLU, GELU and SiLU.
 
 Search differences (say so where users see them): CTranslate2's length
 penalty is `score / |Y'| ** alpha` with |Y'| the tokens without the end
@@ -63,7 +69,9 @@ rows and CTranslate2 fails beyond it, as our model refuses longer inputs.
 `translation_options()` gives the other settings.
 
 The directory holds CTranslate2's `model.bin`, `config.json` and
-`shared_vocabulary.json`, our `tokenizer.model` (when the preset has one) and
+`shared_vocabulary.json`, the tokenizer's files (when the preset has one:
+our `tokenizer.model`, or an imported checkpoint's `source.spm`,
+`target.spm`, `vocab.json` and `marian_tokenizer.json`) and
 `keras_transformer.json` (format version, ids, the search settings that
 reproduce ours, the length-penalty difference, versions, model config, the
 validation result). It is written next to its final place and renamed at
@@ -96,6 +104,20 @@ results = translator.translate_batch(
 )
 print(sp.decode(results[0].hypotheses[0]))
 ```
+
+An imported Marian checkpoint's pieces come from `source.spm` (a leading
+`>>xx<<` language code is one piece: `source_pieces`) and its outputs are
+decoded by `MarianTokenizer.decode` (NumPy and SentencePiece only):
+
+```python
+from keras_transformer.marian_tokenizer import MarianTokenizer
+
+tokenizer = MarianTokenizer.load("exported/ct2")
+index = {piece: i for i, piece in enumerate(tokenizer.pieces())}
+pieces = [[tokenizer.pieces()[i] for i in ids] for ids in tokenizer.encode(["A sentence."], add_end=False)]
+results = translator.translate_batch(pieces, ...)   # the same options as above
+print(tokenizer.decode([[index[piece] for piece in results[0].hypotheses[0]]]))
+```
 """
 
 import argparse
@@ -109,6 +131,7 @@ import numpy as np
 
 from export import contract
 from export.contract import ValidationError
+from keras_transformer.tokenizer import FIRST_ORDINARY_ID
 from keras_transformer.utils import atomic_directory
 
 # Named, not __name__, so that `python -m export.ctranslate2` logs under the same name.
@@ -133,6 +156,9 @@ VALIDATION_SENTENCES = 32
 LOG_PROB_ATOL = 1e-3
 MIN_CTRANSLATE2 = "4.5"
 HEAD_DIM_CTRANSLATE2 = "4.6.3"  # the first whose encoder spec takes head_dim
+# The feed-forward activations (Keras names) -> `ctranslate2.specs.common_spec.Activation`
+# (Keras' "gelu" is the exact, erf one: CTranslate2's GELU, not GELUTanh).
+ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "silu": "SWISH"}
 
 
 class UnsupportedModelError(ValueError):
@@ -173,14 +199,20 @@ def check_exportable(model):
             f"key_dim={model.head_key_dim} != value_dim={model.head_value_dim} cannot be expressed in "
             "CTranslate2: it splits its fused attention projections into equal query/key/value parts"
         )
+    activation(model)
+
+
+def activation(model):
+    """The name in `common_spec.Activation` of the feed-forward activation all of `model`'s layers use."""
     import keras
 
-    for layer in (*model.encoder_layers, *model.decoder_layers):
-        if layer.activation is not keras.activations.relu:
-            raise UnsupportedModelError(
-                f"{layer.name} uses activation {keras.activations.serialize(layer.activation)!r}; "
-                "this exporter maps ReLU only (the paper's)"
-            )
+    names = {keras.activations.serialize(layer.activation) for layer in (*model.encoder_layers, *model.decoder_layers)}
+    if len(names) != 1 or not names <= set(ACTIVATIONS):
+        raise UnsupportedModelError(
+            f"the feed-forward layers use activation(s) {sorted(names)}; a CTranslate2 Transformer has one, "
+            f"of which this exporter maps {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[names.pop()]
 
 
 def _numpy(variable):
@@ -231,14 +263,39 @@ def position_table(model, position_layer):
         return _numpy(position_layer.position_embeddings)
     from keras_transformer.layers.position import sinusoidal_table
 
-    return _numpy(sinusoidal_table(np.arange(model.max_sequence_length), model.hidden_dim))
+    # The layer's own layout: interleaved (the paper's) or halves (Marian's).
+    positions = np.arange(model.max_sequence_length)
+    return _numpy(sinusoidal_table(positions, model.hidden_dim, layout=position_layer.layout))
 
 
-def _pieces_processor(tokenizer):
-    """A SentencePiece processor on the tokenizer's proto (for pieces as text)."""
+def projection_bias(model):
+    """`[V]` float32, the pre-softmax projection's bias: the model's logits bias (if any), the pad and start ids
+    at `SUPPRESSED_LOGIT`."""
+    if model.logits_bias:
+        bias = _numpy(model.logits_bias_weight).copy()
+    else:
+        bias = np.zeros((model.vocabulary_size,), np.float32)
+    bias[[model.pad_id, model.start_id]] = SUPPRESSED_LOGIT
+    return bias
+
+
+def source_pieces(tokenizer, text):
+    """The pieces a serving process gives CTranslate2 for `text`, with SentencePiece alone.
+
+    Our `Tokenizer`: its SentencePiece model's pieces. A `MarianTokenizer`:
+    a leading `>>xx<<` as one piece, then `source.spm`'s pieces of the rest
+    (a piece CTranslate2's vocabulary lacks is its unk, as in
+    `MarianTokenizer.encode`). No end piece: CTranslate2 appends it.
+    """
     import sentencepiece
 
-    return sentencepiece.SentencePieceProcessor(model_proto=tokenizer.proto)
+    from keras_transformer.marian_tokenizer import MarianTokenizer, split_language_code
+
+    if isinstance(tokenizer, MarianTokenizer):
+        code, rest = split_language_code(text)
+        processor = sentencepiece.SentencePieceProcessor(model_proto=tokenizer.source_proto)
+        return ([code] if code is not None else []) + processor.encode(rest, out_type=str)
+    return sentencepiece.SentencePieceProcessor(model_proto=tokenizer.proto).encode(text, out_type=str)
 
 
 def vocabulary(model):
@@ -256,13 +313,12 @@ def vocabulary(model):
         raise ValueError(
             f"The tokenizer has {tokenizer.vocabulary_size} pieces but the model vocabulary_size={size}"
         )
-    for name in ("pad_id", "unk_id", "start_id", "end_id"):
+    for name in contract.SPECIAL_IDS:
         if getattr(tokenizer, name) != getattr(model, name):
             raise ValueError(
                 f"The tokenizer has {name}={getattr(tokenizer, name)}, the model {getattr(model, name)}"
             )
-    processor = _pieces_processor(tokenizer)
-    pieces = [processor.id_to_piece(i) for i in range(size)]
+    pieces = tokenizer.pieces()
     if len(set(pieces)) != size:
         raise ValueError("The tokenizer's pieces are not unique; CTranslate2 maps tokens to ids by their text")
     return pieces
@@ -284,7 +340,9 @@ def model_spec(model, tokens):
 
     check_exportable(model)
     pre_norm = bool(model.normalize_first)
-    layers = dict(num_heads=model.num_heads, pre_norm=pre_norm, activation=common_spec.Activation.RELU)
+    layers = dict(
+        num_heads=model.num_heads, pre_norm=pre_norm, activation=getattr(common_spec.Activation, activation(model))
+    )
     # CTranslate2's per-head size defaults to hidden_dim / num_heads; head_dim sets any other.
     if model.head_key_dim * model.num_heads != model.hidden_dim:
         if _version_tuple(ctranslate2.__version__) < _version_tuple(HEAD_DIM_CTRANSLATE2):
@@ -315,9 +373,7 @@ def model_spec(model, tokens):
         _set_feedforward(layer_spec.ffn, layer)
     # The pre-softmax projection shares the embedding matrix (aliased when saved).
     decoder.projection.weight = embeddings
-    bias = np.zeros((model.vocabulary_size,), np.float32)
-    bias[[model.pad_id, model.start_id]] = SUPPRESSED_LOGIT
-    decoder.projection.bias = bias
+    decoder.projection.bias = projection_bias(model)
     if pre_norm:
         _set_layer_norm(encoder.layer_norm, model.encoder_final_norm)
         _set_layer_norm(decoder.layer_norm, model.decoder_final_norm)
@@ -375,14 +431,17 @@ def _metadata(model, tokens, quantization, validation=None):
         "engine": "ctranslate2",
         "quantization": quantization or "float32",
         "vocabulary_size": model.vocabulary_size,
-        "pad_id": model.pad_id,
-        "unk_id": model.unk_id,
-        "start_id": model.start_id,
-        "end_id": model.end_id,
+        **{name: getattr(model, name) for name in contract.SPECIAL_IDS},
         "end_piece": tokens[model.end_id],
-        "tokenizer": "tokenizer.model" if model.tokenizer is not None else None,
-        "source_input": "SentencePiece pieces without the end piece (CTranslate2 appends it: add_source_eos)",
+        # The file `load_tokenizer` recognises the tokenizer by.
+        "tokenizer": contract.tokenizer_files(model.tokenizer)[-1] if model.tokenizer is not None else None,
+        "tokenizer_files": list(contract.tokenizer_files(model.tokenizer)) if model.tokenizer is not None else [],
+        "source_input": (
+            "SentencePiece pieces without the end piece (CTranslate2 appends it: add_source_eos)"
+            + (": source.spm's, after a leading >>xx<< piece" if _is_marian(model.tokenizer) else "")
+        ),
         "suppressed_ids": {"ids": [model.pad_id, model.start_id], "projection_bias": SUPPRESSED_LOGIT},
+        "logits_bias": "added to the projection bias" if model.logits_bias else None,
         "layer_norm_epsilon": float(model.layer_norm_epsilon),
         "max_sequence_length": model.max_sequence_length,
         "translate_options": dict(
@@ -426,6 +485,12 @@ def read_metadata(directory):
     return metadata
 
 
+def _is_marian(tokenizer):
+    from keras_transformer.marian_tokenizer import MarianTokenizer
+
+    return isinstance(tokenizer, MarianTokenizer)
+
+
 def _load_model(preset):
     from keras_transformer.model import TransformerModel
 
@@ -444,7 +509,9 @@ def export_ctranslate2(
 
     Args:
         preset: a built-in preset name, a preset directory (from
-            `save_to_preset`), or a `TransformerModel`.
+            `save_to_preset`), a Marian checkpoint directory or `hf://`
+            handle (imported by `TransformerModel.from_preset`), or a
+            `TransformerModel`.
         output: directory to create.
         quantization: `None` (float32) or one of CTranslate2's weight types
             (`"int8"`, `"int8_float32"`, `"int8_float16"`, `"int16"`,
@@ -496,7 +563,7 @@ def _validation_sources(model, count, seed=0):
     """`(texts or None, piece ids without the end id)` of `count` sources.
 
     With a tokenizer: sentences spread evenly over the bundled test split;
-    without: random ids in `[4, V)` of lengths 1-24.
+    without: random ordinary ids (`[FIRST_ORDINARY_ID, V)`) of lengths 1-24.
     """
     limit = model.max_sequence_length - 1  # room for the end id
     if model.tokenizer is not None:
@@ -509,7 +576,7 @@ def _validation_sources(model, count, seed=0):
         return texts, ids
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, min(24, limit) + 1, size=count)
-    return None, [rng.integers(4, model.vocabulary_size, size=n).tolist() for n in lengths]
+    return None, [rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, size=n).tolist() for n in lengths]
 
 
 def _keras_outputs(model, ids, beam_size, length_penalty):
@@ -551,12 +618,13 @@ def _check_files(directory, model, tokens):
     """Names and contents CTranslate2 and our metadata must agree on."""
     directory = pathlib.Path(directory)
     metadata = read_metadata(directory)
-    expected = {"vocabulary_size": model.vocabulary_size, "pad_id": model.pad_id, "start_id": model.start_id,
-                "end_id": model.end_id, "unk_id": model.unk_id}
+    expected = {"vocabulary_size": model.vocabulary_size}
+    expected.update({name: getattr(model, name) for name in contract.SPECIAL_IDS})
     for key, value in expected.items():
         if metadata.get(key) != value:
             raise ValidationError(f"{METADATA_FILE} has {key}={metadata.get(key)!r}; the model has {value!r}")
-    for name in (MODEL_FILE, CT2_CONFIG_FILE, VOCABULARY_FILE) + (("tokenizer.model",) if model.tokenizer else ()):
+    tokenizer_files = contract.tokenizer_files(model.tokenizer) if model.tokenizer is not None else ()
+    for name in (MODEL_FILE, CT2_CONFIG_FILE, VOCABULARY_FILE, *tokenizer_files):
         if not (directory / name).is_file():
             raise ValidationError(f"{directory} has no {name}")
     written = json.loads((directory / VOCABULARY_FILE).read_text(encoding="utf-8"))
@@ -649,9 +717,8 @@ def validate_ctranslate2(
     texts, ids = _validation_sources(model, sentences)
     if model.tokenizer is not None:
         index = {token: i for i, token in enumerate(tokens)}
-        processor = _pieces_processor(model.tokenizer)
         for text, row in zip(texts, ids):
-            pieces = processor.encode(text, out_type=str)[: len(row)]
+            pieces = source_pieces(model.tokenizer, text)[: len(row)]
             mapped = [index.get(piece, model.unk_id) for piece in pieces]
             if mapped != row:
                 raise ValidationError(f"The pieces of {text!r} map to ids {mapped}; the tokenizer gives {row}")
@@ -724,7 +791,8 @@ def main(argv=None):
         prog="python -m export.ctranslate2",
         description="Export a TransformerModel as a CTranslate2 model and check its greedy tokens against Keras.",
     )
-    parser.add_argument("--preset", required=True, help="built-in preset name or preset directory")
+    parser.add_argument("--preset", required=True,
+                        help="built-in preset name, preset directory, Marian checkpoint directory or hf://org/name")
     parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument(
         "--quantization", choices=[q for q in QUANTIZATIONS if q], default=None,

@@ -35,7 +35,8 @@ an output.
 
 The directory is self-contained: the graphs, `weights.bin`, `config.json`
 (ids, sizes, opset, exporting versions, format name and version) and the
-tokenizer when the preset has one. It is written next to its final place and renamed at the end, so a
+tokenizer when the preset has one (ours, or an imported Marian checkpoint's
+files: `export.runtime.OnnxTranslator` reads either). It is written next to its final place and renamed at the end, so a
 failed export (conversion or validation) leaves nothing behind.
 
 Example:
@@ -634,9 +635,11 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
 
     Args:
         preset: a built-in preset name, a preset directory (from
-            `save_to_preset`), or a `TransformerModel`.
+            `save_to_preset`), a Marian checkpoint directory or `hf://`
+            handle (imported by `TransformerModel.from_preset`), or a
+            `TransformerModel`.
         output: directory to create.
-        opset: int, ONNX opset in `[14, 18]`. Defaults to 15 (see
+        opset: int, ONNX opset in `[14, 18]`. Defaults to 17 (see
             `DEFAULT_OPSET`).
         quantize: `None` (float32) or `"int8"` (ONNX Runtime dynamic
             quantization of the weights; checked for names and shapes, its
@@ -688,7 +691,8 @@ def main(argv=None):
         description="Export a TransformerModel to ONNX (encoder, init_cache and cached decoder step) "
         "and validate it against Keras.",
     )
-    parser.add_argument("--preset", required=True, help="built-in preset name or preset directory")
+    parser.add_argument("--preset", required=True,
+                        help="built-in preset name, preset directory, Marian checkpoint directory or hf://org/name")
     parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument(
         "--opset", type=int, default=DEFAULT_OPSET,

@@ -2,8 +2,8 @@
 
 A serving process needs no training framework: this module imports
 onnxruntime, NumPy, SentencePiece and the framework-free parts of this
-package (`keras_transformer.decoding`, `.tokenizer`, `.translator`,
-`.textio`), never Keras, TensorFlow, JAX or PyTorch (a test runs it where
+package (`keras_transformer.decoding`, `.tokenizer`, `.marian_tokenizer`,
+`.translator`, `.textio`), never Keras, TensorFlow, JAX or PyTorch (a test runs it where
 importing them fails). `pip install "keras-aiayn[serve]"` installs just that
 (`[serve-gpu]` for CUDA).
 
@@ -14,7 +14,7 @@ from the Keras search itself (`keras_transformer.generation.search_graph`),
 so it gives the tokens of `TransformerModel.generate`. `encode`,
 `init_cache` and `decode_step` run the protocol graphs for callers with a
 search of their own. `OnnxTranslator` adds the tokenizer stored in the
-directory: text in, text out.
+directory (ours, or an imported Marian checkpoint's): text in, text out.
 
 Example:
 
@@ -45,7 +45,7 @@ from export.validate import check_graph_signature
 from keras_transformer.decoding import check_search_args, finish_rows
 from keras_transformer.textio import read_lines
 from keras_transformer.token_ids import check_id_range
-from keras_transformer.tokenizer import TOKENIZER_FILENAME, Tokenizer
+from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
 from keras_transformer.translator import Translator
 
 # Named, not __name__, so that `python -m export.runtime` logs under the same name.
@@ -452,7 +452,8 @@ class OnnxTranslator(Translator):
 
     Args:
         directory: written by `python -m export.onnx` from a preset with a
-            tokenizer.
+            tokenizer (`keras_transformer.tokenizer.load_tokenizer`: ours, or
+            an imported Marian checkpoint's).
         providers, intra_op_threads: as `OnnxSeq2Seq`.
 
     Example:
@@ -463,13 +464,15 @@ class OnnxTranslator(Translator):
     def __init__(self, directory, providers=None, intra_op_threads=None):
         directory = pathlib.Path(directory)
         read_config(directory)
-        if not (directory / TOKENIZER_FILENAME).is_file():
+        tokenizer = load_tokenizer(directory)
+        if tokenizer is None:
             raise FileNotFoundError(
-                f"{directory} has no {TOKENIZER_FILENAME}; export a preset directory that holds "
-                "its tokenizer to translate text (OnnxSeq2Seq works on ids without one)"
+                f"{directory} has no {TOKENIZER_FILENAME} (nor an imported checkpoint's Marian tokenizer); export a "
+                "preset directory or checkpoint that holds its tokenizer to translate text (OnnxSeq2Seq works on "
+                "ids without one)"
             )
         model = OnnxSeq2Seq(directory, providers=providers, intra_op_threads=intra_op_threads)
-        super().__init__(model, Tokenizer.load(directory))
+        super().__init__(model, tokenizer)
 
     @classmethod
     def from_preset(cls, directory, providers=None, intra_op_threads=None):

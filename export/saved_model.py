@@ -4,7 +4,9 @@ Text in, text out, in one graph that TensorFlow Serving, `tf.saved_model.load`
 or any TensorFlow runtime can run without this package. Signatures:
 
 - `translate`: `text [B] string -> translation [B] string`. Tokenization
-  (TensorFlow Text's SentencePiece op, built from the tokenizer's proto), the
+  (TensorFlow Text's SentencePiece op, built from the tokenizer's proto; for
+  an imported Marian checkpoint's tokenizer, `source.spm`'s pieces looked up
+  in its vocabulary, as `MarianTokenizer`: `_in_graph_tokenizer`), the
   beam search of `keras_transformer.generation` (the same compiled search
   `Translator` runs, with the export-time `beam_size`, `length_penalty` and
   `max_extra_length`; `beam_size=1` is greedy) and detokenization. Sources
@@ -42,10 +44,11 @@ fixed batch sizes, or set `keras_transformer.generation.TF_JIT_COMPILE =
 False` before exporting for a plain graph (the same search, not bit-for-bit
 the numbers of the XLA-compiled one).
 
-The directory is self-contained: the SavedModel, `tokenizer.model` and
-`config.json` (ids, sizes, search settings, signatures, exporting versions).
-It is written next to its final place and renamed at the end, so a failed
-export leaves nothing behind.
+The directory is self-contained: the SavedModel, the tokenizer's files
+(`tokenizer.model`, or an imported checkpoint's `source.spm`, `target.spm`,
+`vocab.json` and `marian_tokenizer.json`) and `config.json` (ids, sizes,
+search settings, signatures, exporting versions). It is written next to its
+final place and renamed at the end, so a failed export leaves nothing behind.
 
 Example:
 
@@ -73,9 +76,8 @@ from keras_transformer.utils import atomic_directory  # noqa: E402
 
 logger = logging.getLogger("export.saved_model")
 
-# Python's str.isspace() characters in RE2 syntax: Translator skips texts
-# for which `text.strip()` is empty.
-_BLANK = r"[\t-\r\x{1c}-\x{1f}\x{85}\p{Z}]*"
+# Translator skips texts for which `text.strip()` is empty.
+_BLANK = contract.WHITESPACE_RE2 + "*"
 
 
 def _load(preset_or_model, tokenizer):
@@ -128,23 +130,15 @@ def _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_lengt
     # tf.Variables on this backend) and the SentencePiece resource, so that
     # loading builds no Keras object.
     module.model_variables = list(model.variables)
-    # The end id is appended below, after cutting to max_sequence_length.
-    module.tokenizer = tokenizer.tf_text_tokenizer(add_start=False, add_end=False)
+    tokenize, detokenize = _in_graph_tokenizer(module, tokenizer)
     limit = model.max_sequence_length
-    pad_id, start_id, end_id = model.pad_id, model.start_id, model.end_id
+    pad_id, end_id = model.pad_id, model.end_id
 
     def source_ids(text):
         """`[B] string -> [B, None] int32` ragged: as `Translator.encode`, tokens + end id."""
-        pieces = module.tokenizer.tokenize(text)[:, : limit - 1]  # [B, (n)]
+        pieces = tokenize(text)[:, : limit - 1]  # [B, (n)]
         ends = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(text)[0], 1], tf.constant(end_id, tf.int32)))
         return tf.concat([pieces, ends], axis=1)
-
-    def detokenize(sequences):
-        """`[B, L]` ids -> `[B]` strings, as `Tokenizer.decode`: cut at the first end id, drop pad and start."""
-        is_end = tf.equal(sequences, end_id)
-        before_end = tf.equal(tf.cumsum(tf.cast(is_end, tf.int32), axis=1), 0)
-        keep = before_end & tf.not_equal(sequences, pad_id) & tf.not_equal(sequences, start_id)
-        return module.tokenizer.detokenize(tf.ragged.boolean_mask(sequences, keep))
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
     def translate(text):
@@ -178,6 +172,83 @@ def _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_lengt
     return module, signatures
 
 
+def _in_graph_tokenizer(module, tokenizer):
+    """`(tokenize, detokenize)`: `tokenizer.encode` (no end id) and `.decode` as TensorFlow functions.
+
+    `tokenize`: `[B]` string -> `[B, (n)]` int32 ragged ids. `detokenize`:
+    `[B, L]` int32 ids -> `[B]` string (cut at the first end id). Their
+    resources (the SentencePiece model, a lookup table) are attributes of
+    `module`, so that the SavedModel holds them.
+
+    Our `Tokenizer`: TensorFlow Text's SentencePiece op on its proto. A
+    `MarianTokenizer`: the same op on `source.spm`, returning pieces as
+    text (a run of unknown characters is one piece, its text), looked up in
+    our vocabulary (unk when absent), after a leading `>>xx<<` made one unk
+    id; on the way out, our ids as their pieces, joined, "▁" made a space,
+    stripped, as `MarianTokenizer.decode`.
+
+    Raises:
+        ValueError: a multilingual Marian vocabulary (`>>xx<<` codes), which
+            the graph cannot check as `MarianTokenizer.encode` does.
+    """
+    import tensorflow as tf
+
+    from export.text_graph import LANGUAGE_CODE_RE2, marian_target_pieces
+    from keras_transformer.marian_tokenizer import SPIECE_UNDERLINE, MarianTokenizer
+    from keras_transformer.tokenizer import FIRST_ORDINARY_ID
+
+    end_id = tokenizer.end_id
+
+    def before_end(sequences):
+        return tf.equal(tf.cumsum(tf.cast(tf.equal(sequences, end_id), tf.int32), axis=1), 0)
+
+    if not isinstance(tokenizer, MarianTokenizer):
+        # The end id is appended by the caller, after cutting to max_sequence_length.
+        module.tokenizer = tokenizer.tf_text_tokenizer(add_start=False, add_end=False)
+
+        def detokenize(sequences):
+            """As `Tokenizer.decode`: cut at the first end id, drop pad and start."""
+            keep = before_end(sequences) & tf.not_equal(sequences, tokenizer.pad_id)
+            keep &= tf.not_equal(sequences, tokenizer.start_id)
+            return module.tokenizer.detokenize(tf.ragged.boolean_mask(sequences, keep))
+
+        return module.tokenizer.tokenize, detokenize
+
+    if tokenizer.language_codes:
+        raise ValueError(
+            f"The SavedModel's translate signature does not support this multilingual model "
+            f"({len(tokenizer.language_codes)} target-language codes such as {tokenizer.language_codes[0]!r}: the "
+            "graph cannot check that each text starts with one); translate with keras_transformer.Translator, or "
+            "export ONNX and use export.runtime.OnnxTranslator"
+        )
+    import tensorflow_text
+
+    module.tokenizer = tensorflow_text.SentencepieceTokenizer(model=tokenizer.source_proto, out_type=tf.string)
+    pieces = tokenizer.pieces()
+    module.piece_ids = tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(tf.constant(pieces), tf.range(len(pieces), dtype=tf.int32)),
+        default_value=tokenizer.unk_id,
+    )
+    target_pieces = marian_target_pieces(tokenizer)
+
+    def tokenize(text):
+        rest = tf.strings.regex_replace(text, LANGUAGE_CODE_RE2, "", replace_global=False)
+        has_code = tf.not_equal(rest, text)  # [B]: its code is one piece, outside the vocabulary
+        ids = tf.ragged.map_flat_values(module.piece_ids.lookup, module.tokenizer.tokenize(rest))  # [B, (n)]
+        codes = tf.fill([tf.shape(text)[0], 1], tf.constant(tokenizer.unk_id, tf.int32))
+        return tf.concat([tf.ragged.boolean_mask(codes, has_code[:, None]), ids], axis=1)
+
+    def detokenize(sequences):
+        """As `MarianTokenizer.decode`: cut at the first end id, ordinary ids as pieces, joined, spaced, stripped."""
+        keep = before_end(sequences) & tf.greater_equal(sequences, FIRST_ORDINARY_ID)
+        joined = tf.strings.reduce_join(tf.gather(tf.constant(target_pieces), tf.ragged.boolean_mask(sequences, keep)),
+                                        axis=1)
+        spaced = tf.strings.regex_replace(joined, SPIECE_UNDERLINE, " ")
+        return tf.strings.regex_replace(spaced, f"^{contract.WHITESPACE_RE2}+|{contract.WHITESPACE_RE2}+$", "")
+
+    return tokenize, detokenize
+
+
 def check_signature(name, signature, sizes, compute_dtype):
     """Checks one concrete function (or a loaded signature) against `contract.SAVED_MODEL.graphs[name]`.
 
@@ -195,13 +266,13 @@ def check_signature(name, signature, sizes, compute_dtype):
 
 def _config(model, tokenizer, beam_size, length_penalty, max_extra_length):
     """config.json: the format, the signatures, the search settings, the model's ids and sizes, the versions."""
-    from keras_transformer.tokenizer import TOKENIZER_FILENAME
-
     return {
         **contract.SAVED_MODEL.header(),
         "signatures": contract.describe_graphs(contract.SAVED_MODEL, model.compute_dtype),
         "load": "import tensorflow_text (registers the SentencePiece ops), then tf.saved_model.load(directory)",
-        "tokenizer": TOKENIZER_FILENAME,
+        # The file `load_tokenizer` recognises the tokenizer by, and all its files.
+        "tokenizer": contract.tokenizer_files(tokenizer)[-1],
+        "tokenizer_files": list(contract.tokenizer_files(tokenizer)),
         "beam_size": beam_size,
         "length_penalty": float(length_penalty),
         "max_extra_length": max_extra_length,
@@ -225,11 +296,13 @@ def export_saved_model(
 
     Args:
         preset_or_model: a preset directory (from `save_to_preset`, with its
-            `tokenizer.model`), a built-in preset name (then `tokenizer` is
-            required), or a `TransformerModel`.
+            tokenizer), a Marian checkpoint directory or `hf://` handle
+            (imported by `TransformerModel.from_preset`), a built-in preset
+            name (then `tokenizer` is required), or a `TransformerModel`.
         output: directory to create.
-        tokenizer: a `keras_transformer.Tokenizer`; defaults to the preset's
-            or the model's (`model.tokenizer`).
+        tokenizer: a `keras_transformer.Tokenizer` or a `MarianTokenizer`
+            (not a multilingual one); defaults to the preset's or the
+            model's (`model.tokenizer`).
         beam_size: int >= 1, the `translate` signature's beam size (1 is
             greedy search). Defaults to 4 (the paper).
         length_penalty: float alpha >= 0. Defaults to 0.6 (the paper).
@@ -277,7 +350,8 @@ def main(argv=None):
         description="Export a TransformerModel and its tokenizer as a TensorFlow SavedModel "
         "(signatures translate, encode, init_cache, decode_step).",
     )
-    parser.add_argument("--preset", required=True, help="preset directory with a tokenizer (from save_to_preset)")
+    parser.add_argument("--preset", required=True, help="preset directory with a tokenizer (from save_to_preset), "
+                        "Marian checkpoint directory or hf://org/name")
     parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument(
         "--beam-size", type=int, default=4, help="beam size of the translate signature; 1 is greedy (default 4)"

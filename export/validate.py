@@ -17,6 +17,7 @@ import numpy as np
 
 from export import contract
 from export.contract import CONFIG_FILE, ValidationError
+from keras_transformer.tokenizer import FIRST_ORDINARY_ID
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,8 @@ def _compare(graph, name, actual, expected, atol):
 
 
 def _source_ids(rng, batch, length, vocabulary_size):
-    """Ids in [4, V) with right padding; row i has length - 2 * i real tokens (at least 1)."""
-    ids = rng.integers(4, vocabulary_size, size=(batch, length)).astype(np.int32)
+    """Ordinary ids (no special one) with right padding; row i has length - 2 * i real tokens (at least 1)."""
+    ids = rng.integers(FIRST_ORDINARY_ID, vocabulary_size, size=(batch, length)).astype(np.int32)
     for row in range(batch):
         ids[row, max(1, length - 2 * row):] = 0
     return ids
@@ -116,9 +117,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     expected_config = {
         "format_version": contract.ONNX.version,
         "vocabulary_size": model.vocabulary_size,
-        "pad_id": model.pad_id,
-        "start_id": model.start_id,
-        "end_id": model.end_id,
+        **{name: getattr(model, name) for name in contract.SPECIAL_IDS},
         "num_decoder_layers": len(model.decoder_layers),
         "max_sequence_length": model.max_sequence_length,
     }
@@ -175,7 +174,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
             onnx_cache = dict(
                 onnx_cache, self_key=outputs["updated_self_key"], self_value=outputs["updated_self_value"]
             )
-            tokens = rng.integers(4, model.vocabulary_size, size=(batch,)).astype(np.int32)
+            tokens = rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, size=(batch,)).astype(np.int32)
     _validate_search_graphs(run, model, rng, record, exact=atol is not None)
     per_graph = {}
     for key, difference in differences.items():
