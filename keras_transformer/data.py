@@ -51,14 +51,17 @@ def read_parallel(source_path, target_path):
 def encode_pairs(tokenizer, sources, targets, max_length):
     """Token ids for training: source + [end], [start] + target + [end].
 
+    Targets are encoded with `target=True`: a tokenizer with one model per
+    language (an imported `MarianTokenizer`) cuts them with the target
+    language's; the shared `Tokenizer` has one for both.
     Pairs with an empty side or longer than `max_length` tokens (after the
     special ids) are dropped and counted in the log.
 
     Returns:
         `(source_ids, target_ids)`: lists of int32 numpy arrays.
     """
-    source_tokens = tokenizer.encode(list(sources), add_start=False, add_end=True)
-    target_tokens = tokenizer.encode(list(targets), add_start=True, add_end=True)
+    source_tokens = tokenizer.encode(list(sources), add_start=False, add_end=True, target=False)
+    target_tokens = tokenizer.encode(list(targets), add_start=True, add_end=True, target=True)
     kept_source, kept_target, dropped = [], [], 0
     for s, t in zip(source_tokens, target_tokens):
         if len(s) < 2 or len(t) < 3 or len(s) > max_length or len(t) > max_length:

@@ -76,9 +76,12 @@ def test_budget_smaller_than_a_sequence_is_rejected(rng):
 
 def test_encode_pairs_adds_special_ids_and_drops_long_pairs():
     class FakeTokenizer:
-        def encode(self, texts, add_start=False, add_end=True):
-            return [([2] if add_start else []) + [10 + len(w) for w in t.split()] + ([3] if add_end else []) for t in texts]
+        """Ids 10 + word length for source text, 20 + word length for target text (`target=True`)."""
+
+        def encode(self, texts, add_start=False, add_end=True, target=False):
+            base = 20 if target else 10
+            return [([2] if add_start else []) + [base + len(w) for w in t.split()] + ([3] if add_end else []) for t in texts]
 
     sources, targets = data.encode_pairs(FakeTokenizer(), ["a bb", "x " * 20, "c"], ["d", "e", "ff g"], max_length=6)
     assert [s.tolist() for s in sources] == [[11, 12, 3], [11, 3]]
-    assert [t.tolist() for t in targets] == [[2, 11, 3], [2, 12, 11, 3]]
+    assert [t.tolist() for t in targets] == [[2, 21, 3], [2, 22, 21, 3]]  # the target side's own model
