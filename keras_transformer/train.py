@@ -2,6 +2,12 @@
 
 With no data arguments it trains on the bundled LibreOffice English-German
 corpus. Run it again with the same --output to resume after an interruption.
+
+```
+python -m keras_transformer.train --preset small --output runs/small                 # from scratch
+python -m keras_transformer.train --init-from opus_mt_en_de --output runs/finetuned \
+    --train-src train.en --train-tgt train.de --steps 2000 --learning-rate-scale 0.1   # fine-tune
+```
 """
 
 import argparse
@@ -24,7 +30,12 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m keras_transformer.train", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--preset", default="small", help="architecture preset or preset directory (default: small)")
+    start = parser.add_argument_group("what is trained (one of)")
+    start.add_argument("--preset", help="architecture preset or preset directory, trained with a new vocabulary "
+                                        "(default: small)")
+    start.add_argument("--init-from", metavar="MODEL",
+                       help="a trained model to fine-tune with its own tokenizer: a preset directory, a Hugging Face "
+                            "Marian checkpoint directory, hf://org/name or a pretrained preset (e.g. opus_mt_en_de)")
     parser.add_argument("--output", required=True, help="preset directory to write (resumed if interrupted)")
     parser.add_argument("--train-src", help="training source file (plain or .gz, one sentence per line)")
     parser.add_argument("--train-tgt", help="training target file, line-aligned with --train-src")
@@ -41,6 +52,7 @@ def build_parser():
     parser.add_argument("--warmup-steps", type=positive_int, default=4000, help="learning-rate warmup in updates (paper: 4000)")
     parser.add_argument("--learning-rate-scale", type=positive_float, default=1.0, help="multiplies the paper's learning rate")
     parser.add_argument("--label-smoothing", type=unit_interval, default=0.1)
+    parser.add_argument("--dropout", type=unit_interval, help="P_drop (default: the preset's or checkpoint's)")
     parser.add_argument("--gradient-accumulation-steps", type=positive_int, metavar="K",
                         help="one update per K batches, from their mean gradient (an update sees K x --tokens-per-batch)")
     parser.add_argument("--checkpoint-every", type=positive_int, default=500,
@@ -78,6 +90,7 @@ def _train(args):
     return run_training(
         args.output,
         preset=args.preset,
+        init_from=args.init_from,
         train_src=args.train_src,
         train_tgt=args.train_tgt,
         valid_src=args.valid_src,
@@ -101,6 +114,7 @@ def _train(args):
         jit_compile=args.jit_compile,
         seed=args.seed,
         overwrite=args.overwrite,
+        model_overrides={"dropout": args.dropout} if args.dropout is not None else None,
     )
 
 

@@ -32,12 +32,13 @@ import numpy as np
 
 from keras_transformer import data as data_lib
 from keras_transformer import datasets
+from keras_transformer.convert import hf_model_type, is_hf_handle
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import TransformerModel
-from keras_transformer.presets import PRESETS
+from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS
 from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
-from keras_transformer.tokenizer import Tokenizer, train_tokenizer
+from keras_transformer.tokenizer import load_tokenizer, train_tokenizer
 from keras_transformer.utils import (
     atomic_directory,
     atomic_path,
@@ -465,7 +466,9 @@ def _choose_work_root(output_dir, overwrite):
 
 
 def _describe_changes(recorded, arguments):
-    return {key: (recorded.get(key), value) for key, value in arguments.items() if recorded.get(key) != value}
+    """`{key: (recorded, now)}` for each argument that differs (one on a side only, init_from, is None on the other)."""
+    keys = list(arguments) + [key for key in recorded if key not in arguments]
+    return {key: (recorded.get(key), arguments.get(key)) for key in keys if recorded.get(key) != arguments.get(key)}
 
 
 def _format_changes(changes):
@@ -504,6 +507,7 @@ def _remove_partial_files(work):
 # ---------------------------------------------------------------------- #
 # The arguments of a run, checked once.
 # ---------------------------------------------------------------------- #
+DEFAULT_PRESET = "small"  # the architecture of a run that names neither preset nor init_from
 # The integer arguments (checked in this order; `seed` may be 0, the others
 # are >= 1) and those of them that may be None.
 _INTEGERS = ("vocabulary_size", "tokens_per_batch", "max_length", "warmup_steps", "gradient_accumulation_steps",
@@ -527,10 +531,12 @@ class TrainingConfig:
     ```python
     config = TrainingConfig(preset="tiny", steps=200, checkpoint_every=50)
     metadata = run_training("runs/tiny", config, verbose=0)  # keywords override fields
+    finetune = TrainingConfig(init_from="opus_mt_en_de", steps=1000, learning_rate_scale=0.1)
     ```
     """
 
-    preset: object = "small"
+    preset: object = None  # None: DEFAULT_PRESET, unless init_from is given
+    init_from: object = None
     train_src: object = None
     train_tgt: object = None
     valid_src: object = None
@@ -562,6 +568,13 @@ class TrainingConfig:
         _check_config(self)
 
     @property
+    def model_preset(self):
+        """What the model is built from: `init_from` (architecture, weights, tokenizer), else `preset`."""
+        if self.init_from is not None:
+            return self.init_from
+        return self.preset if self.preset is not None else DEFAULT_PRESET
+
+    @property
     def micro_batches(self):
         """Batches per optimizer update (`gradient_accumulation_steps`, 1 without accumulation)."""
         return self.gradient_accumulation_steps or 1
@@ -569,15 +582,18 @@ class TrainingConfig:
     @property
     def checkpoints_averaged(self):
         """`average_last`, or the preset's default (`default_average_last`)."""
-        return self.average_last if self.average_last is not None else default_average_last(self.preset)
+        return self.average_last if self.average_last is not None else default_average_last(self.model_preset)
 
     def recorded_arguments(self, train_pairs, valid_pairs):
         """The arguments as `state.json` records them (a resume compares them), with the data's size."""
         vocabulary_size = self.vocabulary_size
-        if isinstance(self.preset, str) and self.preset in PRESETS:
-            vocabulary_size = vocabulary_size or PRESETS[self.preset]["config"]["vocabulary_size"]
+        preset = self.model_preset if self.init_from is None else None
+        if isinstance(preset, str) and preset in PRESETS:
+            vocabulary_size = vocabulary_size or PRESETS[preset]["config"]["vocabulary_size"]
+        # init_from is recorded when given: a run without it records the keys runs always recorded.
+        fine_tuning = {"init_from": _path_or_name(self.init_from)} if self.init_from is not None else {}
         arguments = {
-            "preset": _path_or_name(self.preset), "train_src": _path_or_name(self.train_src),
+            "preset": _path_or_name(preset), **fine_tuning, "train_src": _path_or_name(self.train_src),
             "train_tgt": _path_or_name(self.train_tgt), "valid_src": _path_or_name(self.valid_src),
             "valid_tgt": _path_or_name(self.valid_tgt), "train_pairs": train_pairs, "valid_pairs": valid_pairs,
             "vocabulary_size": vocabulary_size, "tokenizer_max_sentences": self.tokenizer_max_sentences,
@@ -624,14 +640,28 @@ def _check_config(config):
         )
     if config.jit_compile not in ("auto", True, False):
         raise BadArgumentError(f"jit_compile={config.jit_compile!r} must be 'auto', True or False")
-    _check_preset(config.preset)
+    if config.init_from is not None:
+        _check_init_from(config)
+    else:
+        _check_preset(config.model_preset)
     unpaired = [(config.train_src, config.train_tgt), (config.valid_src, config.valid_tgt)]
     if any((src is None) != (tgt is None) for src, tgt in unpaired):
         raise BadArgumentError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
 
 
 def _check_preset(preset):
-    """Raises `BadArgumentError` unless `preset` is a built-in name or a directory with config.json."""
+    """Raises `BadArgumentError` unless `preset` is a built-in name or a directory with config.json.
+
+    A pretrained checkpoint is refused with the way to fine-tune it (`init_from`).
+    """
+    pretrained = (isinstance(preset, str) and (preset in PRETRAINED_PRESETS or is_hf_handle(preset))) or (
+        isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset) and hf_model_type(preset) is not None
+    )
+    if pretrained:
+        raise BadArgumentError(
+            f"--preset {preset} is a pretrained checkpoint, whose tokenizer must be kept: fine-tune it "
+            f"with --init-from {preset} (and no --preset)"
+        )
     if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
         if not os.path.isfile(os.path.join(preset, "config.json")):
             raise BadArgumentError(
@@ -642,16 +672,54 @@ def _check_preset(preset):
         raise BadArgumentError(f"Unknown preset {preset!r}: use one of {', '.join(PRESETS)} or a preset directory")
 
 
+def _check_init_from(config):
+    """Raises `BadArgumentError` unless `config.init_from` names a trained model and nothing contradicts it.
+
+    The one rule: `preset` is an architecture trained from scratch with a new
+    vocabulary, `init_from` a trained model fine-tuned with its own tokenizer;
+    a run takes one of them, and nothing that would make a new vocabulary.
+    """
+    init_from = config.init_from
+    if config.preset is not None:
+        raise BadArgumentError(
+            f"Pass --preset (an architecture trained from scratch) or --init-from (a trained model to fine-tune), "
+            f"not both (received preset={str(config.preset)!r}, init_from={str(init_from)!r}); "
+            "a fine-tuned model keeps the architecture of its checkpoint"
+        )
+    for name in ("vocabulary_size", "tokenizer_max_sentences"):
+        if getattr(config, name) is not None:
+            raise BadArgumentError(
+                f"{name}={getattr(config, name)!r} is for training a new vocabulary, but a run with --init-from "
+                f"keeps the tokenizer of {init_from}; drop --{name.replace('_', '-')}"
+            )
+    others = (f"a trained preset directory, a Hugging Face checkpoint directory, hf://org/name or one of "
+              f"{', '.join(PRETRAINED_PRESETS)}")
+    if isinstance(init_from, str) and init_from in PRESETS:
+        raise BadArgumentError(
+            f"--init-from {init_from} is an architecture with random weights: train it with --preset {init_from}, "
+            f"or fine-tune {others}"
+        )
+    if isinstance(init_from, str) and (init_from in PRETRAINED_PRESETS or is_hf_handle(init_from)):
+        return  # resolved (and downloaded, or found in the cache) when the run reads its inputs
+    if not isinstance(init_from, (str, os.PathLike)) or not os.path.isdir(init_from):
+        raise BadArgumentError(f"--init-from {init_from!r} is not a directory; pass {others}")
+    if not os.path.isfile(os.path.join(init_from, "config.json")):
+        raise BadArgumentError(f"--init-from {init_from} is a directory without config.json; pass {others}")
+
+
 def default_average_last(preset):
     """Checkpoints averaged by default: the built-in preset's `average_last` (paper 6.1), else 5."""
-    if isinstance(preset, str) and preset in PRESETS:
-        return PRESETS[preset].get("average_last", 5)
+    presets = {**PRESETS, **PRETRAINED_PRESETS}
+    if isinstance(preset, str) and preset in presets:
+        return presets[preset].get("average_last", 5)
     return 5
 
 
 def _path_or_name(value):
-    """A file or directory as an absolute path (the comparison on resume), a name or None as it is."""
-    if value is None or (isinstance(value, str) and value in PRESETS):
+    """A file or directory as an absolute path (the comparison on resume); a name, hf:// handle or None as it is."""
+    if value is None or (isinstance(value, str) and (value in PRESETS or value in PRETRAINED_PRESETS)):
+        return value
+    if is_hf_handle(value):
         return value
     return os.path.abspath(os.fspath(value))
 
@@ -663,11 +731,14 @@ def run_training(output_dir, config=None, **overrides):
     """Trains a Transformer on parallel text and writes a preset directory.
 
     Without data paths it trains on the bundled LibreOffice English-German
-    corpus. A killed run resumes from its last resume point when the same
-    command is run again: every `checkpoint_every` steps the weights, the
-    optimizer state and the interval count are written as one file, atomically
-    (`save_resume_point`). A resumed run must repeat the recorded arguments,
-    except those in `RESUMABLE_CHANGES`, which are applied and recorded.
+    corpus. A run trains an architecture (`preset`) from random weights with
+    a new shared vocabulary, or fine-tunes a trained model (`init_from`)
+    with the tokenizer it was trained with. A killed run resumes from its
+    last resume point when the same command is run again: every
+    `checkpoint_every` steps the weights, the optimizer state and the
+    interval count are written as one file, atomically (`save_resume_point`).
+    A resumed run must repeat the recorded arguments, except those in
+    `RESUMABLE_CHANGES`, which are applied and recorded.
 
     Everything (arguments, data, the output directory, the interrupted run's
     arguments) is checked before anything is written; such errors are
@@ -676,17 +747,29 @@ def run_training(output_dir, config=None, **overrides):
 
     The work is done in stages, each a function below: `_prepare` (the
     work directory and the resume decision; reads only), `_prepare_data`
-    (tokenizer and batches; reads only), `_start` (the first writes),
+    (tokenizer, the imported model, batches; reads only), `_start` (the first writes),
     `_build_model`, `_fit` and `_finalize` (averaging, metadata, validation
     BLEU, installing the preset).
 
     Args:
         output_dir: where the preset (config.json, model.weights.h5 with
-            the averaged weights, tokenizer.model, metadata.json) is written;
-            `output_dir/training/` keeps checkpoints and resume state.
+            the averaged weights, the tokenizer's files, metadata.json) is
+            written; `output_dir/training/` keeps checkpoints and resume state.
         config: optional `TrainingConfig`; the keyword arguments below
             override its fields (without one, they override the defaults).
-        preset: architecture preset name (or a preset directory to fine-tune).
+        preset: architecture preset name, or a preset directory (its
+            architecture and weights with a new vocabulary); default "small"
+            (`DEFAULT_PRESET`). Not with `init_from`.
+        init_from: a trained model to fine-tune, anything
+            `TransformerModel.from_preset` loads with weights and a tokenizer:
+            a preset directory written by this function, a Hugging Face
+            Marian checkpoint directory, an "hf://org/name" handle or a named
+            pretrained preset ("opus_mt_en_de"). Its architecture, weights and
+            tokenizer are kept (sources are encoded as source text, targets
+            with `target=True`); no vocabulary is trained, so `preset`,
+            `vocabulary_size` and `tokenizer_max_sentences` are refused.
+            `model_overrides` may change what the checkpoint allows (e.g.
+            `dropout`).
         train_src, train_tgt, valid_src, valid_tgt: parallel text files.
         vocabulary_size: shared subword vocabulary; default: the preset's.
         tokens_per_batch: token budget per side of a batch (paper: ~25000).
@@ -725,7 +808,8 @@ def run_training(output_dir, config=None, **overrides):
             pass over the data, loss, learning rate and ETA) and a line per
             checkpoint; 2: the lines only (see `TrainingProgress`); default:
             1 on a terminal, 2 otherwise. The lines are logged at INFO.
-        model_overrides: optional dict of TransformerModel arguments.
+        model_overrides: optional dict of TransformerModel arguments (with
+            `init_from`, those its checkpoint allows).
         tokenizer_max_sentences: optional int: train the shared vocabulary on
             a reproducible sample of this many sentences (source and target
             lines together) instead of all of them; a few million are plenty
@@ -900,7 +984,7 @@ class _Data:
     """
 
     tokenizer: object
-    new_tokenizer: bool  # trained by this run (else loaded from `training/`)
+    new_tokenizer: bool  # trained or imported by this run (else loaded from `training/`)
     train_pairs: int  # pairs kept after encoding
     train_data: object  # repeated, positioned after what a resumed run has trained
     valid_data: object  # None without validation text
@@ -910,16 +994,23 @@ class _Data:
     total_steps: int  # a multiple of `interval`
     fit_epochs: int  # total_steps // interval
     initial_epoch: int  # intervals already trained
+    imported: object = None  # init_from's model (`_import_model`); None: the model is built from `preset`
 
 
 def _prepare_data(run):
-    """Stage 2 (reads only): the shared vocabulary (kept across a resume), the batches and the schedule.
+    """Stage 2 (reads only): the tokenizer (kept across a resume), the model to fine-tune, the batches and the schedule.
 
     Raises `BadArgumentError` when a resume asks for fewer steps than are done.
     """
     config, texts = run.config, run.texts
-    if run.state is not None and (run.work / "tokenizer.model").is_file():
-        tokenizer, new_tokenizer = Tokenizer.load(run.work), False
+    imported = _import_model(config) if config.init_from is not None else None
+    saved = load_tokenizer(run.work) if run.state is not None else None
+    if saved is not None:
+        tokenizer, new_tokenizer = saved, False
+    elif imported is not None:
+        tokenizer, new_tokenizer = imported.tokenizer, True
+        logger.info("Fine-tuning %s with its %s (%d pieces); no vocabulary is trained", config.init_from,
+                    type(tokenizer).__name__, tokenizer.vocabulary_size)
     else:
         vocabulary_size = run.arguments["vocabulary_size"]
         logger.info("Training a %s-token shared vocabulary on %d sentence pairs", vocabulary_size,
@@ -944,7 +1035,39 @@ def _prepare_data(run):
         valid_ids = data_lib.encode_pairs(tokenizer, texts.valid_sources, texts.valid_targets, config.max_length)
         valid_data = data_lib.make_dataset(*valid_ids, shuffle=False, **batching)
     return _Data(tokenizer, new_tokenizer, len(train_ids[0]), train_data, valid_data, batches_per_epoch, micro,
-                 interval, total_steps, fit_epochs, initial_epoch)
+                 interval, total_steps, fit_epochs, initial_epoch, imported=imported)
+
+
+def _import_model(config):
+    """The model `init_from` names, with its weights and tokenizer (`model_overrides` applied), checked.
+
+    Loaded outside any strategy (stage 2 reads only); `_build_model` makes
+    the model that is trained from its config and weights.
+
+    Raises:
+        BadArgumentError: the model has no tokenizer, `max_length` is longer
+            than its positions reach, or an hf:// handle needs the [hub]
+            extra. What `from_preset` refuses (a checkpoint it cannot import,
+            an override the checkpoint does not allow, an hf:// handle that
+            is neither cached nor reachable) is a ValueError or OSError, which
+            `run_training` raises as the `UserInputError` it is.
+    """
+    init_from = config.init_from
+    try:
+        model = TransformerModel.from_preset(init_from, **dict(config.model_overrides or {}))
+    except ModuleNotFoundError as error:  # an hf:// handle without the [hub] extra: its message says what to install
+        raise BadArgumentError(str(error)) from None
+    if model.tokenizer is None:
+        raise BadArgumentError(
+            f"--init-from {init_from} has no tokenizer: a model is fine-tuned with the tokenizer it was trained "
+            "with; pass a directory written by run_training or save_to_preset(directory, tokenizer=...)"
+        )
+    if config.max_length > model.max_sequence_length:
+        raise BadArgumentError(
+            f"max_length={config.max_length} is longer than the max_sequence_length={model.max_sequence_length} "
+            f"of {init_from}; pass --max-length {model.max_sequence_length} or less"
+        )
+    return model
 
 
 def _schedule(run, batches_per_epoch):
@@ -1001,10 +1124,18 @@ def _build_model(run, data):
     keras.utils.set_random_seed(config.seed)
     strategy_name, scope = resolve_strategy(config.strategy)
     overrides = dict(config.model_overrides or {})
-    overrides.setdefault("vocabulary_size", data.tokenizer.vocabulary_size)
-    overrides.setdefault("max_sequence_length", max(config.max_length, 8))
     with scope:
-        model = TransformerModel.from_preset(config.preset, **overrides)
+        if data.imported is not None:
+            # The checkpoint's architecture and weights, in variables made under the strategy.
+            model_config = data.imported.get_config()
+            if "dtype" not in overrides:
+                model_config.pop("dtype", None)  # the run's policy (mixed precision), as for a preset
+            model = TransformerModel.from_config(model_config)
+            model.set_weights(data.imported.get_weights())
+        else:
+            overrides.setdefault("vocabulary_size", data.tokenizer.vocabulary_size)
+            overrides.setdefault("max_sequence_length", max(config.max_length, 8))
+            model = TransformerModel.from_preset(config.model_preset, **overrides)
         compile_model(
             model,
             warmup_steps=config.warmup_steps,
@@ -1043,7 +1174,7 @@ def _fit(run, data, model, strategy_name):
     micro = data.micro
     logger.info(
         "Training %s (%d parameters) for %d updates of %d batch%s (%d batches per pass over the data), strategy=%s",
-        config.preset, model.count_params(), data.total_steps, micro, "" if micro == 1 else "es",
+        config.model_preset, model.count_params(), data.total_steps, micro, "" if micro == 1 else "es",
         data.batches_per_epoch, strategy_name,
     )
     verbose = config.verbose if config.verbose is not None else (1 if sys.stderr.isatty() else 2)
@@ -1115,7 +1246,8 @@ def _metadata(run, data, checkpoints, trained):
     """metadata.json before the validation scores: what trained the model, on what, for how long."""
     config = run.config
     metadata = {
-        "preset": str(config.preset),
+        "preset": str(config.model_preset),
+        **({"init_from": run.arguments["init_from"]} if config.init_from is not None else {}),
         # Portable: the bundled corpus by name and version, other files as given.
         "data": {**datasets.data_record(run.texts.paths), "train_pairs": data.train_pairs},
         "steps": data.total_steps,
