@@ -49,6 +49,12 @@ QUIET_LOGGERS = {
     "jax._src.xla_bridge": logging.ERROR,  # "An NVIDIA GPU may be present ... Falling back to cpu."
 }
 
+# What `--preset` of the commands that translate takes: anything `Translator.from_preset` loads.
+PRESET_HELP = (
+    "a preset directory with a tokenizer (written by train or save_to_preset), a Hugging Face Marian checkpoint "
+    "directory, hf://org/name or a pretrained preset (e.g. opus_mt_en_de)"
+)
+
 
 def add_verbose_argument(parser):
     """Adds `--verbose` (a bool, default False) to an `argparse` parser."""

@@ -1,8 +1,9 @@
-"""`python -m keras_transformer.evaluate`: sacreBLEU and chrF of a preset directory.
+"""`python -m keras_transformer.evaluate`: sacreBLEU and chrF of a preset directory or a pretrained checkpoint.
 
 ```
 python -m keras_transformer.evaluate --preset runs/small                  # the bundled test split
 python -m keras_transformer.evaluate --preset runs/base --src newstest2014.en --ref newstest2014.de --json
+python -m keras_transformer.evaluate --preset hf://Helsinki-NLP/opus-mt-en-de --limit 100
 ```
 
 Scores are detokenized sacreBLEU (13a tokenization, the library's default)
@@ -94,9 +95,10 @@ def evaluate(
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m keras_transformer.evaluate",
-        description="sacreBLEU and chrF of a preset directory on parallel text (default: the bundled test split).",
+        description="sacreBLEU and chrF of a preset directory or a pretrained checkpoint on parallel text "
+                    "(default: the bundled test split).",
     )
-    parser.add_argument("--preset", required=True, help="preset directory with a tokenizer")
+    parser.add_argument("--preset", required=True, help=cli.PRESET_HELP)
     parser.add_argument("--src", default=None, help="source file, one sentence per line (plain or .gz)")
     parser.add_argument("--ref", default=None, help="reference file aligned with --src")
     parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy (default 4)")

@@ -1,4 +1,4 @@
-"""`python -m keras_transformer.translate`: translate text with a preset directory.
+"""`python -m keras_transformer.translate`: translate text with a preset directory or a pretrained checkpoint.
 
 Reads one sentence per line from stdin (or `--input`), writes one
 translation per line to stdout (or `--output`); progress goes to stderr.
@@ -6,6 +6,7 @@ translation per line to stdout (or `--output`); progress goes to stderr.
 ```
 echo "A sentence." | python -m keras_transformer.translate --preset runs/small
 python -m keras_transformer.translate --preset runs/small --input test.en --output test.de --beam-size 4
+echo "A sentence." | python -m keras_transformer.translate --preset opus_mt_en_de    # downloaded once
 ```
 """
 
@@ -49,9 +50,10 @@ def write_lines(path, lines, overwrite=False):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m keras_transformer.translate",
-        description="Translate one sentence per line with a preset directory (model + tokenizer).",
+        description="Translate one sentence per line with a preset directory or a pretrained checkpoint "
+                    "(model + tokenizer).",
     )
-    parser.add_argument("--preset", required=True, help="preset directory written by save_to_preset / train")
+    parser.add_argument("--preset", required=True, help=cli.PRESET_HELP)
     parser.add_argument("--input", default=None, help="input file (plain or .gz); default stdin")
     parser.add_argument("--output", default=None, help="output file; default stdout")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
