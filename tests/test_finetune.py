@@ -108,6 +108,8 @@ def test_fine_tuning_starts_from_the_imported_weights_keeps_the_tokenizer_and_re
     before = _snapshot(output)
     with pytest.raises(training.BadArgumentError, match=r"init_from='.*random.*' \(was '.*trained.*'\).*Repeat"):
         training.run_training(output, **{**arguments, "init_from": str(marian_random)})
+    with pytest.raises(training.BadArgumentError, match=r"init_from=None \(was '.*trained.*'\).*Repeat"):
+        training.run_training(output, **{**arguments, "init_from": None})  # training from scratch instead
     assert _snapshot(output) == before
 
     metadata = training.run_training(output, **arguments)  # the same command resumes
@@ -138,6 +140,38 @@ def test_fine_tuning_starts_from_the_imported_weights_keeps_the_tokenizer_and_re
     assert not (output / "tokenizer.model").exists()
     translations = kt.Translator.from_preset(str(output)).translate([e for e, _ in pairs[:2]], beam_size=1)
     assert all(isinstance(text, str) and text for text in translations)
+
+
+def test_init_from_a_preset_directory_keeps_its_tokenizer_architecture_and_weights(tmp_path, monkeypatch):
+    """Our own preset (shared SentencePiece vocabulary, learned positions) is fine-tuned as an imported checkpoint."""
+    from keras_transformer.tokenizer import train_tokenizer
+
+    src, tgt = _write_pairs(tmp_path, "train", _short_pairs(24))
+    trained = tmp_path / "trained"
+    tiny_model(vocabulary_size=120, position_encoding="learned", max_sequence_length=40).save_to_preset(
+        trained, tokenizer=train_tokenizer([src, tgt], vocabulary_size=120))
+    expected = kt.TransformerModel.from_preset(str(trained))
+
+    class Stop(Exception):
+        pass
+
+    def stop_before_fitting(run, data, model, strategy_name):
+        def architecture(m):
+            return {k: v for k, v in m.get_config().items() if k != "name"}
+
+        assert architecture(model) == architecture(expected)
+        for want, got in zip(_weights(expected), _weights(model), strict=True):
+            np.testing.assert_array_equal(got, want)
+        raise Stop()
+
+    monkeypatch.setattr(training, "train_tokenizer", None)  # calling it would fail the test
+    monkeypatch.setattr(training, "_fit", stop_before_fitting)
+    with pytest.raises(Stop):
+        training.run_training(tmp_path / "run", init_from=str(trained), train_src=src, train_tgt=tgt, steps=1,
+                              tokens_per_batch=400, max_length=40, verbose=0)
+    work = tmp_path / "run" / "training"
+    assert (work / "tokenizer.model").read_bytes() == (trained / "tokenizer.model").read_bytes()
+    assert json.loads((work / "state.json").read_text())["arguments"]["init_from"] == str(trained)
 
 
 # ---------------------------------------------------------------------- #
