@@ -1,7 +1,9 @@
 """Fine-tuning a trained model: `run_training(init_from=...)`, `train --init-from`, and the commands on checkpoints."""
 
+import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -45,16 +47,33 @@ def _weights(model):
 
 
 def _snapshot(directory):
-    return {os.path.relpath(os.path.join(root, name), directory): os.path.getsize(os.path.join(root, name))
-            for root, _, files in os.walk(directory) for name in files}
+    """{relative path: sha1} of every file under `directory`."""
+    result = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                result[os.path.relpath(os.path.join(root, name), directory)] = hashlib.sha1(f.read()).hexdigest()
+    return result
 
 
 @pytest.fixture
 def offline_hub(monkeypatch, tmp_path):
-    """The Hugging Face Hub unreachable, with an empty cache: an hf:// handle cannot be resolved."""
+    """The Hugging Face Hub unreachable, with an empty cache (returned): an hf:// handle resolves from it or not at all."""
     constants = pytest.importorskip("huggingface_hub.constants")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    return tmp_path / "hf-cache"
+
+
+@pytest.fixture
+def cached_opus_mt_en_de(offline_hub, marian_trained):
+    """The stand-in in the offline cache as Helsinki-NLP/opus-mt-en-de (what `opus_mt_en_de` names)."""
+    repository = offline_hub / "models--Helsinki-NLP--opus-mt-en-de"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(marian_trained, repository / "snapshots" / revision)
+    (repository / "refs").mkdir()
+    (repository / "refs" / "main").write_text(revision)
+    return marian_trained
 
 
 # ---------------------------------------------------------------------- #
@@ -174,6 +193,27 @@ def test_init_from_a_preset_directory_keeps_its_tokenizer_architecture_and_weigh
     assert json.loads((work / "state.json").read_text())["arguments"]["init_from"] == str(trained)
 
 
+def test_init_from_a_pretrained_preset_name_resolves_from_the_hub_cache(tmp_path, monkeypatch, cached_opus_mt_en_de):
+    src, tgt = _write_pairs(tmp_path, "train", _short_pairs(8))
+    expected = kt.TransformerModel.from_preset(cached_opus_mt_en_de)
+
+    class Stop(Exception):
+        pass
+
+    def stop_before_fitting(run, data, model, strategy_name):
+        for want, got in zip(_weights(expected), _weights(model), strict=True):
+            np.testing.assert_array_equal(got, want)
+        raise Stop()
+
+    monkeypatch.setattr(training, "_fit", stop_before_fitting)
+    with pytest.raises(Stop):
+        training.run_training(tmp_path / "run", init_from="opus_mt_en_de", train_src=src, train_tgt=tgt, steps=1,
+                              tokens_per_batch=400, max_length=64, verbose=0)
+    work = tmp_path / "run" / "training"
+    assert json.loads((work / "state.json").read_text())["arguments"]["init_from"] == "opus_mt_en_de"  # a name
+    assert (work / "source.spm").read_bytes() == (cached_opus_mt_en_de / "source.spm").read_bytes()
+
+
 # ---------------------------------------------------------------------- #
 # What a fine-tuning run refuses, before it writes anything.
 # ---------------------------------------------------------------------- #
@@ -247,20 +287,23 @@ def test_train_cli_refuses_preset_with_init_from_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_translate_cli_and_evaluate_cli_on_a_marian_checkpoint_directory(tmp_path, capsys, marian_trained):
+def test_translate_cli_and_evaluate_cli_on_marian_checkpoints(tmp_path, capsys, cached_opus_mt_en_de):
+    """A checkpoint directory, an hf:// handle (from the offline cache) and a pretrained preset name."""
     from keras_transformer import evaluate, translate
 
-    pairs = _short_pairs(3)
+    directory = str(cached_opus_mt_en_de)
+    pairs = _short_pairs(2)
     src, ref = _write_pairs(tmp_path, "test", pairs)
-    translate.main(["--preset", str(marian_trained), "--input", src, "--output", str(tmp_path / "out.de"),
-                    "--beam-size", "1", "--no-progress"])
-    expected = kt.Translator.from_preset(marian_trained).translate([e for e, _ in pairs], beam_size=1)
+    expected = kt.Translator.from_preset(directory).translate([e for e, _ in pairs], beam_size=1)
+    translate.main(["--preset", directory, "--input", src, "--output", str(tmp_path / "out.de"), "--beam-size", "1",
+                    "--no-progress"])
     assert (tmp_path / "out.de").read_text(encoding="utf-8").splitlines() == expected
-    capsys.readouterr()
-    evaluate.main(["--preset", str(marian_trained), "--src", src, "--ref", ref, "--beam-size", "1", "--json",
-                   "--no-progress"])
+    for preset in (OFFLINE_HANDLE, "opus_mt_en_de"):
+        translate.main(["--preset", preset, "--input", src, "--beam-size", "1", "--no-progress"])
+        assert capsys.readouterr().out.splitlines() == expected
+    evaluate.main(["--preset", directory, "--src", src, "--ref", ref, "--beam-size", "1", "--json", "--no-progress"])
     result = json.loads(capsys.readouterr().out)
-    assert result["sentences"] == 3 and result["preset"] == str(marian_trained) and 0.0 <= result["chrf"] <= 100.0
+    assert result["sentences"] == 2 and result["preset"] == directory and 0.0 <= result["chrf"] <= 100.0
 
 
 @pytest.mark.parametrize("command", ["translate", "evaluate"])
