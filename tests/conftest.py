@@ -156,3 +156,24 @@ def marian_random(request):
 def marian_trained(request):
     """A Marian checkpoint trained for a few hundred steps on the bundled corpus (read only)."""
     return _marian_standin(request, "trained")
+
+
+@pytest.fixture
+def offline_hub(monkeypatch, tmp_path):
+    """The Hugging Face Hub unreachable, with an empty cache (returned): an hf:// handle resolves from it or not at all."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    return tmp_path / "hf-cache"
+
+
+def populate_hub_cache(cache, repo_id, checkpoint, revision="0123456789abcdef0123456789abcdef01234567"):
+    """Puts `checkpoint` in the Hugging Face cache layout as `repo_id`: models--org--name/snapshots/<rev>/, refs/main."""
+    import shutil
+
+    repository = pathlib.Path(cache) / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(checkpoint, repository / "snapshots" / revision)
+    (repository / "refs").mkdir(parents=True, exist_ok=True)
+    (repository / "refs" / "main").write_text(revision)
+    return repository / "snapshots" / revision

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import BACKEND, to_numpy
+from conftest import BACKEND, populate_hub_cache, to_numpy
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -214,25 +214,8 @@ def test_save_to_preset_loads_back_identically(imported_trained, tmp_path):
         kt.Translator(model, model.tokenizer).translate(texts, beam_size=1)
 
 
-def _populate_hub_cache(cache, repo_id, checkpoint, revision="0123456789abcdef0123456789abcdef01234567"):
-    """The Hugging Face cache layout: models--org--name/snapshots/<rev>/ and refs/main."""
-    repository = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repository / "snapshots" / revision
-    shutil.copytree(checkpoint, snapshot)
-    (repository / "refs").mkdir(parents=True)
-    (repository / "refs" / "main").write_text(revision)
-    return snapshot
-
-
-def test_hf_handle_resolves_offline_from_the_cache(marian_trained, tmp_path, monkeypatch):
-    pytest.importorskip("huggingface_hub")
-    _populate_hub_cache(tmp_path / "hub", "Helsinki-NLP/opus-mt-xx-yy", marian_trained)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+def test_hf_handle_resolves_offline_from_the_cache(marian_trained, offline_hub):
+    populate_hub_cache(offline_hub, "Helsinki-NLP/opus-mt-xx-yy", marian_trained)
     translator = kt.Translator.from_preset("hf://Helsinki-NLP/opus-mt-xx-yy")
     direct = kt.Translator.from_preset(marian_trained)
     assert translator.translate(SENTENCES[:2], beam_size=1) == direct.translate(SENTENCES[:2], beam_size=1)

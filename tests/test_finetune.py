@@ -3,13 +3,12 @@
 import hashlib
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 
 import keras_transformer as kt
-from conftest import tiny_model, to_numpy
+from conftest import populate_hub_cache, tiny_model, to_numpy
 from keras_transformer import training
 from keras_transformer.marian_tokenizer import MarianTokenizer
 
@@ -57,22 +56,9 @@ def _snapshot(directory):
 
 
 @pytest.fixture
-def offline_hub(monkeypatch, tmp_path):
-    """The Hugging Face Hub unreachable, with an empty cache (returned): an hf:// handle resolves from it or not at all."""
-    constants = pytest.importorskip("huggingface_hub.constants")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    return tmp_path / "hf-cache"
-
-
-@pytest.fixture
 def cached_opus_mt_en_de(offline_hub, marian_trained):
     """The stand-in in the offline cache as Helsinki-NLP/opus-mt-en-de (what `opus_mt_en_de` names)."""
-    repository = offline_hub / "models--Helsinki-NLP--opus-mt-en-de"
-    revision = "0123456789abcdef0123456789abcdef01234567"
-    shutil.copytree(marian_trained, repository / "snapshots" / revision)
-    (repository / "refs").mkdir()
-    (repository / "refs" / "main").write_text(revision)
+    populate_hub_cache(offline_hub, "Helsinki-NLP/opus-mt-en-de", marian_trained)
     return marian_trained
 
 

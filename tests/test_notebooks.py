@@ -17,7 +17,7 @@ from conftest import BACKEND
 nbformat = pytest.importorskip("nbformat")
 
 COLAB = pathlib.Path(__file__).resolve().parent.parent / "colab"
-EXPECTED = ["01_quickstart.ipynb", "02_wmt14_multi_gpu.ipynb", "03_export_and_serve.ipynb"]
+EXPECTED = ["01_quickstart.ipynb", "02_wmt14_multi_gpu.ipynb", "03_export_and_serve.ipynb", "04_pretrained.ipynb"]
 NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/OWNER/REPO/blob/main/colab/NAME.ipynb)
 BADGE = re.compile(
@@ -32,7 +32,7 @@ def _read(path):
     return nbformat.read(str(path), as_version=4)
 
 
-def test_colab_holds_the_three_notebooks():
+def test_colab_holds_the_four_notebooks():
     missing = sorted(set(EXPECTED) - {path.name for path in NOTEBOOKS})
     assert not missing, f"colab/ lacks {missing}"
 
