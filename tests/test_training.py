@@ -32,7 +32,10 @@ def test_learns_to_reverse_sequences():
     valid = data.make_dataset(*reversal_pairs(rng, 300), tokens_per_batch=640, shuffle=False)
     model = kt.TransformerModel(vocabulary_size=20, num_layers=2, num_heads=4, hidden_dim=64,
                                 intermediate_dim=128, dropout=0.0, max_sequence_length=16)
-    training.compile_model(model, warmup_steps=100, learning_rate_scale=1.0, label_smoothing=0.0)
+    # At the full rate the accuracy after 1,600 updates swings between 98.3% and 99.8% from one
+    # epoch to the next on this tiny task (measured on TensorFlow); half the rate converges (99.9-100%
+    # on all three backends), so the test no longer sits on the edge of its threshold.
+    training.compile_model(model, warmup_steps=100, learning_rate_scale=0.5, label_smoothing=0.0)
     model.fit(train, epochs=16, steps_per_epoch=100, verbose=0)
     results = model.evaluate(valid, verbose=0, return_dict=True)
     assert results["masked_accuracy"] >= 0.99, results
