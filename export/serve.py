@@ -270,8 +270,9 @@ class CTranslate2Engine:
             ),
             **self._translation_options(options.beam_size, options.length_penalty, self.max_sequence_length),
         )
-        for i, output in zip(todo, outputs):
-            results[i] = self.tokenizer.decode([[self.index[token] for token in output.hypotheses[0]]])[0]
+        decoded = self.tokenizer.decode([[self.index[token] for token in output.hypotheses[0]] for output in outputs])
+        for i, text in zip(todo, decoded):
+            results[i] = text
         return results
 
 
@@ -322,7 +323,7 @@ class Counter(_Metric):
         self.values = {}
 
     def inc(self, amount=1, **labels):
-        key = tuple(sorted(labels.items()))
+        key = tuple(sorted((name, str(value)) for name, value in labels.items()))
         self.values[key] = self.values.get(key, 0) + amount
 
     def render(self):

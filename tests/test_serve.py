@@ -470,6 +470,25 @@ def test_a_request_without_an_answer_in_time_gets_504_and_leaves_the_queue(gated
     assert engine.batches[-2:] == [["one"], ["four"]]
 
 
+def test_a_model_that_fails_its_warm_up_is_never_ready():
+    """The warm-up's error is said by /ready and to every request; `serve` stops with status 1 (on_fatal)."""
+    from starlette.testclient import TestClient
+
+    class Broken(GatedEngine):
+        def translate(self, texts, options):
+            raise RuntimeError("no session")
+
+    fatal = threading.Event()
+    failure = "the model failed to translate a warm-up sentence: RuntimeError: no session"
+    with TestClient(serve.create_app(Broken(), on_fatal=fatal.set)) as client:
+        assert fatal.wait(10)
+        response = client.get("/ready")
+        assert response.status_code == 503 and response.json() == {"error": failure}
+        response = client.post("/v1/translate", json={"text": ["a"]})
+        assert response.status_code == 503 and response.json() == {"error": failure + "; retry"}
+        assert client.get("/health").status_code == 200
+
+
 def test_settings_are_checked_with_their_values():
     with pytest.raises(ValueError, match=r"max_batch_tokens=0 must be an integer >= 1"):
         serve.ServerSettings(max_batch_tokens=0)
@@ -667,3 +686,28 @@ def test_the_ctranslate2_engine_gives_the_greedy_translations_of_onnx_runtime(ex
             assert response.json()["translations"] == reference([text], beam_size=1)
     finally:
         running.close()
+
+
+# --------------------------------------------------------------------------- #
+# The load benchmark's arithmetic (benchmarks/serve_http.py)
+# --------------------------------------------------------------------------- #
+def test_the_load_benchmark_reads_percentiles_and_batch_sizes():
+    import numpy as np
+
+    serve_http = pytest.importorskip("benchmarks.serve_http")
+    values = [0.3, 0.1, 0.4, 0.2, 5.0]
+    for q in (50, 95, 99):
+        assert serve_http.percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert serve_http.percentile([], 50) is None
+    metrics = serve.Metrics(queue_depth=lambda: 0, in_flight=lambda: 0, ready=lambda: 1)
+    for size in (1, 1, 3):
+        metrics.batch_sentences.observe(size)
+    before = metrics.render()
+    for size in (1, 5, 5, 600):
+        metrics.batch_sentences.observe(size)
+    after = metrics.render()
+    assert serve_http.batch_sizes(before, after) == [
+        {"sentences": "1", "batches": 1}, {"sentences": "5-8", "batches": 2}, {"sentences": "513+", "batches": 1},
+    ]
+    assert serve_http.mean_batch(before, after) == pytest.approx((1 + 5 + 5 + 600) / 4)
+    assert serve_http.mean_batch(after, after) is None
