@@ -38,7 +38,7 @@ httpx = pytest.importorskip("httpx")
 from export import serve  # noqa: E402
 from export.runtime import OnnxTranslator  # noqa: E402
 
-REPO = pathlib.Path(serve.__file__).resolve().parents[1]
+REPO = pathlib.Path(serve.__file__).resolve().parents[2]  # export/serve/__init__.py
 MAX_EXTRA_LENGTH = 5  # short outputs keep every search fast
 SUBJECTS = ["the cat", "a dog", "my bird", "the old fish"]
 VERBS = ["sees", "likes", "eats"]
@@ -53,8 +53,7 @@ def _export_key():
     """Changes with the code that writes or reads an export, and with the versions it runs on."""
     digest = hashlib.sha256()
     for path in sorted([*REPO.glob("export/*.py"), *REPO.glob("keras_transformer/**/*.py")]):
-        if path.name != "serve.py":
-            digest.update(path.relative_to(REPO).as_posix().encode() + path.read_bytes())
+        digest.update(path.relative_to(REPO).as_posix().encode() + path.read_bytes())
     for name in ("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "sentencepiece"):
         digest.update(importlib.metadata.version(name).encode())
     return digest.hexdigest()[:16]
@@ -65,6 +64,10 @@ def _build_once(request, name, build):
     import shutil
     import tempfile
 
+    if request.config.cache is None:  # -p no:cacheprovider
+        directory = request.getfixturevalue("tmp_path_factory").mktemp(name) / "model"
+        build(directory)
+        return directory
     root = pathlib.Path(request.config.cache.mkdir("serve-exports"))
     directory = root / f"{name}-{_export_key()}"
     if not (directory / "done").is_file():
