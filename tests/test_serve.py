@@ -255,7 +255,9 @@ def test_a_batch_holds_at_most_max_batch_tokens(exported, reference):
         assert len(recording.batches) > 1
         for _, batch in recording.batches:
             assert len(batch) * max(length[t] for t in batch) <= 40
-        assert [t for _, batch in recording.batches for t in batch] == texts
+        assert sorted(t for _, batch in recording.batches for t in batch) == sorted(texts)
+        for _, batch in recording.batches:  # each in arrival order
+            assert batch == sorted(batch, key=texts.index)
         # A sentence longer than the limit is searched alone.
         long = "the old fish likes the big fish. " * 6
         assert post(running.url, {"text": [long], "beam_size": 2}).json()["translations"] == reference([long], 2)
@@ -471,6 +473,24 @@ def test_a_request_without_an_answer_in_time_gets_504_and_leaves_the_queue(gated
     engine.gate.set()
     assert post(running.url, {"text": ["four"]}).json() == {"translations": ["FOUR"]}
     assert engine.batches[-2:] == [["one"], ["four"]]
+
+
+def test_a_batch_takes_the_sentences_nearest_in_length_to_the_oldest(gated):
+    """Short and long sentences alternate in the queue; the batches separate them (less padding)."""
+    engine, running = gated(max_batch_tokens=100, max_queue=16, request_timeout=30)
+    short, long = "a b", " ".join(["w"] * 29)  # 3 and 30 tokens (words + end)
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+        first = pool.submit(post, running.url, {"text": ["first"]})
+        assert engine.started.acquire(timeout=10)
+        waiting = []
+        for i, text in enumerate([short, long, short + " c", long + " x", short + " d", long + " y"]):
+            waiting.append(pool.submit(post, running.url, {"text": [text]}))
+            while running.service.batcher.queued < i + 1:
+                time.sleep(0.01)
+        engine.gate.set()
+        assert first.result().status_code == 200 and all(w.result().status_code == 200 for w in waiting)
+    # Arrival order would give [short, long, short] (3 x 30 <= 100, a 4th row no longer fits).
+    assert engine.batches[-2:] == [[short, short + " c", short + " d"], [long, long + " x", long + " y"]]
 
 
 def test_a_model_that_fails_its_warm_up_is_never_ready():

@@ -43,12 +43,13 @@ class _Item:
 class Batcher:
     """Groups the waiting sentences of all requests into searches; runs them in one worker thread.
 
-    The oldest waiting sentence picks the options of the next batch; the
-    batch takes, in arrival order, the waiting sentences with those options
-    while rows x longest row stays within `max_batch_tokens` (the oldest
-    always goes), once that many tokens are waiting or `max_delay_ms` after
-    the oldest arrived (at once while draining). Requests with other
-    options keep their place for a later batch.
+    The oldest waiting sentence picks the options of the next batch and
+    always goes; the batch adds the waiting sentences with those options
+    nearest to it in length while rows x longest row stays within
+    `max_batch_tokens` (`_take`). It starts once that many tokens are
+    waiting or `max_delay_ms` after the oldest arrived (at once while
+    draining). Requests with other options keep their place for a later
+    batch.
 
     Args:
         engine: has `translate(texts, options) -> list of str`.
@@ -106,20 +107,44 @@ class Batcher:
         return sum(item.tokens for item in self.pending if item.job.options == options)
 
     def _take(self, options):
-        """The next batch: waiting items with `options`, in order, within `max_batch_tokens` padded."""
-        batch, longest = [], 0
-        for item in self.pending:
-            if item.job.options != options:
-                continue
-            longest_with = max(longest, item.tokens)
-            if batch and (len(batch) + 1) * longest_with > self.settings.max_batch_tokens:
+        """The next batch: the oldest waiting item and those with its options nearest to it in length.
+
+        A search costs about rows x (longest row + the extra output length)
+        however short the other rows are, so the batch is grown from the
+        oldest item towards the waiting items of the closest source lengths
+        while rows x longest row stays within `max_batch_tokens`; items of
+        other lengths wait for a batch of their own (each becomes the oldest
+        in turn, so none waits for ever).
+
+        Returns:
+            `(items in arrival order, padded tokens)`.
+        """
+        budget = self.settings.max_batch_tokens
+        eligible = [item for item in self.pending if item.job.options == options]
+        by_length = sorted(eligible, key=lambda item: item.tokens)  # stable: arrival order among equals
+        low = high = next(i for i, item in enumerate(by_length) if item is eligible[0])
+        target = eligible[0].tokens
+        while True:
+            shorter = low - 1 if low > 0 else None
+            longer = high + 1 if high + 1 < len(by_length) else None
+            rows = high - low + 2
+            if longer is not None and rows * by_length[longer].tokens > budget:
+                longer = None  # nor any longer one
+            if shorter is not None and rows * by_length[high].tokens > budget:
+                shorter = None
+            if shorter is None and longer is None:
                 break
-            batch.append(item)
-            longest = longest_with
-        taken = {id(item) for item in batch}
+            if longer is None or (
+                shorter is not None and target - by_length[shorter].tokens <= by_length[longer].tokens - target
+            ):
+                low = shorter
+            else:
+                high = longer
+        taken = {id(item) for item in by_length[low: high + 1]}
+        batch = [item for item in eligible if id(item) in taken]
         self.pending = [item for item in self.pending if id(item) not in taken]
         self.queued -= len(batch)
-        return batch, len(batch) * longest
+        return batch, len(batch) * by_length[high].tokens
 
     async def run(self):
         """Forms and runs batches until cancelled."""
