@@ -37,8 +37,8 @@ python -m benchmarks.serve_http --quick              # tiny preset, 3 s per leve
 ```
 
 Writes `serve_http.json` and `serve_http.png` (`serve_http_quick.*` with
-`--quick`) into `--results` (default `benchmarks/results`) and prints a
-markdown table.
+`--quick`, `serve_http_beam1.*` with `--beam-size 1`) into `--results`
+(default `benchmarks/results`) and prints a markdown table.
 """
 
 if not __package__:
@@ -471,7 +471,7 @@ def main(argv=None):
     results = run_benchmark(args)
     output = pathlib.Path(args.results)
     output.mkdir(parents=True, exist_ok=True)
-    stem = "serve_http_quick" if args.quick else "serve_http"
+    stem = "serve_http" + ("_quick" if args.quick else "") + (f"_beam{args.beam_size}" if args.beam_size != 4 else "")
     (output / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, output / f"{stem}.png")
     print()

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import keras
 import pytest
@@ -234,10 +235,12 @@ def test_concurrent_requests_with_mixed_options_are_batched_by_options(server, r
     for payload, response in zip(requests, responses):
         assert response.status_code == 200, response.text
         assert response.json()["translations"] == reference(payload["text"], beam_size=payload["beam_size"])
-    # After the first: one batch per beam size, with every sentence of that beam size (in arrival order).
-    assert sorted(beam for beam, _ in recording.batches[1:]) == [1, 2, 3, 4]
-    for beam_size, batch in recording.batches[1:]:
-        assert sorted(batch) == sorted(t for p in requests[1:] if p["beam_size"] == beam_size for t in p["text"])
+    # After the first: batches of one beam size each, together the sentences of that beam size, and
+    # batches that join requests (each has at most 3 sentences).
+    for beam_size in (1, 2, 3, 4):
+        batched = [t for beam, batch in recording.batches[1:] if beam == beam_size for t in batch]
+        assert sorted(batched) == sorted(t for p in requests[1:] if p["beam_size"] == beam_size for t in p["text"])
+    assert max(len(batch) for _, batch in recording.batches[1:]) > 3
 
 
 def test_a_batch_holds_at_most_max_batch_tokens(exported, reference):
@@ -475,22 +478,30 @@ def test_a_request_without_an_answer_in_time_gets_504_and_leaves_the_queue(gated
     assert engine.batches[-2:] == [["one"], ["four"]]
 
 
-def test_a_batch_takes_the_sentences_nearest_in_length_to_the_oldest(gated):
-    """Short and long sentences alternate in the queue; the batches separate them (less padding)."""
-    engine, running = gated(max_batch_tokens=100, max_queue=16, request_timeout=30)
-    short, long = "a b", " ".join(["w"] * 29)  # 3 and 30 tokens (words + end)
-    with concurrent.futures.ThreadPoolExecutor(7) as pool:
-        first = pool.submit(post, running.url, {"text": ["first"]})
-        assert engine.started.acquire(timeout=10)
-        waiting = []
-        for i, text in enumerate([short, long, short + " c", long + " x", short + " d", long + " y"]):
-            waiting.append(pool.submit(post, running.url, {"text": [text]}))
-            while running.service.batcher.queued < i + 1:
-                time.sleep(0.01)
-        engine.gate.set()
-        assert first.result().status_code == 200 and all(w.result().status_code == 200 for w in waiting)
-    # Arrival order would give [short, long, short] (3 x 30 <= 100, a 4th row no longer fits).
-    assert engine.batches[-2:] == [[short, short + " c", short + " d"], [long, long + " x", long + " y"]]
+def test_a_batch_grows_from_the_oldest_towards_the_nearest_lengths_within_its_limits():
+    """`Batcher._take` on waiting sentences of given token counts (negative: other search options)."""
+    from export.serve.batching import Batcher, _Item
+
+    def batches(lengths, **settings):
+        batcher = Batcher(None, serve.ServerSettings(**settings), None, None)
+        for i, n in enumerate(lengths):
+            job = types.SimpleNamespace(options=serve.SearchOptions(1 if n < 0 else 4, 0.6, 0))
+            batcher.pending.append(_Item(job, i, abs(n)))
+        taken = []
+        while batcher.pending:
+            batch, padded = batcher._take(batcher.pending[0].job.options)
+            assert padded == len(batch) * max(item.tokens for item in batch)
+            taken.append([item.index for item in batch])
+        return taken
+
+    # 10 and 12 share a search (2 x 12 steps <= 1.25 x 22), 30 would pad too much.
+    assert batches([10, 30, 12]) == [[0, 2], [1]]
+    assert batches([10, 30, 12], max_padding=10) == [[0, 1, 2]]
+    # Arrival order would give [3, 30, 4] (3 x 30 <= 100, a 4th row no longer fits).
+    assert batches([3, 30, 4, 31, 4, 31], max_batch_tokens=100, max_padding=10) == [[0, 2, 4], [1, 3, 5]]
+    # Other options never join; a sentence over the budget goes alone.
+    assert batches([5, -5, 5, -5]) == [[0, 2], [1, 3]]
+    assert batches([300, 5], max_batch_tokens=100, max_padding=10) == [[0], [1]]
 
 
 def test_a_model_that_fails_its_warm_up_is_never_ready():

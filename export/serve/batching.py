@@ -46,7 +46,7 @@ class Batcher:
     The oldest waiting sentence picks the options of the next batch and
     always goes; the batch adds the waiting sentences with those options
     nearest to it in length while rows x longest row stays within
-    `max_batch_tokens` (`_take`). It starts once that many tokens are
+    `max_batch_tokens` and padding within `max_padding` (`_take`). It starts once that many tokens are
     waiting or `max_delay_ms` after the oldest arrived (at once while
     draining). Requests with other options keep their place for a later
     batch.
@@ -109,37 +109,39 @@ class Batcher:
     def _take(self, options):
         """The next batch: the oldest waiting item and those with its options nearest to it in length.
 
-        A search costs about rows x (longest row + the extra output length)
-        however short the other rows are, so the batch is grown from the
-        oldest item towards the waiting items of the closest source lengths
-        while rows x longest row stays within `max_batch_tokens`; items of
-        other lengths wait for a batch of their own (each becomes the oldest
-        in turn, so none waits for ever).
+        A search runs every row for as many steps as the longest row needs
+        (its source length + `max_extra_length`), so the batch grows from
+        the oldest item towards the waiting items of the closest source
+        lengths while rows x longest row stays within `max_batch_tokens`
+        and the rows' padded steps stay within `1 + max_padding` times their
+        own; items of other lengths wait for a batch of their own (each
+        becomes the oldest in turn, so none waits for ever).
 
         Returns:
             `(items in arrival order, padded tokens)`.
         """
-        budget = self.settings.max_batch_tokens
+        budget, slack, extra = self.settings.max_batch_tokens, self.settings.max_padding, options.max_extra_length
         eligible = [item for item in self.pending if item.job.options == options]
         by_length = sorted(eligible, key=lambda item: item.tokens)  # stable: arrival order among equals
+        steps = [0]  # steps[i]: the first i rows' own steps
+        for item in by_length:
+            steps.append(steps[-1] + item.tokens + extra)
+
+        def fits(low, high):
+            rows, longest = high - low + 1, by_length[high].tokens
+            return rows * longest <= budget and rows * (longest + extra) <= (1 + slack) * (steps[high + 1] - steps[low])
+
         low = high = next(i for i, item in enumerate(by_length) if item is eligible[0])
         target = eligible[0].tokens
         while True:
-            shorter = low - 1 if low > 0 else None
-            longer = high + 1 if high + 1 < len(by_length) else None
-            rows = high - low + 2
-            if longer is not None and rows * by_length[longer].tokens > budget:
-                longer = None  # nor any longer one
-            if shorter is not None and rows * by_length[high].tokens > budget:
-                shorter = None
-            if shorter is None and longer is None:
+            candidates = []
+            if low > 0 and fits(low - 1, high):
+                candidates.append((target - by_length[low - 1].tokens, low - 1, high))
+            if high + 1 < len(by_length) and fits(low, high + 1):
+                candidates.append((by_length[high + 1].tokens - target, low, high + 1))
+            if not candidates:
                 break
-            if longer is None or (
-                shorter is not None and target - by_length[shorter].tokens <= by_length[longer].tokens - target
-            ):
-                low = shorter
-            else:
-                high = longer
+            _, low, high = min(candidates)
         taken = {id(item) for item in by_length[low: high + 1]}
         batch = [item for item in eligible if id(item) in taken]
         self.pending = [item for item in self.pending if id(item) not in taken]

@@ -109,6 +109,8 @@ def main(argv=None):
     group = parser.add_argument_group("batching")
     group.add_argument("--max-batch-tokens", type=positive_int, default=defaults.max_batch_tokens,
                        help=f"padded source tokens per search (default {defaults.max_batch_tokens})")
+    group.add_argument("--max-padding", type=float, default=defaults.max_padding,
+                       help=f"padded search steps over the rows' own, at most (default {defaults.max_padding:g})")
     group.add_argument("--max-delay-ms", type=float, default=defaults.max_delay_ms,
                        help=f"longest wait for a batch to fill (default {defaults.max_delay_ms:g})")
     group = parser.add_argument_group("limits")
@@ -139,7 +141,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         settings = ServerSettings(
-            max_batch_tokens=args.max_batch_tokens, max_delay_ms=args.max_delay_ms, max_queue=args.max_queue,
+            max_batch_tokens=args.max_batch_tokens, max_padding=args.max_padding, max_delay_ms=args.max_delay_ms,
+            max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes, max_texts=args.max_texts, max_text_chars=args.max_text_chars,
             max_beam_size=args.max_beam_size, beam_size=args.beam_size, length_penalty=args.length_penalty,
             max_extra_length=args.max_extra_length, request_timeout=args.request_timeout,

@@ -12,6 +12,11 @@ class ServerSettings:
         max_batch_tokens: int >= 1, padded source tokens (rows x longest
             row, end token included) per search; one sentence longer than
             this is searched alone.
+        max_padding: float >= 0, how much longer than its rows' own a
+            batch may run: every row of a search takes as many steps as the
+            longest (source + `max_extra_length`), so a batch keeps rows x
+            that within `1 + max_padding` times the sum of each row's own
+            steps (0: only equal lengths share a search).
         max_delay_ms: float >= 0, how long the oldest waiting sentence waits
             for a batch to fill. 0 with `max_batch_tokens=1` translates one
             sentence at a time (batching off).
@@ -34,6 +39,7 @@ class ServerSettings:
     """
 
     max_batch_tokens: int = 2048
+    max_padding: float = 0.25
     max_delay_ms: float = 5.0
     max_queue: int = 256
     max_body_bytes: int = 1 << 20
@@ -53,8 +59,9 @@ class ServerSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        for name, positive in (("max_delay_ms", False), ("length_penalty", False), ("request_timeout", True),
-                               ("drain_seconds", True)):
+        numbers = (("max_padding", False), ("max_delay_ms", False), ("length_penalty", False),
+                   ("request_timeout", True), ("drain_seconds", True))  # (name, must be > 0)
+        for name, positive in numbers:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
                 value <= 0 if positive else value < 0
