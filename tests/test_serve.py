@@ -65,7 +65,7 @@ def _build_once(request, name, build):
     import shutil
     import tempfile
 
-    if request.config.cache is None:  # -p no:cacheprovider
+    if getattr(request.config, "cache", None) is None:  # -p no:cacheprovider
         directory = request.getfixturevalue("tmp_path_factory").mktemp(name) / "model"
         build(directory)
         return directory

@@ -45,9 +45,10 @@ class OnnxRuntimeEngine:
 class CTranslate2Engine:
     """A CTranslate2 `Translator` on the directory written by `python -m export.ctranslate2`.
 
-    Our tokenizer's ids as CTranslate2's tokens (`shared_vocabulary.json`),
-    `export.ctranslate2.translation_options` and `max_decoding_length`. One
-    maximum output length per call (CTranslate2 takes one number): the
+    The directory's tokenizer (`load_tokenizer`) gives our ids, which are
+    CTranslate2's tokens by their place in `shared_vocabulary.json`; the
+    search settings are `export.ctranslate2.translation_options` and
+    `max_decoding_length`. One maximum output length per call (CTranslate2 takes one number): the
     longest source's, so a short sentence batched with a long one may
     generate beyond its own limit when it does not end earlier. The length
     penalty is CTranslate2's (see `export.ctranslate2`): greedy search gives
@@ -66,15 +67,17 @@ class CTranslate2Engine:
         import ctranslate2
 
         from export.ctranslate2 import VOCABULARY_FILE, max_decoding_length, read_metadata, translation_options
-        from keras_transformer.tokenizer import TOKENIZER_FILENAME, Tokenizer
+        from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
 
         self.directory = pathlib.Path(directory)
         metadata = read_metadata(self.directory)
-        if not (self.directory / TOKENIZER_FILENAME).is_file():
+        # Ours (tokenizer.model) or an imported checkpoint's MarianTokenizer.
+        self.tokenizer = load_tokenizer(self.directory)
+        if self.tokenizer is None:
             raise FileNotFoundError(
-                f"{directory} has no {TOKENIZER_FILENAME}; export a preset directory that holds its tokenizer"
+                f"{directory} has no {TOKENIZER_FILENAME} (nor an imported checkpoint's Marian tokenizer); "
+                "export a preset directory that holds its tokenizer"
             )
-        self.tokenizer = Tokenizer.load(self.directory)
         self.tokens = json.loads((self.directory / VOCABULARY_FILE).read_text(encoding="utf-8"))
         self.index = {token: i for i, token in enumerate(self.tokens)}
         self.max_sequence_length = int(metadata["max_sequence_length"])
