@@ -137,7 +137,13 @@ class Server:
         command = [sys.executable, "-m", "export.serve", "--model", str(model), "--port", "0", *options]
         self.command = " ".join(command[1:])
         self.process = subprocess.Popen(command, cwd=str(REPO), stdout=self._log, stderr=subprocess.STDOUT)
-        self.url = self._wait_ready()
+        try:
+            self.url = self._wait_ready()
+        except BaseException:
+            self.process.kill()
+            self.process.wait(30)
+            self._log.close()
+            raise
 
     def _wait_ready(self):
         import httpx
