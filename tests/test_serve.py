@@ -573,13 +573,17 @@ class ServerProcess:
             stdout=self.log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
-        deadline = time.monotonic() + 60
-        while not (found := re.search(r"on http://127\.0\.0\.1:(\d+) ", self.log_path.read_text())):
-            assert self.process.poll() is None and time.monotonic() < deadline, self.text()
-            time.sleep(0.05)
-        self.port = int(found.group(1))
-        self.url = f"http://127.0.0.1:{self.port}"
-        wait_ready(self.url, process=self.process)
+        try:
+            deadline = time.monotonic() + 60
+            while not (found := re.search(r"on http://127\.0\.0\.1:(\d+) ", self.log_path.read_text())):
+                assert self.process.poll() is None and time.monotonic() < deadline, self.text()
+                time.sleep(0.05)
+            self.port = int(found.group(1))
+            self.url = f"http://127.0.0.1:{self.port}"
+            wait_ready(self.url, process=self.process)
+        except BaseException:
+            self.kill()
+            raise
 
     def text(self):
         return self.log_path.read_text()
