@@ -1,0 +1,85 @@
+"""The HTTP translation server: `python -m export.serve --model DIR`.
+
+An exported model (`python -m export.onnx`, served by ONNX Runtime through
+`export.runtime`, or `python -m export.ctranslate2`) behind an ASGI app
+(Starlette, run by uvicorn). No training framework is imported: the lean
+install is `pip install "keras-aiayn[serve]"` (onnxruntime, Starlette,
+uvicorn; add `ctranslate2` for that engine), and a test serves where
+importing TensorFlow, Keras, JAX or PyTorch fails.
+
+Endpoints:
+
+- `POST /v1/translate` with a JSON object `{"text": ["...", ...],
+  "beam_size": 4}` (`text` may also be one string; `beam_size` is optional,
+  1 is greedy search) -> `{"translations": ["...", ...]}` in the order of
+  `text`. Other fields are refused with 400: `num_hypotheses` and
+  `target_prefix` are named as not supported yet (they come with the
+  translation API); anything else as unknown.
+- `GET /health`: 200 while the process runs (liveness).
+- `GET /ready`: 200 once the model is loaded and has translated a warm-up
+  sentence; 503 while loading and while draining (readiness).
+- `GET /metrics`: Prometheus text format: requests by path and status,
+  errors by reason, sentences, request latency, batch sizes (sentences and
+  padded source tokens), search time, queue depth, requests in flight.
+
+Dynamic batching (`Batcher`): the sentences of all waiting requests with
+equal search options (`SearchOptions`, the batching key) are translated in
+one search of at most `max_batch_tokens` padded source tokens (rows x
+longest row; a longer sentence goes alone), waiting at most `max_delay_ms`
+after the oldest sentence arrived for a batch to fill. Requests with other
+options wait for a batch of their own, so each gets the answer of its own
+options. The search runs in one worker thread, off the event loop, which
+keeps accepting and answering while it translates.
+
+Limits (`ServerSettings`): request bodies over `max_body_bytes` get 413;
+more than `max_texts` texts, a text over `max_text_chars` characters, a
+`beam_size` outside `[1, max_beam_size]`, malformed JSON, wrong types or
+missing fields get 400; a request whose sentences do not fit in the queue
+(`max_queue` sentences waiting) gets 503 with `Retry-After`, as it does
+while the model loads; a body that has not arrived within `request_timeout`
+gets 408 and an answer not ready by then 504. Every error is JSON
+`{"error": "..."}` naming the field and the limit (and its option). A client
+that disconnects is logged with status 499 and its waiting sentences leave
+the queue.
+
+Shutdown: on SIGTERM (or SIGINT) the server stops accepting connections,
+answers every request it has accepted (the queue is flushed at once), and
+exits 0; requests still unanswered after `drain_seconds` are cancelled and
+the exit status is 1. One log line per request (`logging`, logger
+`export.serve`): `method=POST path=/v1/translate status=200 sentences=3
+ms=41.2 client=127.0.0.1:50412`.
+
+Example:
+
+```
+python -m export.serve --model exported/onnx --port 8000
+curl -s localhost:8000/v1/translate -d '{"text": ["A sentence."], "beam_size": 4}'
+# {"translations":["Ein Satz."]}
+```
+
+The parts: `settings.py` (`ServerSettings`, `SearchOptions`), `engines.py`
+(ONNX Runtime and CTranslate2 behind `count_tokens` / `translate`),
+`batching.py` (`Batcher`), `metrics.py` (Prometheus text), `app.py` (the
+Starlette app: parsing, limits, handlers, the request log) and `server.py`
+(`serve`: uvicorn, signals, the drain; `main`).
+
+```python
+from export.serve import ServerSettings, create_app, load_engine, serve
+
+serve("exported/onnx", port=8000, settings=ServerSettings(max_batch_tokens=4096))  # blocks; exit status
+app = create_app(load_engine("exported/onnx"))   # an ASGI app for a server of your own
+```
+"""
+
+from export.serve.app import RequestError, Service, create_app, parse_request
+from export.serve.batching import Batcher, QueueFull
+from export.serve.engines import ENGINES, CTranslate2Engine, OnnxRuntimeEngine, load_engine
+from export.serve.metrics import Counter, Gauge, Histogram, Metrics
+from export.serve.server import bind, main, serve
+from export.serve.settings import SearchOptions, ServerSettings
+
+__all__ = [
+    "ENGINES", "Batcher", "CTranslate2Engine", "Counter", "Gauge", "Histogram", "Metrics", "OnnxRuntimeEngine",
+    "QueueFull", "RequestError", "SearchOptions", "ServerSettings", "Service", "bind", "create_app", "load_engine",
+    "main", "parse_request", "serve",
+]

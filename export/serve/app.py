@@ -1,0 +1,397 @@
+"""The ASGI application: request parsing and limits, the translate handler, health, readiness, metrics, logging."""
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import time
+
+from export.serve.batching import Batcher, QueueFull
+from export.serve.metrics import Metrics
+from export.serve.settings import SearchOptions, ServerSettings
+
+# One logger for the whole server, so that `python -m export.serve` logs under one name.
+logger = logging.getLogger("export.serve")
+
+# Request fields: those that work, and those of the translation API that do not yet.
+FIELDS = ("text", "beam_size")
+NOT_YET = ("num_hypotheses", "target_prefix")
+RETRY_AFTER_SECONDS = 1
+# The status logged for a request whose client went away before its answer (nginx's).
+CLIENT_CLOSED = 499
+WARM_UP_TEXT = "Hello."
+_INFO = "export.serve"  # the ASGI scope key of a request's log record
+
+
+class RequestError(Exception):
+    """An answer other than 200: status, message (the JSON `error`), reason (the metric's label)."""
+
+    def __init__(self, status, message, reason, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.reason, self.headers = status, message, reason, headers
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def _json_type(value):
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_request(body, settings):
+    """`(texts, SearchOptions)` from a request body (bytes), or `RequestError` (400) naming the field.
+
+    Example:
+    >>> parse_request(b'{"text": ["A sentence."], "beam_size": 2}', ServerSettings())[0]
+    ['A sentence.']
+    """
+    try:
+        document = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError(400, f"the body is not UTF-8: {error}", "bad_request") from None
+    try:
+        payload = json.loads(document, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError is a ValueError; so are huge integers
+        raise RequestError(400, f"the body is not valid JSON: {error}", "bad_request") from None
+    if not isinstance(payload, dict):
+        raise RequestError(
+            400, f'the body must be a JSON object such as {{"text": ["A sentence."]}}, received {_json_type(payload)}',
+            "bad_request",
+        )
+    for field in payload:
+        if field in NOT_YET:
+            raise RequestError(
+                400, f"{field} is not supported yet; this server takes {', '.join(FIELDS)}", "not_supported"
+            )
+        if field not in FIELDS:
+            raise RequestError(400, f"unknown field {field!r}; this server takes {', '.join(FIELDS)}", "bad_request")
+    if "text" not in payload:
+        raise RequestError(400, "missing field 'text' (a string or an array of strings)", "bad_request")
+    texts = payload["text"]
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list):
+        raise RequestError(
+            400, f"text must be a string or an array of strings, received {_json_type(texts)}", "bad_request"
+        )
+    if len(texts) > settings.max_texts:
+        raise RequestError(
+            400, f"text has {len(texts)} items; the limit is {settings.max_texts} (--max-texts)", "too_many_texts"
+        )
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise RequestError(400, f"text[{i}] must be a string, received {_json_type(text)}", "bad_request")
+        if len(text) > settings.max_text_chars:
+            raise RequestError(
+                400, f"text[{i}] has {len(text)} characters; the limit is {settings.max_text_chars} (--max-text-chars)",
+                "text_too_long",
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate written as a \ud800 escape
+            raise RequestError(400, f"text[{i}] is not valid Unicode (a lone surrogate)", "bad_request") from None
+    beam_size = payload.get("beam_size", settings.beam_size)
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or not 1 <= beam_size <= settings.max_beam_size:
+        number = isinstance(beam_size, (int, float)) and not isinstance(beam_size, bool)
+        raise RequestError(
+            400, f"beam_size must be an integer in [1, {settings.max_beam_size}] (--max-beam-size; 1 is greedy), "
+            f"received {beam_size if number else _json_type(beam_size)}", "bad_request",
+        )
+    options = SearchOptions(beam_size, float(settings.length_penalty), int(settings.max_extra_length))
+    return texts, options
+
+
+class Service:
+    """What the app serves: the engine, its worker thread, the batcher, the metrics, and the server's state.
+
+    Args:
+        engine: see `load_engine` (or any object with `count_tokens(texts)`
+            and `translate(texts, options)`).
+        settings: `ServerSettings`.
+        on_fatal: called (on the event loop) when the warm-up fails; `serve`
+            stops the server.
+    """
+
+    def __init__(self, engine, settings=None, on_fatal=None):
+        self.engine = engine
+        self.settings = settings or ServerSettings()
+        self.on_fatal = on_fatal
+        self.ready = False
+        self.draining = False
+        self.failure = None
+        self.in_flight = 0
+        self.lost = 0  # requests cancelled unanswered (the drain ran out of time)
+        self.metrics = Metrics(
+            queue_depth=lambda: self.batcher.queued if self.batcher else 0,
+            in_flight=lambda: self.in_flight,
+            ready=lambda: int(self.ready and not self.draining),
+        )
+        self.batcher = None
+        self._executor = None
+        self._tasks = []
+        self._loop = None
+
+    async def start(self):
+        """Starts the worker thread, the batcher and the warm-up (readiness comes after it)."""
+        self._loop = asyncio.get_running_loop()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="translate")
+        self.batcher = Batcher(self.engine, self.settings, self.metrics, self._executor)
+        self._tasks = [asyncio.ensure_future(self.batcher.run()), asyncio.ensure_future(self._warm_up())]
+
+    async def _warm_up(self):
+        """Translates one sentence greedily and with beams (each builds its sessions), then is ready."""
+        start = time.perf_counter()
+        try:
+            for beam_size in sorted({1, max(2, self.settings.beam_size)}):
+                beam_size = min(beam_size, self.settings.max_beam_size)
+                options = SearchOptions(beam_size, float(self.settings.length_penalty), self.settings.max_extra_length)
+                await self._loop.run_in_executor(self._executor, self.engine.translate, [WARM_UP_TEXT], options)
+        except Exception as error:  # noqa: BLE001 - reported, and the server stops
+            self.failure = f"the model failed to translate a warm-up sentence: {type(error).__name__}: {error}"
+            logger.exception("The model failed to translate a warm-up sentence")
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
+        self.ready = True
+        logger.info("Ready: %s engine warm in %.1f s", getattr(self.engine, "name", "the"), time.perf_counter() - start)
+
+    def begin_drain(self):
+        """Stop being ready; flush the queue. Safe to call from a signal handler."""
+        self.draining = True
+        if self._loop is not None and self.batcher is not None:
+            self._loop.call_soon_threadsafe(self.batcher.drain)
+            self._loop.call_soon_threadsafe(
+                logger.info, "Draining: answering %d accepted requests, then exiting", self.in_flight
+            )
+
+    async def stop(self):
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.lost:
+            logger.error("%d accepted requests were not answered within --drain-seconds", self.lost)
+
+    # -------------------------------------------------------------- #
+    async def read_body(self, request, deadline):
+        """The body, within `max_body_bytes` (413) and before `deadline` (408)."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise RequestError(400, f"Content-Length {declared!r} is not a number of bytes", "bad_request")
+            if int(declared) > limit:
+                raise RequestError(
+                    413, f"the body has {int(declared)} bytes; the limit is {limit} (--max-body-bytes)", "body_too_large"
+                )
+
+        async def read():
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise RequestError(
+                        413, f"the body is longer than the limit of {limit} bytes (--max-body-bytes)", "body_too_large"
+                    )
+            return bytes(body)
+
+        try:
+            return await asyncio.wait_for(read(), max(deadline - self._loop.time(), 0))
+        except asyncio.TimeoutError:
+            raise RequestError(
+                408, f"the body did not arrive within {self.settings.request_timeout:g} s (--request-timeout)",
+                "body_timeout",
+            ) from None
+
+    async def translate(self, request):
+        """The `POST /v1/translate` handler."""
+        from starlette.requests import ClientDisconnect
+        from starlette.responses import JSONResponse
+
+        info = request.scope.get(_INFO, {})
+        start = self._loop.time()
+        deadline = start + self.settings.request_timeout
+        job = None
+        try:
+            # While draining, requests already received are answered (only /ready turns 503).
+            if not self.ready:
+                why = self.failure or "the model is loading"
+                raise RequestError(503, f"{why}; retry", "not_ready", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+            body = await self.read_body(request, deadline)
+            texts, options = parse_request(body, self.settings)
+            info["sentences"] = len(texts)
+            tokens = [
+                count if text.strip() else 0 for text, count in zip(texts, self.engine.count_tokens(texts))
+            ]
+            try:
+                job = self.batcher.submit(texts, tokens, options)
+            except QueueFull as error:
+                raise RequestError(503, str(error), "queue_full", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            translations = await self._answer(job, request, deadline)
+            self.metrics.sentences.inc(len(texts))
+            return JSONResponse({"translations": translations})
+        except RequestError as error:
+            self.metrics.errors.inc(reason=error.reason)
+            if error.reason == "disconnected":
+                info["status"] = CLIENT_CLOSED
+            return JSONResponse({"error": error.message}, status_code=error.status, headers=error.headers)
+        except ClientDisconnect:
+            self.metrics.errors.inc(reason="disconnected")
+            info["status"] = CLIENT_CLOSED
+            return JSONResponse({"error": "the client disconnected"}, status_code=CLIENT_CLOSED)
+        except asyncio.CancelledError:
+            self.lost += 1
+            raise
+        finally:
+            if job is not None and not job.future.done():
+                self.batcher.cancel(job)
+            self.metrics.latency.observe(self._loop.time() - start)
+
+    async def _answer(self, job, request, deadline):
+        """The job's translations; `RequestError` when the client leaves, the time runs out or the search fails."""
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+        try:
+            done, _ = await asyncio.wait(
+                {job.future, disconnected}, timeout=max(deadline - self._loop.time(), 0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            disconnected.cancel()
+        if job.future in done:
+            if job.future.exception() is not None:
+                error = job.future.exception()
+                raise RequestError(500, f"the translation failed: {type(error).__name__}: {error}", "engine")
+            return job.future.result()
+        if disconnected in done:
+            raise RequestError(CLIENT_CLOSED, "the client disconnected", "disconnected")
+        raise RequestError(
+            504, f"no translation within {self.settings.request_timeout:g} s (--request-timeout)", "timeout"
+        )
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"status": "alive"})
+
+    async def ready_endpoint(self, request):
+        from starlette.responses import JSONResponse
+
+        if self.ready and not self.draining:
+            return JSONResponse({"ready": True, "engine": getattr(self.engine, "name", None)})
+        why = self.failure or ("draining" if self.draining else "loading the model")
+        return JSONResponse({"error": why}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    async def metrics_endpoint(self, request):
+        from starlette.responses import Response
+
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _wait_for_disconnect(receive):
+    """Returns when the ASGI server says the client disconnected (the body has been read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _RequestLog:
+    """ASGI middleware: one log line and the request metrics per HTTP request."""
+
+    PATHS = ("/v1/translate", "/health", "/ready", "/metrics")
+
+    def __init__(self, app, service):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        info = scope[_INFO] = {"status": None, "sentences": 0}
+        start = time.perf_counter()
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start" and info["status"] is None:
+                info["status"] = message["status"]
+            await send(message)
+
+        self.service.in_flight += 1
+        try:
+            await self.app(scope, receive, send_and_note)
+        except asyncio.CancelledError:  # the drain ran out of time
+            info["status"] = info["status"] or "cancelled"
+            raise
+        except Exception:  # Starlette's outermost middleware answers 500
+            info["status"] = info["status"] or 500
+            raise
+        finally:
+            self.service.in_flight -= 1
+            status = info["status"] or CLIENT_CLOSED
+            path = scope["path"] if scope["path"] in self.PATHS else "other"
+            self.service.metrics.requests.inc(path=path, code=status)
+            client = scope.get("client")
+            logger.info(
+                "method=%s path=%s status=%s sentences=%d ms=%.1f client=%s",
+                scope["method"], scope["path"][:200], status, info["sentences"], (time.perf_counter() - start) * 1000,
+                f"{client[0]}:{client[1]}" if client else "-",
+            )
+
+
+def create_app(engine, settings=None, on_fatal=None):
+    """The ASGI application (Starlette) that serves `engine`.
+
+    The engine is warmed up at startup (the lifespan); `/ready` answers 200
+    after that. Run it with uvicorn (what `serve` does) or any ASGI server.
+
+    Args:
+        engine: from `load_engine`, or any object with `count_tokens(texts)`
+            and `translate(texts, options)`.
+        settings: `ServerSettings` (defaults if None).
+        on_fatal: called when the warm-up fails.
+
+    Returns:
+        A Starlette app; `app.state.service` is its `Service`.
+    """
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    service = Service(engine, settings, on_fatal)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    async def http_error(request, error):
+        return JSONResponse({"error": f"{error.detail}: {request.method} {request.url.path[:200]}"},
+                            status_code=error.status_code, headers=error.headers)
+
+    async def server_error(request, error):
+        return JSONResponse({"error": f"internal error: {type(error).__name__}"}, status_code=500)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/translate", service.translate, methods=["POST"]),
+            Route("/health", service.health, methods=["GET"]),
+            Route("/ready", service.ready_endpoint, methods=["GET"]),
+            Route("/metrics", service.metrics_endpoint, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.add_middleware(_RequestLog, service=service)
+    return app

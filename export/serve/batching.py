@@ -1,0 +1,190 @@
+"""Dynamic batching: the waiting sentences of all requests, grouped by search options into searches."""
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+
+# One logger for the whole server, so that `python -m export.serve` logs under one name.
+logger = logging.getLogger("export.serve")
+
+
+class QueueFull(Exception):
+    """The queue has no room for a request's sentences."""
+
+
+class _Job:
+    """One request's sentences: its options, a future for its translations."""
+
+    def __init__(self, texts, options, future, arrival):
+        self.texts, self.options, self.future, self.arrival = texts, options, future, arrival
+        self.results = [""] * len(texts)
+        self.remaining = 0
+
+    def set(self, index, text):
+        self.results[index] = text
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result(self.results)
+
+    def fail(self, error):
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+@dataclasses.dataclass
+class _Item:
+    job: _Job
+    index: int
+    tokens: int
+
+
+class Batcher:
+    """Groups the waiting sentences of all requests into searches; runs them in one worker thread.
+
+    The oldest waiting sentence picks the options of the next batch and
+    always goes; the batch adds the waiting sentences with those options
+    nearest to it in length while rows x longest row stays within
+    `max_batch_tokens` and padding within `max_padding` (`_take`). It starts once that many tokens are
+    waiting or `max_delay_ms` after the oldest arrived (at once while
+    draining). Requests with other options keep their place for a later
+    batch.
+
+    Args:
+        engine: has `translate(texts, options) -> list of str`.
+        settings: `ServerSettings`.
+        metrics: `Metrics` (batch sizes and search times).
+        executor: the worker thread (`concurrent.futures.Executor`).
+    """
+
+    def __init__(self, engine, settings, metrics, executor):
+        self.engine, self.settings, self.metrics, self.executor = engine, settings, metrics, executor
+        self.pending = []  # _Item, in arrival order
+        self.queued = 0  # sentences in `pending`
+        self.draining = False
+        self._arrived = asyncio.Event()
+
+    def submit(self, texts, tokens, options):
+        """Queues the texts with `tokens > 0`; returns a job whose future gives every text's translation.
+
+        Texts with 0 tokens (nothing to translate) get "" without a search.
+
+        Raises:
+            QueueFull: the sentences do not fit in the queue (nothing queued).
+        """
+        loop = asyncio.get_running_loop()
+        job = _Job(texts, options, loop.create_future(), loop.time())
+        items = [_Item(job, i, count) for i, count in enumerate(tokens) if count > 0]
+        if self.queued + len(items) > self.settings.max_queue:
+            raise QueueFull(
+                f"the queue holds {self.queued} of at most {self.settings.max_queue} sentences (--max-queue); "
+                f"this request has {len(items)}"
+            )
+        job.remaining = len(items)
+        if not items:
+            job.future.set_result(job.results)
+            return job
+        self.pending.extend(items)
+        self.queued += len(items)
+        self._arrived.set()
+        return job
+
+    def cancel(self, job):
+        """Takes a job's waiting sentences out of the queue (its client left or its time ran out)."""
+        before = len(self.pending)
+        self.pending = [item for item in self.pending if item.job is not job]
+        self.queued -= before - len(self.pending)
+        if not job.future.done():
+            job.future.cancel()
+
+    def drain(self):
+        """From now on, batches start without waiting for more sentences."""
+        self.draining = True
+        self._arrived.set()
+
+    def _waiting_tokens(self, options):
+        return sum(item.tokens for item in self.pending if item.job.options == options)
+
+    def _take(self, options):
+        """The next batch: the oldest waiting item and those with its options nearest to it in length.
+
+        A search runs every row for as many steps as the longest row needs
+        (its source length + `max_extra_length`), so the batch grows from
+        the oldest item towards the waiting items of the closest source
+        lengths while rows x longest row stays within `max_batch_tokens`
+        and the rows' padded steps stay within `1 + max_padding` times their
+        own; items of other lengths wait for a batch of their own (each
+        becomes the oldest in turn, so none waits for ever).
+
+        Returns:
+            `(items in arrival order, padded tokens)`.
+        """
+        budget, slack, extra = self.settings.max_batch_tokens, self.settings.max_padding, options.max_extra_length
+        eligible = [item for item in self.pending if item.job.options == options]
+        by_length = sorted(eligible, key=lambda item: item.tokens)  # stable: arrival order among equals
+        steps = [0]  # steps[i]: the first i rows' own steps
+        for item in by_length:
+            steps.append(steps[-1] + item.tokens + extra)
+
+        def fits(low, high):
+            rows, longest = high - low + 1, by_length[high].tokens
+            return rows * longest <= budget and rows * (longest + extra) <= (1 + slack) * (steps[high + 1] - steps[low])
+
+        low = high = next(i for i, item in enumerate(by_length) if item is eligible[0])
+        target = eligible[0].tokens
+        while True:
+            candidates = []
+            if low > 0 and fits(low - 1, high):
+                candidates.append((target - by_length[low - 1].tokens, low - 1, high))
+            if high + 1 < len(by_length) and fits(low, high + 1):
+                candidates.append((by_length[high + 1].tokens - target, low, high + 1))
+            if not candidates:
+                break
+            _, low, high = min(candidates)
+        taken = {id(item) for item in by_length[low: high + 1]}
+        batch = [item for item in eligible if id(item) in taken]
+        self.pending = [item for item in self.pending if id(item) not in taken]
+        self.queued -= len(batch)
+        return batch, len(batch) * by_length[high].tokens
+
+    async def run(self):
+        """Forms and runs batches until cancelled."""
+        loop = asyncio.get_running_loop()
+        delay = self.settings.max_delay_ms / 1000
+        while True:
+            if not self.pending:
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            first = self.pending[0]
+            options = first.job.options
+            remaining = first.job.arrival + delay - loop.time()
+            if (
+                remaining > 0
+                and not self.draining
+                and self._waiting_tokens(options) < self.settings.max_batch_tokens
+            ):
+                self._arrived.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+                continue  # the queue may have changed: look again
+            batch, padded = self._take(options)
+            # Jobs cancelled while their batch runs are answered by nobody; their results are dropped.
+            texts = [item.job.texts[item.index] for item in batch]
+            start = time.perf_counter()
+            try:
+                outputs = await loop.run_in_executor(self.executor, self.engine.translate, texts, options)
+                if len(outputs) != len(texts):
+                    raise RuntimeError(f"the engine returned {len(outputs)} translations for {len(texts)} texts")
+            except Exception as error:  # noqa: BLE001 - every request of the batch gets the error
+                logger.exception("A search of %d sentences failed", len(batch))
+                for item in batch:
+                    item.job.fail(error)
+                continue
+            finally:
+                self.metrics.search_seconds.observe(time.perf_counter() - start)
+                self.metrics.batch_sentences.observe(len(batch))
+                self.metrics.batch_tokens.observe(padded)
+            for item, text in zip(batch, outputs):
+                item.job.set(item.index, text)

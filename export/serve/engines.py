@@ -1,0 +1,132 @@
+"""Translation engines: count a text's source tokens (for batching) and translate a batch of texts.
+
+An engine is any object with `count_tokens(texts) -> list of int` and
+`translate(texts, options) -> list of str` (`options`: a `SearchOptions`);
+`name` and `directory` are shown in logs and `/ready`.
+"""
+
+import json
+import os
+import pathlib
+
+ENGINES = ("onnxruntime", "ctranslate2")
+
+
+class OnnxRuntimeEngine:
+    """`export.runtime.OnnxTranslator`: each batch is one `translate` call, so one ONNX Runtime search.
+
+    Args:
+        directory: written by `python -m export.onnx` from a preset with a tokenizer.
+        threads: ONNX Runtime intra-op threads, or None (one per core).
+        providers: as `OnnxSeq2Seq` (None: CUDA when it works, else CPU).
+    """
+
+    name = "onnxruntime"
+
+    def __init__(self, directory, threads=None, providers=None):
+        from export.runtime import OnnxTranslator
+
+        self.directory = pathlib.Path(directory)
+        self.translator = OnnxTranslator(directory, providers=providers, intra_op_threads=threads)
+        self.max_sequence_length = self.translator.model.max_sequence_length
+
+    def count_tokens(self, texts):
+        """Source tokens of each text, end token included, at most `max_sequence_length` (longer are cut)."""
+        ids = self.translator.tokenizer.encode(texts, add_start=False, add_end=True)
+        return [min(len(row), self.max_sequence_length) for row in ids]
+
+    def translate(self, texts, options):
+        return self.translator.translate(
+            texts, beam_size=options.beam_size, batch_size=max(len(texts), 1),
+            length_penalty=options.length_penalty, max_extra_length=options.max_extra_length,
+        )
+
+
+class CTranslate2Engine:
+    """A CTranslate2 `Translator` on the directory written by `python -m export.ctranslate2`.
+
+    The directory's tokenizer (`load_tokenizer`) gives our ids, which are
+    CTranslate2's tokens by their place in `shared_vocabulary.json`; the
+    search settings are `export.ctranslate2.translation_options` and
+    `max_decoding_length`. One maximum output length per call (CTranslate2 takes one number): the
+    longest source's, so a short sentence batched with a long one may
+    generate beyond its own limit when it does not end earlier. The length
+    penalty is CTranslate2's (see `export.ctranslate2`): greedy search gives
+    the ONNX engine's tokens, beams may differ.
+
+    Args:
+        directory: written by `python -m export.ctranslate2` from a preset with a tokenizer.
+        threads: CTranslate2 intra-op threads (default 1: OpenMP threads
+            spin, see `export.ctranslate2`).
+    """
+
+    name = "ctranslate2"
+
+    def __init__(self, directory, threads=None):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before ctranslate2 loads OpenMP
+        import ctranslate2
+
+        from export.ctranslate2 import VOCABULARY_FILE, max_decoding_length, read_metadata, translation_options
+        from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
+
+        self.directory = pathlib.Path(directory)
+        metadata = read_metadata(self.directory)
+        # Ours (tokenizer.model) or an imported checkpoint's MarianTokenizer.
+        self.tokenizer = load_tokenizer(self.directory)
+        if self.tokenizer is None:
+            raise FileNotFoundError(
+                f"{directory} has no {TOKENIZER_FILENAME} (nor an imported checkpoint's Marian tokenizer); "
+                "export a preset directory that holds its tokenizer"
+            )
+        self.tokens = json.loads((self.directory / VOCABULARY_FILE).read_text(encoding="utf-8"))
+        self.index = {token: i for i, token in enumerate(self.tokens)}
+        self.max_sequence_length = int(metadata["max_sequence_length"])
+        self._max_decoding_length = max_decoding_length
+        self._translation_options = translation_options
+        self.translator = ctranslate2.Translator(
+            str(self.directory), device="cpu", intra_threads=threads or 1, inter_threads=1
+        )
+
+    def count_tokens(self, texts):
+        ids = self.tokenizer.encode(texts, add_start=False, add_end=True)
+        return [min(len(row), self.max_sequence_length) for row in ids]
+
+    def translate(self, texts, options):
+        rows = self.tokenizer.encode(texts, add_start=False, add_end=False)
+        results = [""] * len(texts)
+        # Empty texts translate to empty strings without a search, as Translator.translate.
+        todo = [i for i, row in enumerate(rows) if row and texts[i].strip()]
+        if not todo:
+            return results
+        limit = self.max_sequence_length - 1  # room for the end piece CTranslate2 appends
+        pieces = [[self.tokens[t] for t in rows[i][:limit]] for i in todo]
+        outputs = self.translator.translate_batch(
+            pieces,
+            max_decoding_length=self._max_decoding_length(
+                max(len(row) for row in pieces), self.max_sequence_length, options.max_extra_length
+            ),
+            **self._translation_options(options.beam_size, options.length_penalty, self.max_sequence_length),
+        )
+        decoded = self.tokenizer.decode([[self.index[token] for token in output.hypotheses[0]] for output in outputs])
+        for i, text in zip(todo, decoded):
+            results[i] = text
+        return results
+
+
+def load_engine(directory, engine="onnxruntime", threads=None):
+    """The translation engine for an exported directory.
+
+    Args:
+        directory: `python -m export.onnx` output (engine "onnxruntime") or
+            `python -m export.ctranslate2` output (engine "ctranslate2").
+        engine: one of `ENGINES`.
+        threads: intra-op threads of the engine, or None (its default).
+
+    Raises:
+        FileNotFoundError, ValueError: the directory is not such an export.
+    """
+    if engine == "onnxruntime":
+        return OnnxRuntimeEngine(directory, threads=threads)
+    if engine == "ctranslate2":
+        return CTranslate2Engine(directory, threads=threads)
+    raise ValueError(f"engine={engine!r} must be one of {ENGINES}")

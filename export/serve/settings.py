@@ -1,0 +1,91 @@
+"""The server's settings (`ServerSettings`) and a request's search options (`SearchOptions`)."""
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """Batching, limits and search settings of the server (the command's options).
+
+    Args:
+        max_batch_tokens: int >= 1, padded source tokens (rows x longest
+            row, end token included) per search; one sentence longer than
+            this is searched alone.
+        max_padding: float >= 0, how much longer than its rows' own a
+            batch may run: every row of a search takes as many steps as the
+            longest (source + `max_extra_length`), so a batch keeps rows x
+            that within `1 + max_padding` times the sum of each row's own
+            steps (0: only equal lengths share a search).
+        max_delay_ms: float >= 0, how long the oldest waiting sentence waits
+            for a batch to fill. 0 with `max_batch_tokens=1` translates one
+            sentence at a time (batching off).
+        max_queue: int >= 1, sentences waiting for a search; a request that
+            does not fit gets 503 with `Retry-After`.
+        max_body_bytes: int >= 1, request body size (413 beyond).
+        max_texts: int >= 1, texts per request (400 beyond); at most
+            `max_queue`.
+        max_text_chars: int >= 1, characters per text (400 beyond).
+        max_beam_size: int >= 1, the largest `beam_size` a request may ask.
+        beam_size: int in [1, max_beam_size], for requests without one.
+        length_penalty: float >= 0, GNMT's alpha for every request.
+        max_extra_length: int >= 0, output tokens beyond the source length.
+        request_timeout: float > 0, seconds from the start of a request to
+            its answer (408 while the body is still arriving, 504 after).
+        drain_seconds: float > 0, how long a SIGTERM waits for accepted
+            requests before cancelling them.
+        max_connections: int >= 1, open connections and requests (uvicorn's
+            `limit_concurrency`; beyond it uvicorn answers 503 in plain text).
+    """
+
+    max_batch_tokens: int = 2048
+    max_padding: float = 0.25
+    max_delay_ms: float = 5.0
+    max_queue: int = 256
+    max_body_bytes: int = 1 << 20
+    max_texts: int = 64
+    max_text_chars: int = 2000
+    max_beam_size: int = 8
+    beam_size: int = 4
+    length_penalty: float = 0.6
+    max_extra_length: int = 50
+    request_timeout: float = 30.0
+    drain_seconds: float = 30.0
+    max_connections: int = 1024
+
+    def __post_init__(self):
+        for name in ("max_batch_tokens", "max_queue", "max_body_bytes", "max_texts", "max_text_chars",
+                     "max_beam_size", "max_connections"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        numbers = (("max_padding", False), ("max_delay_ms", False), ("length_penalty", False),
+                   ("request_timeout", True), ("drain_seconds", True))  # (name, must be > 0)
+        for name, positive in numbers:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                value <= 0 if positive else value < 0
+            ):
+                raise ValueError(f"{name}={value!r} must be a finite number {'> 0' if positive else '>= 0'}")
+        if isinstance(self.max_extra_length, bool) or not isinstance(self.max_extra_length, int) or (
+            self.max_extra_length < 0
+        ):
+            raise ValueError(f"max_extra_length={self.max_extra_length!r} must be an integer >= 0")
+        if isinstance(self.beam_size, bool) or not isinstance(self.beam_size, int) or not (
+            1 <= self.beam_size <= self.max_beam_size
+        ):
+            raise ValueError(f"beam_size={self.beam_size!r} must be an integer in [1, max_beam_size={self.max_beam_size}]")
+        if self.max_texts > self.max_queue:
+            raise ValueError(
+                f"max_texts={self.max_texts} must be at most max_queue={self.max_queue}: a request with more "
+                "texts than the queue holds could never be accepted"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """The search options of one request; only requests with equal options share a batch."""
+
+    beam_size: int
+    length_penalty: float
+    max_extra_length: int

@@ -1,0 +1,751 @@
+"""The HTTP translation server (export/serve.py): answers, batching, limits, hostile input, shutdown.
+
+Loopback only. Most tests share one in-process server on a tiny exported
+model; the limits that need a slow search use a gated stand-in engine; the
+shutdown tests run `python -m export.serve`'s `main` in a process where
+importing a training framework fails.
+"""
+
+import concurrent.futures
+import hashlib
+import importlib.metadata
+import itertools
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import keras
+import pytest
+
+pytestmark = [
+    pytest.mark.tensorflow_only,
+    pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="the ONNX export runs on the TensorFlow backend"),
+]
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("tf2onnx")
+pytest.importorskip("starlette")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from export import serve  # noqa: E402
+from export.runtime import OnnxTranslator  # noqa: E402
+
+REPO = pathlib.Path(serve.__file__).resolve().parents[2]  # export/serve/__init__.py
+MAX_EXTRA_LENGTH = 5  # short outputs keep every search fast
+SUBJECTS = ["the cat", "a dog", "my bird", "the old fish"]
+VERBS = ["sees", "likes", "eats"]
+OBJECTS = ["the cat.", "a dog.", "the big fish.", "a red ball."]
+CORPUS = [f"{s} {v} {o}" for s, v, o in itertools.product(SUBJECTS, VERBS, OBJECTS)]
+
+
+# --------------------------------------------------------------------------- #
+# The exported model (once per machine and code version) and servers
+# --------------------------------------------------------------------------- #
+def _export_key():
+    """Changes with the code that writes or reads an export, and with the versions it runs on."""
+    digest = hashlib.sha256()
+    for path in sorted([*REPO.glob("export/*.py"), *REPO.glob("keras_transformer/**/*.py")]):
+        digest.update(path.relative_to(REPO).as_posix().encode() + path.read_bytes())
+    for name in ("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "sentencepiece"):
+        digest.update(importlib.metadata.version(name).encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_once(request, name, build):
+    """`build(directory)` into the pytest cache unless a finished copy is there; returns the directory."""
+    import shutil
+    import tempfile
+
+    if getattr(request.config, "cache", None) is None:  # -p no:cacheprovider
+        directory = request.getfixturevalue("tmp_path_factory").mktemp(name) / "model"
+        build(directory)
+        return directory
+    root = pathlib.Path(request.config.cache.mkdir("serve-exports"))
+    directory = root / f"{name}-{_export_key()}"
+    if not (directory / "done").is_file():
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+        build(staging / "model")
+        (staging / "model" / "done").write_text("")
+        try:
+            (staging / "model").rename(directory)
+        except OSError:  # another run finished first
+            pass
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def preset_dir(tmp_path_factory):
+    import keras_transformer as kt
+
+    directory = tmp_path_factory.mktemp("serve-preset") / "tiny"
+    keras.utils.set_random_seed(1234)
+    model = kt.TransformerModel(
+        vocabulary_size=60, num_layers=2, num_heads=4, hidden_dim=16, intermediate_dim=32, dropout=0.0,
+        max_sequence_length=64,
+    )
+    model.save_to_preset(directory, tokenizer=kt.train_tokenizer(CORPUS, vocabulary_size=60))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def exported(request, preset_dir):
+    """A tiny random model exported by `export.onnx` (cached across runs: an export takes a minute)."""
+    from export.onnx import export_onnx
+
+    return _build_once(request, "onnx", lambda output: export_onnx(preset_dir, output))
+
+
+@pytest.fixture(scope="module")
+def reference(exported):
+    """What the server must answer: `OnnxTranslator.translate` with the server's search settings."""
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+
+    def translate(texts, beam_size=4):
+        return translator.translate(texts, beam_size=beam_size, max_extra_length=MAX_EXTRA_LENGTH)
+
+    return translate
+
+
+class InProcessServer:
+    """`create_app` run by uvicorn in a thread, on a free loopback port."""
+
+    def __init__(self, engine, **settings):
+        self.sock = serve.bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.app = serve.create_app(engine, serve.ServerSettings(**settings))
+        self.service = self.app.state.service
+        config = uvicorn.Config(self.app, lifespan="on", log_config=None, access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_ready(self.url)
+
+    def metric(self, name, **labels):
+        return metric(httpx.get(self.url + "/metrics").text, name, **labels)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def wait_ready(url, timeout=60, process=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the server exited with {process.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{url} was not ready within {timeout} s")
+
+
+def metric(text, name, **labels):
+    """A sample's value in Prometheus text (0 when absent)."""
+    wanted = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else ""
+    for line in text.splitlines():
+        if line.startswith(name + wanted + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def server(exported):
+    running = InProcessServer(
+        serve.load_engine(exported), max_extra_length=MAX_EXTRA_LENGTH, max_delay_ms=20, request_timeout=3,
+    )
+    yield running
+    running.close()
+
+
+def post(url, payload=None, content=None, timeout=30, **kwargs):
+    if content is None:
+        content = json.dumps(payload)
+    return httpx.post(url + "/v1/translate", content=content, timeout=timeout, **kwargs)
+
+
+def sentences():
+    from keras_transformer.datasets import load_bundled
+
+    english, _ = load_bundled("test")
+    return [text for text in english if len(text) < 40][:24]
+
+
+# --------------------------------------------------------------------------- #
+# Answers and batching
+# --------------------------------------------------------------------------- #
+def test_answers_equal_the_onnx_translator(server, reference):
+    texts = ["the cat sees a dog.", "", "my bird eats the big fish.", "  ", "a red ball."]
+    for beam_size in (1, 3):
+        response = post(server.url, {"text": texts, "beam_size": beam_size})
+        assert response.status_code == 200, response.text
+        assert response.json() == {"translations": reference(texts, beam_size=beam_size)}
+    # The default beam size (4), a single string, no texts.
+    assert post(server.url, {"text": texts}).json()["translations"] == reference(texts)
+    assert post(server.url, {"text": "a dog."}).json()["translations"] == reference(["a dog."])
+    assert post(server.url, {"text": []}).json() == {"translations": []}
+
+
+class Recording:
+    """An engine that records each batch and holds the first one until `release` is set."""
+
+    def __init__(self, engine):
+        self.engine, self.batches, self.release = engine, [], threading.Event()
+
+    def count_tokens(self, texts):
+        return self.engine.count_tokens(texts)
+
+    def translate(self, texts, options):
+        self.batches.append((options.beam_size, list(texts)))
+        if len(self.batches) == 1:
+            assert self.release.wait(30)
+        return self.engine.translate(texts, options)
+
+
+def test_concurrent_requests_with_mixed_options_are_batched_by_options(server, reference, monkeypatch):
+    """16 requests, 4 beam sizes: while the first search runs, the rest wait and form one batch per beam size."""
+    texts = sentences()
+    requests = [{"text": texts[i % 8: i % 8 + 1 + i % 3], "beam_size": 1 + i % 4} for i in range(16)]
+    recording = Recording(server.service.batcher.engine)
+    monkeypatch.setattr(server.service.batcher, "engine", recording)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        first = pool.submit(post, server.url, requests[0])
+        while not recording.batches:
+            time.sleep(0.01)
+        others = [pool.submit(post, server.url, payload) for payload in requests[1:]]
+        queued = sum(len(payload["text"]) for payload in requests[1:])
+        deadline = time.monotonic() + 30
+        while server.service.batcher.queued < queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        recording.release.set()
+        responses = [first.result()] + [future.result() for future in others]
+    for payload, response in zip(requests, responses):
+        assert response.status_code == 200, response.text
+        assert response.json()["translations"] == reference(payload["text"], beam_size=payload["beam_size"])
+    # After the first: batches of one beam size each, together the sentences of that beam size, and
+    # batches that join requests (each has at most 3 sentences).
+    for beam_size in (1, 2, 3, 4):
+        batched = [t for beam, batch in recording.batches[1:] if beam == beam_size for t in batch]
+        assert sorted(batched) == sorted(t for p in requests[1:] if p["beam_size"] == beam_size for t in p["text"])
+    assert max(len(batch) for _, batch in recording.batches[1:]) > 3
+
+
+def test_a_batch_holds_at_most_max_batch_tokens(exported, reference):
+    engine = serve.load_engine(exported)
+    running = InProcessServer(engine, max_extra_length=MAX_EXTRA_LENGTH, max_batch_tokens=40, max_delay_ms=50)
+    try:
+        texts = CORPUS[:12]
+        recording = Recording(engine)
+        recording.release.set()
+        running.service.batcher.engine = recording
+        response = post(running.url, {"text": texts, "beam_size": 2})
+        assert response.json()["translations"] == reference(texts, beam_size=2)
+        tokens = engine.count_tokens(texts)
+        length = {text: n for text, n in zip(texts, tokens)}
+        assert len(recording.batches) > 1
+        for _, batch in recording.batches:
+            assert len(batch) * max(length[t] for t in batch) <= 40
+        assert sorted(t for _, batch in recording.batches for t in batch) == sorted(texts)
+        for _, batch in recording.batches:  # each in arrival order
+            assert batch == sorted(batch, key=texts.index)
+        # A sentence longer than the limit is searched alone.
+        long = "the old fish likes the big fish. " * 6
+        assert post(running.url, {"text": [long], "beam_size": 2}).json()["translations"] == reference([long], 2)
+        assert engine.count_tokens([long])[0] > 40 and recording.batches[-1] == (2, [long])
+    finally:
+        running.close()
+
+
+def test_health_ready_and_metrics(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "alive"}
+    assert httpx.get(server.url + "/ready").json() == {"ready": True, "engine": "onnxruntime"}
+    before = httpx.get(server.url + "/metrics")
+    assert before.headers["content-type"].startswith("text/plain; version=0.0.4")
+    sentences_before = metric(before.text, "kt_serve_sentences_total")
+    ok_before = metric(before.text, "kt_serve_requests_total", code=200, path="/v1/translate")
+    assert post(server.url, {"text": ["a dog.", "the cat."]}).status_code == 200
+    assert post(server.url, {"text": ["a dog."], "beam_size": 0}).status_code == 400
+    text = httpx.get(server.url + "/metrics").text
+    assert metric(text, "kt_serve_sentences_total") == sentences_before + 2
+    assert metric(text, "kt_serve_requests_total", code=200, path="/v1/translate") == ok_before + 1
+    assert metric(text, "kt_serve_errors_total", reason="bad_request") >= 1
+    for name in ("kt_serve_queue_sentences", "kt_serve_requests_in_flight", "kt_serve_ready",
+                 "kt_serve_batch_sentences_count", "kt_serve_request_duration_seconds_count",
+                 'kt_serve_batch_sentences_bucket{le="+Inf"}', "kt_serve_search_duration_seconds_sum"):
+        assert re.search(rf"^{re.escape(name)} \d", text, re.M), name
+    assert metric(text, "kt_serve_ready") == 1
+    # Every sample line parses as `name{labels} number`, and every metric has HELP and TYPE.
+    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert all(re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+', s) for s in samples)
+    assert text.count("# TYPE") == text.count("# HELP") == 10
+
+
+# --------------------------------------------------------------------------- #
+# Hostile input
+# --------------------------------------------------------------------------- #
+TEN_MEGABYTES = b'{"text": ["' + b"a" * (10 << 20) + b'"]}'
+HOSTILE = {
+    "invalid JSON": (b'{"text": ["a dog.",', 400, r"the body is not valid JSON"),
+    "not an object": (b'["a dog."]', 400, r"must be a JSON object .* received an array"),
+    "missing text": (b'{"beam_size": 2}', 400, r"missing field 'text'"),
+    "unknown field": (b'{"text": ["a"], "beamsize": 2}', 400, r"unknown field 'beamsize'; this server takes text, beam_size"),
+    "text of a wrong type": (b'{"text": {"a": 1}}', 400, r"text must be a string or an array of strings, received an object"),
+    "an item of a wrong type": (b'{"text": ["a", 3]}', 400, r"text\[1\] must be a string, received a number"),
+    "beam_size a string": (b'{"text": ["a"], "beam_size": "4"}', 400, r"beam_size must be an integer in \[1, 8\].*received a string"),
+    "beam_size a float": (b'{"text": ["a"], "beam_size": 2.5}', 400, r"beam_size must be .* received 2.5"),
+    "beam_size a boolean": (b'{"text": ["a"], "beam_size": true}', 400, r"beam_size must be .* received a boolean"),
+    "negative beam_size": (b'{"text": ["a"], "beam_size": -1}', 400, r"beam_size must be an integer in \[1, 8\] \(--max-beam-size; 1 is greedy\), received -1"),
+    "huge beam_size": (b'{"text": ["a"], "beam_size": 1000000}', 400, r"beam_size must be .* received 1000000"),
+    "beam_size with 5000 digits": (b'{"text": ["a"], "beam_size": 1' + b"0" * 5000 + b"}", 400, r"not valid JSON"),
+    "NaN": (b'{"text": ["a"], "beam_size": NaN}', 400, r"not valid JSON: NaN is not JSON"),
+    "deep nesting": (b"[" * 100_000, 400, r"not valid JSON"),
+    "num_hypotheses": (b'{"text": ["a"], "num_hypotheses": 2}', 400, r"num_hypotheses is not supported yet"),
+    "target_prefix": (b'{"text": ["a"], "target_prefix": ["Ein"]}', 400, r"target_prefix is not supported yet"),
+    "non-UTF-8 bytes": (b'{"text": ["a \xff\xfe dog"]}', 400, r"the body is not UTF-8: .* byte 0xff in position 13"),
+    "a lone surrogate": (b'{"text": ["a \\ud800 dog"]}', 400, r"text\[0\] is not valid Unicode \(a lone surrogate\)"),
+    "10,000 texts": (json.dumps({"text": ["a dog."] * 10_000}).encode(), 400, r"text has 10000 items; the limit is 64 \(--max-texts\)"),
+    "a 100,000-character text": (
+        json.dumps({"text": ["ok", "a" * 100_000]}).encode(), 400,
+        r"text\[1\] has 100000 characters; the limit is 2000 \(--max-text-chars\)",
+    ),
+    "a 10 MB body": (TEN_MEGABYTES, 413, r"the body has 10485774 bytes; the limit is 1048576 \(--max-body-bytes\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_input_gets_its_status_and_message(server, case):
+    content, status, message = HOSTILE[case]
+    response = post(server.url, content=content)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert re.search(message, response.json()["error"]), response.json()
+    assert post(server.url, {"text": ["a dog."], "beam_size": 1}).status_code == 200
+
+
+def test_a_chunked_body_over_the_limit_and_unknown_routes(server):
+    def chunks():
+        for start in range(0, len(TEN_MEGABYTES), 1 << 16):
+            yield TEN_MEGABYTES[start: start + (1 << 16)]
+
+    response = post(server.url, content=chunks())
+    assert response.status_code == 413
+    assert response.json() == {"error": "the body is longer than the limit of 1048576 bytes (--max-body-bytes)"}
+    assert httpx.get(server.url + "/v1/translate").json() == {"error": "Method Not Allowed: GET /v1/translate"}
+    response = httpx.get(server.url + "/nowhere")
+    assert response.status_code == 404 and response.json() == {"error": "Not Found: GET /nowhere"}
+    with connect(server.url) as sock:
+        sock.sendall(raw_request(server.url, b'{"text": ["a"]}', declared="15x"))
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 400 "), reply
+
+
+def raw_request(url, body, declared=None):
+    """Request bytes for a raw socket: headers (Content-Length `declared` or the body's) and body."""
+    host = url.split("//")[1]
+    length = len(body) if declared is None else declared
+    return (f"POST /v1/translate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode() + body
+
+
+def connect(url):
+    host, port = url.split("//")[1].split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def test_clients_that_disconnect_or_dribble_do_not_disturb_the_others(server, reference):
+    """A client that leaves mid-body, one that leaves while its sentences wait, one that sends slowly."""
+    texts = sentences()[:6]
+    disconnected = server.metric("kt_serve_errors_total", reason="disconnected")
+    # Leaves halfway through its body.
+    with connect(server.url) as sock:
+        sock.sendall(raw_request(server.url, b'{"text": ["a dog.", "the', declared=200))
+    # Leaves right after sending a whole request with many sentences.
+    body = json.dumps({"text": texts * 4, "beam_size": 4}).encode()
+    with connect(server.url) as sock:
+        sock.sendall(raw_request(server.url, body))
+    # Sends half its body and then nothing: 408 after the request timeout (3 s), JSON, naming it.
+    slow = connect(server.url)
+    slow.sendall(raw_request(server.url, b'{"text": ["a', declared=30))
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i: post(server.url, {"text": texts[i:i + 2], "beam_size": 2}), range(4)))
+    assert time.monotonic() - started < 3
+    for i, response in enumerate(answers):
+        assert response.json()["translations"] == reference(texts[i:i + 2], beam_size=2)
+    reply = b""
+    while b"}" not in reply:
+        chunk = slow.recv(4096)
+        assert chunk, reply
+        reply += chunk
+    slow.close()
+    assert reply.startswith(b"HTTP/1.1 408 ")
+    assert b'{"error":"the body did not arrive within 3 s (--request-timeout)"}' in reply
+    deadline = time.monotonic() + 10
+    while server.metric("kt_serve_errors_total", reason="disconnected") < disconnected + 2:
+        assert time.monotonic() < deadline, "the disconnections were not counted"
+        time.sleep(0.05)
+    assert server.metric("kt_serve_queue_sentences") == 0
+    assert post(server.url, {"text": texts[:1]}).json()["translations"] == reference(texts[:1])
+
+
+# --------------------------------------------------------------------------- #
+# Backpressure and timeouts (a stand-in engine whose searches wait for the test)
+# --------------------------------------------------------------------------- #
+class GatedEngine:
+    """Translates to upper case; each search waits until the test opens the gate (open at first)."""
+
+    name = "gated"
+
+    def __init__(self):
+        self.gate, self.started, self.batches = threading.Event(), threading.Semaphore(0), []
+        self.gate.set()
+
+    def count_tokens(self, texts):
+        return [len(text.split()) + 1 for text in texts]
+
+    def translate(self, texts, options):
+        self.batches.append(list(texts))
+        self.started.release()
+        assert self.gate.wait(30)
+        return [text.upper() for text in texts]
+
+
+@pytest.fixture
+def gated():
+    """`start(**settings)` -> (a gated engine, its server with a queue of 4 sentences)."""
+    started = []
+
+    def start(**settings):
+        engine = GatedEngine()
+        running = InProcessServer(engine, **{"max_queue": 4, "max_texts": 3, "max_delay_ms": 0, **settings})
+        started.append((engine, running))
+        engine.gate.clear()
+        while engine.started.acquire(blocking=False):  # the warm-up's searches
+            pass
+        return engine, running
+
+    yield start
+    for engine, running in started:
+        engine.gate.set()
+        running.close()
+
+
+def test_a_full_queue_answers_503_with_retry_after(gated):
+    engine, running = gated(request_timeout=30)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        searching = pool.submit(post, running.url, {"text": ["one"]})
+        assert engine.started.acquire(timeout=10)  # in the search, out of the queue
+        waiting = [pool.submit(post, running.url, {"text": ["two", "three"]}) for _ in range(2)]
+        while running.service.batcher.queued < 4:
+            time.sleep(0.01)
+        full = post(running.url, {"text": ["four"]})
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        assert full.json() == {"error": "the queue holds 4 of at most 4 sentences (--max-queue); this request has 1"}
+        engine.gate.set()
+        assert searching.result().json() == {"translations": ["ONE"]}
+        assert [w.result().json() for w in waiting] == [{"translations": ["TWO", "THREE"]}] * 2
+    assert running.metric("kt_serve_errors_total", reason="queue_full") == 1
+    assert post(running.url, {"text": ["five"]}).json() == {"translations": ["FIVE"]}
+
+
+def test_a_request_without_an_answer_in_time_gets_504_and_leaves_the_queue(gated):
+    engine, running = gated(request_timeout=1)
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        searching = pool.submit(post, running.url, {"text": ["one"]})
+        assert engine.started.acquire(timeout=10)
+        waiting = pool.submit(post, running.url, {"text": ["two", "three"]})
+        for response in (searching.result(), waiting.result()):
+            assert response.status_code == 504
+            assert response.json() == {"error": "no translation within 1 s (--request-timeout)"}
+    assert time.monotonic() - started < 5
+    assert running.service.batcher.queued == 0  # "two" and "three" were never searched
+    engine.gate.set()
+    assert post(running.url, {"text": ["four"]}).json() == {"translations": ["FOUR"]}
+    assert engine.batches[-2:] == [["one"], ["four"]]
+
+
+def test_a_batch_grows_from_the_oldest_towards_the_nearest_lengths_within_its_limits():
+    """`Batcher._take` on waiting sentences of given token counts (negative: other search options)."""
+    from export.serve.batching import Batcher, _Item
+
+    def batches(lengths, **settings):
+        batcher = Batcher(None, serve.ServerSettings(**settings), None, None)
+        for i, n in enumerate(lengths):
+            job = types.SimpleNamespace(options=serve.SearchOptions(1 if n < 0 else 4, 0.6, 0))
+            batcher.pending.append(_Item(job, i, abs(n)))
+        taken = []
+        while batcher.pending:
+            batch, padded = batcher._take(batcher.pending[0].job.options)
+            assert padded == len(batch) * max(item.tokens for item in batch)
+            taken.append([item.index for item in batch])
+        return taken
+
+    # 10 and 12 share a search (2 x 12 steps <= 1.25 x 22), 30 would pad too much.
+    assert batches([10, 30, 12]) == [[0, 2], [1]]
+    assert batches([10, 30, 12], max_padding=10) == [[0, 1, 2]]
+    # Arrival order would give [3, 30, 4] (3 x 30 <= 100, a 4th row no longer fits).
+    assert batches([3, 30, 4, 31, 4, 31], max_batch_tokens=100, max_padding=10) == [[0, 2, 4], [1, 3, 5]]
+    # Other options never join; a sentence over the budget goes alone.
+    assert batches([5, -5, 5, -5]) == [[0, 2], [1, 3]]
+    assert batches([300, 5], max_batch_tokens=100, max_padding=10) == [[0], [1]]
+
+
+def test_a_model_that_fails_its_warm_up_is_never_ready():
+    """The warm-up's error is said by /ready and to every request; `serve` stops with status 1 (on_fatal)."""
+    from starlette.testclient import TestClient
+
+    class Broken(GatedEngine):
+        def translate(self, texts, options):
+            raise RuntimeError("no session")
+
+    fatal = threading.Event()
+    failure = "the model failed to translate a warm-up sentence: RuntimeError: no session"
+    with TestClient(serve.create_app(Broken(), on_fatal=fatal.set)) as client:
+        assert fatal.wait(10)
+        response = client.get("/ready")
+        assert response.status_code == 503 and response.json() == {"error": failure}
+        response = client.post("/v1/translate", json={"text": ["a"]})
+        assert response.status_code == 503 and response.json() == {"error": failure + "; retry"}
+        assert client.get("/health").status_code == 200
+
+
+def test_settings_are_checked_with_their_values():
+    with pytest.raises(ValueError, match=r"max_batch_tokens=0 must be an integer >= 1"):
+        serve.ServerSettings(max_batch_tokens=0)
+    with pytest.raises(ValueError, match=r"max_delay_ms=-1 must be a finite number >= 0"):
+        serve.ServerSettings(max_delay_ms=-1)
+    with pytest.raises(ValueError, match=r"beam_size=9 must be an integer in \[1, max_beam_size=8\]"):
+        serve.ServerSettings(beam_size=9)
+    with pytest.raises(ValueError, match=r"max_texts=65 must be at most max_queue=64"):
+        serve.ServerSettings(max_texts=65, max_queue=64)
+    with pytest.raises(ValueError, match=r"engine='marian' must be one of"):
+        serve.load_engine("anywhere", "marian")
+
+
+# --------------------------------------------------------------------------- #
+# The command, in a process without any training framework: SIGTERM, kill -9
+# --------------------------------------------------------------------------- #
+LEAN_SERVER = """
+import sys
+
+FRAMEWORKS = {"tensorflow", "keras", "jax", "torch", "keras_hub", "tensorflow_text", "tf2onnx"}
+
+class NoFramework:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in FRAMEWORKS:
+            print("BLOCKED IMPORT " + name, file=sys.stderr, flush=True)
+            raise ImportError(name + " must not be imported by the server")
+
+sys.meta_path.insert(0, NoFramework())
+from export import serve
+
+status = serve.main(sys.argv[1:])
+print("EXIT " + str(status), file=sys.stderr, flush=True)
+sys.exit(status)
+"""
+
+
+class ServerProcess:
+    """`export.serve.main` in a subprocess that cannot import a training framework."""
+
+    def __init__(self, tmp_path, exported, *options, port=0):
+        script = tmp_path / "lean_server.py"
+        script.write_text(LEAN_SERVER)
+        self.log_path = tmp_path / f"server-{time.monotonic_ns()}.log"
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), "--model", str(exported), "--port", str(port),
+             "--max-extra-length", str(MAX_EXTRA_LENGTH), *options],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not (found := re.search(r"on http://127\.0\.0\.1:(\d+) ", self.log_path.read_text())):
+                assert self.process.poll() is None and time.monotonic() < deadline, self.text()
+                time.sleep(0.05)
+            self.port = int(found.group(1))
+            self.url = f"http://127.0.0.1:{self.port}"
+            wait_ready(self.url, process=self.process)
+        except BaseException:
+            self.kill()
+            raise
+
+    def text(self):
+        return self.log_path.read_text()
+
+    def wait(self, timeout):
+        try:
+            return self.process.wait(timeout)
+        finally:
+            self.log.close()
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.kill()
+        self.wait(30)
+
+
+def test_sigterm_answers_every_accepted_request_and_exits_0_without_any_training_framework(
+    tmp_path, exported, reference
+):
+    """12 requests wait in the queue (a batch may wait 20 s to fill); SIGTERM flushes it and drains."""
+    texts = sentences()
+    requests = [{"text": texts[i: i + 4], "beam_size": 4} for i in range(0, 24, 2)]
+    total = sum(len(payload["text"]) for payload in requests)
+    server = ServerProcess(
+        tmp_path, exported, "--max-delay-ms", "20000", "--max-batch-tokens", "4096", "--drain-seconds", "30"
+    )
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            futures = [pool.submit(post, server.url, payload, timeout=60) for payload in requests]
+            deadline = time.monotonic() + 15
+            while metric(httpx.get(server.url + "/metrics").text, "kt_serve_queue_sentences") < total:
+                assert time.monotonic() < deadline and not any(f.done() for f in futures), "not all queued"
+                time.sleep(0.05)
+            server.process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            time.sleep(0.3)
+            with pytest.raises(httpx.ConnectError):  # no new connections while draining
+                httpx.get(server.url + "/health", timeout=5)
+            responses = [future.result() for future in futures]
+        status = server.wait(30)
+        drained = time.monotonic() - signalled
+    finally:
+        server.kill()
+    log = server.text()
+    assert status == 0, log[-3000:]
+    assert drained < 10, f"the drain took {drained:.1f} s: the queue was not flushed at once"
+    for payload, response in zip(requests, responses):
+        assert response.status_code == 200, response.text
+        assert response.json()["translations"] == reference(payload["text"], beam_size=4)
+    assert "BLOCKED IMPORT" not in log, log
+    assert "Draining" in log and "EXIT 0" in log
+    assert len(re.findall(r"method=POST path=/v1/translate status=200 sentences=[24] ms=", log)) == len(requests)
+
+
+def test_after_kill_9_a_restart_is_ready_and_no_answer_was_partial(tmp_path, exported, reference):
+    texts = sentences()
+    pool_of_requests = [{"text": texts[i: i + 3], "beam_size": 1 + i % 3} for i in range(6)]
+    expected = [reference(p["text"], beam_size=p["beam_size"]) for p in pool_of_requests]
+    server = ServerProcess(tmp_path, exported)
+    outcomes, stop = [], threading.Event()
+
+    def client(seed):
+        with httpx.Client(timeout=30) as session:
+            for i in itertools.count(seed):
+                if stop.is_set():
+                    return
+                which = i % len(pool_of_requests)
+                try:
+                    response = session.post(server.url + "/v1/translate", json=pool_of_requests[which])
+                except httpx.TransportError as error:
+                    outcomes.append((which, type(error).__name__))
+                    if isinstance(error, httpx.ConnectError):
+                        return
+                else:
+                    outcomes.append((which, response))
+
+    try:
+        threads = [threading.Thread(target=client, args=(seed,)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.5)
+        server.process.send_signal(signal.SIGKILL)
+        assert server.wait(30) == -signal.SIGKILL
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        answered = [(which, o) for which, o in outcomes if not isinstance(o, str)]
+        assert answered and len(answered) < len(outcomes)
+        for which, response in answered:
+            assert response.status_code == 200, response.text
+            assert response.json()["translations"] == expected[which]
+        assert {o for _, o in outcomes if isinstance(o, str)} <= {"ConnectError", "ReadError", "WriteError", "RemoteProtocolError"}
+        restarted = ServerProcess(tmp_path, exported, port=server.port)
+        try:
+            assert post(restarted.url, pool_of_requests[0]).json()["translations"] == expected[0]
+            restarted.process.send_signal(signal.SIGTERM)
+            assert restarted.wait(30) == 0
+        finally:
+            restarted.kill()
+        assert "BLOCKED IMPORT" not in restarted.text()
+    finally:
+        stop.set()
+        server.kill()
+
+
+def test_the_command_refuses_a_directory_that_is_not_an_export(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "export.serve", "--model", str(tmp_path / "nothing")],
+        capture_output=True, text=True, timeout=120, cwd=str(REPO),
+    )
+    assert result.returncode == 2
+    assert "error: No ONNX model directory at" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "export.serve", "--model", str(tmp_path), "--max-texts", "300"],
+        capture_output=True, text=True, timeout=120, cwd=str(REPO),
+    )
+    assert result.returncode == 2 and "max-texts=300 must be at most max-queue=256" in result.stderr
+
+
+# --------------------------------------------------------------------------- #
+# CTranslate2
+# --------------------------------------------------------------------------- #
+@pytest.fixture(scope="session")
+def exported_ct2(request, preset_dir):
+    pytest.importorskip("ctranslate2")
+    from export.ctranslate2 import export_ctranslate2
+
+    return _build_once(request, "ct2", lambda output: export_ctranslate2(preset_dir, output))
+
+
+def test_the_ctranslate2_engine_gives_the_greedy_translations_of_onnx_runtime(exported_ct2, reference):
+    """Greedy search, one sentence per request: CTranslate2 gives our tokens (checked at its export too)."""
+    running = InProcessServer(serve.load_engine(exported_ct2, "ctranslate2"), max_extra_length=MAX_EXTRA_LENGTH)
+    try:
+        assert httpx.get(running.url + "/ready").json() == {"ready": True, "engine": "ctranslate2"}
+        for text in CORPUS[:4] + [""]:
+            response = post(running.url, {"text": [text], "beam_size": 1})
+            assert response.json()["translations"] == reference([text], beam_size=1)
+    finally:
+        running.close()
+
+
+# --------------------------------------------------------------------------- #
+# The load benchmark's arithmetic (benchmarks/serve_http.py)
+# --------------------------------------------------------------------------- #
+def test_the_load_benchmark_reads_percentiles_and_batch_sizes():
+    import numpy as np
+
+    serve_http = pytest.importorskip("benchmarks.serve_http")
+    values = [0.3, 0.1, 0.4, 0.2, 5.0]
+    for q in (50, 95, 99):
+        assert serve_http.percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert serve_http.percentile([], 50) is None
+    metrics = serve.Metrics(queue_depth=lambda: 0, in_flight=lambda: 0, ready=lambda: 1)
+    for size in (1, 1, 3):
+        metrics.batch_sentences.observe(size)
+    before = metrics.render()
+    for size in (1, 5, 5, 600):
+        metrics.batch_sentences.observe(size)
+    after = metrics.render()
+    assert serve_http.batch_sizes(before, after) == [
+        {"sentences": "1", "batches": 1}, {"sentences": "5-8", "batches": 2}, {"sentences": "513+", "batches": 1},
+    ]
+    assert serve_http.mean_batch(before, after) == pytest.approx((1 + 5 + 5 + 600) / 4)
+    assert serve_http.mean_batch(after, after) is None
