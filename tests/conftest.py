@@ -112,38 +112,65 @@ def pytest_collection_modifyitems(config, items):
 # ---------------------------------------------------------------------- #
 # Marian (OPUS-MT) stand-in checkpoints, built locally with transformers.
 # ---------------------------------------------------------------------- #
-# Built once per machine and reused by every backend's run (tests/run.sh runs
-# pytest once per backend): the checkpoint only depends on the builder's code
-# and the versions of transformers, torch and sentencepiece, which key the cache.
+# Built once per machine (`build_once`): the checkpoint only depends on the
+# builder's code and the versions of transformers, torch and sentencepiece.
 MARIAN_STANDINS = {
     "random": dict(train_steps=0),      # random init (random logits bias and <pad> row)
     "trained": dict(train_steps=400),   # trained on the bundled corpus: outputs end with </s>
 }
 
 
-def _marian_standin(request, kind):
+def build_once(request, name, key, build):
+    """`build(directory)` once per machine: `name-key/model` in pytest's cache, unless finished there already.
+
+    Slow artifacts (an ONNX export, a Marian stand-in) are built once and
+    shared by every backend's run (tests/run.sh runs pytest once per backend)
+    and by later runs on the same code; `key` must change with whatever
+    changes the artifact. The artifact is alone in its parent directory (so a
+    test can check that its writer left no temporaries beside it), and a
+    marker beside that parent says it is finished (a killed build is redone).
+    Without the cache plugin (-p no:cacheprovider) it is built in a temporary
+    directory. Tests read it only: copy it to change it.
+    """
+    import shutil
+
+    if getattr(request.config, "cache", None) is None:
+        directory = request.getfixturevalue("tmp_path_factory").mktemp(name) / "model"
+        build(directory)
+        return directory
+    root = pathlib.Path(request.config.cache.mkdir("artifacts"))
+    parent, done = root / f"{name}-{key}", root / f"{name}-{key}.done"
+    if not done.is_file():
+        shutil.rmtree(parent, ignore_errors=True)
+        parent.mkdir()
+        build(parent / "model")
+        done.write_text("")
+    return parent / "model"
+
+
+def source_key(*paths, packages=()):
+    """A digest of the repository files under `paths` (globs) and the versions of `packages`."""
     import hashlib
     import importlib.metadata
-    import inspect
-    import shutil
-    import tempfile
 
+    root = pathlib.Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for pattern in paths:
+        for path in sorted(root.glob(pattern)):
+            digest.update(path.relative_to(root).as_posix().encode() + path.read_bytes())
+    for name in packages:
+        digest.update(f"{name}=={importlib.metadata.version(name)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _marian_standin(request, kind):
     pytest.importorskip("transformers")
     from keras_transformer.convert import standin
 
-    versions = [importlib.metadata.version(name) for name in ("transformers", "torch", "sentencepiece")]
-    key = hashlib.sha256((inspect.getsource(standin) + repr(versions) + repr(MARIAN_STANDINS[kind])).encode()).hexdigest()[:16]
-    root = pathlib.Path(request.config.cache.mkdir("marian-standins"))
-    directory = root / f"{kind}-{key}"
-    if not (directory / "model.safetensors").is_file():
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=root))
-        standin.build_marian_checkpoint(staging / "checkpoint", **MARIAN_STANDINS[kind])
-        try:
-            (staging / "checkpoint").rename(directory)
-        except OSError:  # another process built it first
-            pass
-        shutil.rmtree(staging, ignore_errors=True)
-    return directory
+    key = source_key("keras_transformer/convert/standin.py", packages=("transformers", "torch", "sentencepiece"))
+    config = MARIAN_STANDINS[kind]
+    return build_once(request, f"marian-{kind}", f"{key}-{config['train_steps']}",
+                      lambda directory: standin.build_marian_checkpoint(directory, **config))
 
 
 @pytest.fixture(scope="session")
@@ -177,3 +204,47 @@ def populate_hub_cache(cache, repo_id, checkpoint, revision="0123456789abcdef012
     (repository / "refs").mkdir(parents=True, exist_ok=True)
     (repository / "refs" / "main").write_text(revision)
     return repository / "snapshots" / revision
+
+
+# ---------------------------------------------------------------------- #
+# One tiny exported model, shared by the ONNX export and server tests.
+# ---------------------------------------------------------------------- #
+TINY_CORPUS = [
+    f"{s} {v} {o}"
+    for s in ("the cat", "a dog", "my bird", "the old fish")
+    for v in ("sees", "likes", "eats")
+    for o in ("the cat.", "a dog.", "the big fish.", "a red ball.")
+]
+TINY_VOCABULARY_SIZE = 60
+
+
+def tiny_export_model(seed=1234):
+    """The model of `tiny_preset_dir` (same seed, same weights), or another one (another seed)."""
+    import keras_transformer as kt
+
+    keras.utils.set_random_seed(seed)
+    return kt.TransformerModel(
+        vocabulary_size=TINY_VOCABULARY_SIZE, num_layers=2, num_heads=4, hidden_dim=16, intermediate_dim=32,
+        dropout=0.0, max_sequence_length=64,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_preset_dir(tmp_path_factory):
+    """A preset directory: `tiny_export_model()` with a tokenizer trained on `TINY_CORPUS` (read only)."""
+    import keras_transformer as kt
+
+    directory = tmp_path_factory.mktemp("tiny-preset") / "tiny"
+    tiny_export_model().save_to_preset(directory, tokenizer=kt.train_tokenizer(TINY_CORPUS, TINY_VOCABULARY_SIZE))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_export(request, tiny_preset_dir):
+    """`tiny_preset_dir` exported by `export.onnx` (validated), built once per machine and code (read only)."""
+    pytest.importorskip("tf2onnx")
+    from export.onnx import export_onnx
+
+    key = source_key("export/*.py", "keras_transformer/**/*.py", "tests/conftest.py",
+                     packages=("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "sentencepiece"))
+    return build_once(request, "tiny-onnx", key, lambda directory: export_onnx(tiny_preset_dir, directory))

@@ -1,7 +1,6 @@
 """ONNX export (export/onnx.py), validation (export/validate.py) and ONNX Runtime (export/runtime.py)."""
 
 import io
-import itertools
 import json
 import os
 import pathlib
@@ -13,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import to_numpy
+from conftest import TINY_VOCABULARY_SIZE, tiny_export_model, to_numpy
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="ONNX export runs on the TensorFlow backend"
@@ -29,22 +28,10 @@ from export.runtime import OnnxSeq2Seq, OnnxTranslator, read_config  # noqa: E40
 from export.validate import ValidationError, validate_onnx  # noqa: E402
 from keras_transformer.translator import Translator  # noqa: E402
 
-VOCABULARY_SIZE = 60
+VOCABULARY_SIZE = TINY_VOCABULARY_SIZE
 START, END = 2, 3
 GRAPH_FILES = [f"{graph}.onnx" for graph in contract.ONNX.graphs]
-
-SUBJECTS = ["the cat", "a dog", "my bird", "the old fish"]
-VERBS = ["sees", "likes", "eats"]
-OBJECTS = ["the cat.", "a dog.", "the big fish.", "a red ball."]
-CORPUS = [f"{s} {v} {o}" for s, v, o in itertools.product(SUBJECTS, VERBS, OBJECTS)]
-
-
-def small_model(seed=1234):
-    keras.utils.set_random_seed(seed)
-    return kt.TransformerModel(
-        vocabulary_size=VOCABULARY_SIZE, num_layers=2, num_heads=4, hidden_dim=16,
-        intermediate_dim=32, dropout=0.0, max_sequence_length=64,
-    )
+small_model = tiny_export_model  # the exported preset's model (seed 1234), or another seed's
 
 
 def sources(rng, lengths):
@@ -62,17 +49,13 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def preset_dir(tmp_path_factory, model):
-    directory = tmp_path_factory.mktemp("preset") / "tiny"
-    tokenizer = kt.train_tokenizer(CORPUS, vocabulary_size=VOCABULARY_SIZE)
-    model.save_to_preset(directory, tokenizer=tokenizer)
-    return directory
+def preset_dir(tiny_preset_dir):
+    return tiny_preset_dir
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, preset_dir):
-    output = tmp_path_factory.mktemp("onnx") / "model"
-    return onnx_export.export_onnx(preset_dir, output)
+def exported(tiny_onnx_export):
+    return tiny_onnx_export
 
 
 @pytest.fixture(scope="module")
@@ -557,23 +540,3 @@ def test_the_server_runs_without_any_training_framework(exported, preset_dir, tm
     expected = Translator.from_preset(preset_dir).translate(texts, beam_size=2, max_extra_length=5)
     assert result.stdout.split("\n")[:-1] == expected
     assert "Traceback" not in result.stderr and "[E:onnxruntime" not in result.stderr
-
-
-# --------------------------------------------------------------------------- #
-# int8
-# --------------------------------------------------------------------------- #
-@pytest.mark.slow
-def test_int8_export_runs(preset_dir, tmp_path):
-    import onnx
-
-    output = onnx_export.export_onnx(preset_dir, tmp_path / "int8", quantize="int8")
-    assert json.loads((output / "config.json").read_text())["quantization"] == "int8"
-    decoder = onnx.load(str(output / "decoder_step.onnx"))
-    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= {node.op_type for node in decoder.graph.node}
-    search = onnx.load(str(output / "beam_search.onnx"))
-    (loop,) = [node for node in search.graph.node if node.op_type == "Loop"]
-    assert "MatMulInteger" in {node.op_type for node in loop.attribute[0].g.node}  # the decoder in the Loop
-    model = OnnxSeq2Seq(output, providers=["CPUExecutionProvider"])
-    ids = model.generate(sources(np.random.default_rng(5), [6, 3]), beam_size=2, max_extra_length=4)
-    assert ids.dtype == np.int32 and (ids[:, 0] == START).all()
-    assert ((ids == END).sum(axis=1) == 1).all()

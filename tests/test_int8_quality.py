@@ -67,6 +67,7 @@ def test_int8_bleu_drop_on_bundled_test_split(trained_preset, tmp_path, record_p
         directory = export_onnx(trained_preset, tmp_path / str(quantize), quantize=quantize)
         result = evaluate(OnnxTranslator(directory), sources, references, beam_size=beam_size)
         scores[quantize or "float32"] = (result["bleu"], result["chrf"])
+    check_int8_graphs(directory)
     (bleu32, chrf32), (bleu8, chrf8) = scores["float32"], scores["int8"]
     report = (
         f"{trained_preset}: float32 BLEU {bleu32:.2f} chrF {chrf32:.2f}; int8 BLEU {bleu8:.2f} "
@@ -79,3 +80,26 @@ def test_int8_bleu_drop_on_bundled_test_split(trained_preset, tmp_path, record_p
         assert chrf32 > 15.0, report
     assert bleu32 - bleu8 <= MAX_BLEU_DROP, report
     assert chrf32 - chrf8 <= MAX_CHRF_DROP, report
+
+
+def check_int8_graphs(directory):
+    """An int8 export is quantized where the work is: the decoder step and the decoder inside the search's Loop."""
+    import json
+
+    import numpy as np
+    import onnx
+
+    from export.runtime import OnnxSeq2Seq
+    from keras_transformer.tokenizer import END_ID, START_ID
+
+    assert json.loads((directory / "config.json").read_text())["quantization"] == "int8"
+    decoder = onnx.load(str(directory / "decoder_step.onnx"))
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= {node.op_type for node in decoder.graph.node}
+    search = onnx.load(str(directory / "beam_search.onnx"))
+    (loop,) = [node for node in search.graph.node if node.op_type == "Loop"]
+    assert "MatMulInteger" in {node.op_type for node in loop.attribute[0].g.node}  # the decoder in the Loop
+    model = OnnxSeq2Seq(directory, providers=["CPUExecutionProvider"])
+    ids = model.generate(np.array([[5, 6, 7, 8, 9, END_ID], [10, 11, END_ID, 0, 0, 0]], "int32"), beam_size=2,
+                         max_extra_length=4)
+    assert ids.dtype == np.int32 and (ids[:, 0] == START_ID).all()
+    assert ((ids == END_ID).sum(axis=1) == 1).all()

@@ -2,7 +2,7 @@
 
 The slow test executes each notebook with nbclient in a fresh `python3` kernel
 (the interpreter running pytest), with `KT_NOTEBOOK_SMOKE=1` (tiny preset, a few
-steps, the bundled corpus, no network) and a temporary working directory, so
+steps, the bundled corpus, no network; notebook 04 reads the suite's Marian stand-in) and a temporary working directory, so
 everything the notebook writes lands there and not in the repository.
 """
 
@@ -68,12 +68,14 @@ def test_badges_point_at_one_repository():
 @pytest.mark.tensorflow_only
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the notebooks run on the TensorFlow backend (export needs it)")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_top_to_bottom_in_smoke_mode(path, tmp_path, monkeypatch, record_property):
+def test_notebook_runs_top_to_bottom_in_smoke_mode(path, tmp_path, monkeypatch, record_property, request):
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     monkeypatch.setenv("KT_NOTEBOOK_SMOKE", "1")
+    if path.name == "04_pretrained.ipynb":  # the suite's Marian stand-in (built once per machine), read only
+        monkeypatch.setenv("KT_MARIAN_STANDIN", str(request.getfixturevalue("marian_trained")))
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
     repository_runs = (COLAB / "runs").exists()

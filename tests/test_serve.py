@@ -7,8 +7,6 @@ importing a training framework fails.
 """
 
 import concurrent.futures
-import hashlib
-import importlib.metadata
 import itertools
 import json
 import os
@@ -24,6 +22,8 @@ import types
 
 import keras
 import pytest
+
+from conftest import TINY_CORPUS
 
 pytestmark = [
     pytest.mark.tensorflow_only,
@@ -41,68 +41,21 @@ from export.runtime import OnnxTranslator  # noqa: E402
 
 REPO = pathlib.Path(serve.__file__).resolve().parents[2]  # export/serve/__init__.py
 MAX_EXTRA_LENGTH = 5  # short outputs keep every search fast
-SUBJECTS = ["the cat", "a dog", "my bird", "the old fish"]
-VERBS = ["sees", "likes", "eats"]
-OBJECTS = ["the cat.", "a dog.", "the big fish.", "a red ball."]
-CORPUS = [f"{s} {v} {o}" for s, v, o in itertools.product(SUBJECTS, VERBS, OBJECTS)]
+CORPUS = TINY_CORPUS
 
 
 # --------------------------------------------------------------------------- #
 # The exported model (once per machine and code version) and servers
 # --------------------------------------------------------------------------- #
-def _export_key():
-    """Changes with the code that writes or reads an export, and with the versions it runs on."""
-    digest = hashlib.sha256()
-    for path in sorted([*REPO.glob("export/*.py"), *REPO.glob("keras_transformer/**/*.py")]):
-        digest.update(path.relative_to(REPO).as_posix().encode() + path.read_bytes())
-    for name in ("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "sentencepiece"):
-        digest.update(importlib.metadata.version(name).encode())
-    return digest.hexdigest()[:16]
-
-
-def _build_once(request, name, build):
-    """`build(directory)` into the pytest cache unless a finished copy is there; returns the directory."""
-    import shutil
-    import tempfile
-
-    if getattr(request.config, "cache", None) is None:  # -p no:cacheprovider
-        directory = request.getfixturevalue("tmp_path_factory").mktemp(name) / "model"
-        build(directory)
-        return directory
-    root = pathlib.Path(request.config.cache.mkdir("serve-exports"))
-    directory = root / f"{name}-{_export_key()}"
-    if not (directory / "done").is_file():
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-        build(staging / "model")
-        (staging / "model" / "done").write_text("")
-        try:
-            (staging / "model").rename(directory)
-        except OSError:  # another run finished first
-            pass
-        shutil.rmtree(staging, ignore_errors=True)
-    return directory
+@pytest.fixture(scope="session")
+def preset_dir(tiny_preset_dir):
+    return tiny_preset_dir
 
 
 @pytest.fixture(scope="session")
-def preset_dir(tmp_path_factory):
-    import keras_transformer as kt
-
-    directory = tmp_path_factory.mktemp("serve-preset") / "tiny"
-    keras.utils.set_random_seed(1234)
-    model = kt.TransformerModel(
-        vocabulary_size=60, num_layers=2, num_heads=4, hidden_dim=16, intermediate_dim=32, dropout=0.0,
-        max_sequence_length=64,
-    )
-    model.save_to_preset(directory, tokenizer=kt.train_tokenizer(CORPUS, vocabulary_size=60))
-    return directory
-
-
-@pytest.fixture(scope="session")
-def exported(request, preset_dir):
-    """A tiny random model exported by `export.onnx` (cached across runs: an export takes a minute)."""
-    from export.onnx import export_onnx
-
-    return _build_once(request, "onnx", lambda output: export_onnx(preset_dir, output))
+def exported(tiny_onnx_export):
+    """The suite's tiny random model exported by `export.onnx` (conftest.py: built once per machine and code)."""
+    return tiny_onnx_export
 
 
 @pytest.fixture(scope="module")
@@ -707,11 +660,11 @@ def test_the_command_refuses_a_directory_that_is_not_an_export(tmp_path):
 # CTranslate2
 # --------------------------------------------------------------------------- #
 @pytest.fixture(scope="session")
-def exported_ct2(request, preset_dir):
+def exported_ct2(tmp_path_factory, preset_dir):
     pytest.importorskip("ctranslate2")
     from export.ctranslate2 import export_ctranslate2
 
-    return _build_once(request, "ct2", lambda output: export_ctranslate2(preset_dir, output))
+    return export_ctranslate2(preset_dir, tmp_path_factory.mktemp("ct2") / "model")  # a few seconds
 
 
 def test_the_ctranslate2_engine_gives_the_greedy_translations_of_onnx_runtime(exported_ct2, reference):
