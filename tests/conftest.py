@@ -124,7 +124,7 @@ def build_once(request, name, key, build):
     """`build(directory)` once per machine: `name-key/model` in pytest's cache, unless finished there already.
 
     Slow artifacts (an ONNX export, a Marian stand-in) are built once and
-    shared by every backend's run (tests/run.sh runs pytest once per backend)
+    shared by every backend's run (tests/run.sh runs pytest once per backend, two at a time)
     and by later runs on the same code; `key` must change with whatever
     changes the artifact. The artifact is alone in its parent directory (so a
     test can check that its writer left no temporaries beside it), and a
@@ -132,6 +132,7 @@ def build_once(request, name, key, build):
     Without the cache plugin (-p no:cacheprovider) it is built in a temporary
     directory. Tests read it only: copy it to change it.
     """
+    import fcntl
     import shutil
 
     if getattr(request.config, "cache", None) is None:
@@ -140,11 +141,14 @@ def build_once(request, name, key, build):
         return directory
     root = pathlib.Path(request.config.cache.mkdir("artifacts"))
     parent, done = root / f"{name}-{key}", root / f"{name}-{key}.done"
-    if not done.is_file():
-        shutil.rmtree(parent, ignore_errors=True)
-        parent.mkdir()
-        build(parent / "model")
-        done.write_text("")
+    # tests/run.sh runs two backends at once: one builds, the other waits for it.
+    with open(root / f"{name}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            shutil.rmtree(parent, ignore_errors=True)
+            parent.mkdir()
+            build(parent / "model")
+            done.write_text("")
     return parent / "model"
 
 

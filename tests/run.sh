@@ -1,11 +1,53 @@
 #!/usr/bin/env bash
 # Runs the test suite once per Keras backend; extra arguments go to pytest.
 # Usage: bash tests/run.sh [pytest args]    (BACKENDS="jax" bash tests/run.sh to pick)
-set -euo pipefail
+#
+# On a machine with two cores or more, the first backend (TensorFlow, the
+# longest run: the exports, notebooks and commands run there only) runs beside
+# the others (JAX, then PyTorch), each lane in its own pytest process with its
+# output kept in a log and printed when the lane ends: the CI machine's two
+# cores then halve the wall time. KT_TEST_LANES=1 runs the backends one after
+# another, printing as they go. Slow artifacts shared by the lanes (the Marian
+# stand-ins) are built once, under a lock (tests/conftest.py, build_once).
+set -uo pipefail
 cd "$(dirname "$0")/.."
+read -r -a backends <<< "${BACKENDS:-tensorflow jax torch}"
+cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))" 2>/dev/null || echo 1)
+lanes=${KT_TEST_LANES:-$(( cores >= 2 ? 2 : 1 ))}
+
+run_backend() {
+  echo "=== KERAS_BACKEND=$1 ==="
+  KERAS_BACKEND=$1 python -m pytest -q "${@:2}"
+}
+
+if [[ "$lanes" -lt 2 || "${#backends[@]}" -lt 2 ]]; then
+  status=0
+  for backend in "${backends[@]}"; do
+    run_backend "$backend" "$@" || status=1
+  done
+  exit $status
+fi
+
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+first=${backends[0]}
+rest=("${backends[@]:1}")
+echo "Running $first beside ${rest[*]} (two lanes; KT_TEST_LANES=1 for one); each lane prints when it ends."
+( run_backend "$first" "$@" > "$logs/lane1.log" 2>&1; echo $? > "$logs/lane1.status" ) &
+lane1=$!
+(
+  status=0
+  for backend in "${rest[@]}"; do
+    run_backend "$backend" "$@" || status=1
+  done
+  exit $status
+) > "$logs/lane2.log" 2>&1
+echo $? > "$logs/lane2.status"
+cat "$logs/lane2.log"
+wait "$lane1"
+cat "$logs/lane1.log"
 status=0
-for backend in ${BACKENDS:-tensorflow jax torch}; do
-  echo "=== KERAS_BACKEND=$backend ==="
-  KERAS_BACKEND=$backend python -m pytest -q "$@" || status=1
+for lane in 1 2; do
+  [[ "$(cat "$logs/lane$lane.status")" == 0 ]] || status=1
 done
 exit $status
