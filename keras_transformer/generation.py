@@ -22,7 +22,8 @@ from keras_transformer.search.api import (  # noqa: F401
 )
 from keras_transformer.search.beam import gather_beams, reorder_cache, tile_cache  # noqa: F401
 from keras_transformer.search.common import NEG_INF  # noqa: F401
-from keras_transformer.search.lengths import FORCED_END_LOG_PROB, length_penalty_factor  # noqa: F401
+from keras_transformer.search.lengths import length_penalty_factor  # noqa: F401
+from keras_transformer.search.log_probs import FORCED_END_LOG_PROB, token_log_probs  # noqa: F401
 from keras_transformer.search.loop import (  # noqa: F401
     SEARCH_STATE_KEYS,
     initial_search_state,

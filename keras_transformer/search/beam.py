@@ -11,7 +11,8 @@ Shape legend: B batch, K beam size, L output buffer length, V vocabulary size.
 from keras import ops
 
 from keras_transformer.search.common import NEG_INF, Field, dim, read_position, start_sequences, write_position
-from keras_transformer.search.lengths import length_penalty_factor, token_log_probs
+from keras_transformer.search.lengths import length_penalty_factor
+from keras_transformer.search.log_probs import token_log_probs
 
 NAME = "beam"
 # `update` returns each new beam's parent, by which the driver reorders the cache.

@@ -8,7 +8,8 @@ Shape legend: B batch, L output buffer length, V vocabulary size.
 from keras import ops
 
 from keras_transformer.search.common import Field, read_position, start_sequences, write_position
-from keras_transformer.search.lengths import length_penalty_factor, token_log_probs
+from keras_transformer.search.lengths import length_penalty_factor
+from keras_transformer.search.log_probs import token_log_probs
 
 NAME = "greedy"
 # Greedy search never reorders the decoder cache (`update` returns no parents).

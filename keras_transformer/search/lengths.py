@@ -2,18 +2,16 @@
 
 - the length penalty lp(Y) of Wu et al. (2016), by which hypotheses are scored;
 - how long each row may grow (`n_b + max_extra_length`, capped by the
-  model's `max_sequence_length`) and the bucketed buffer and source lengths;
-- the token rule at each step: pad and start ids are never generated, and at
-  a row's maximum length only the end id may be.
+  model's `max_sequence_length`) and the bucketed buffer and source lengths.
+
+The token rule at each step (pad and start ids are never generated; at a
+row's maximum length only the end id may be) is `search/log_probs.py`.
 """
 
 from keras import ops
 
 from keras_transformer.decoding import LENGTH_BUCKET
-from keras_transformer.search.common import NEG_INF, dim
-
-# The least log-probability the forced end id gets at the maximum length.
-FORCED_END_LOG_PROB = -1e9
+from keras_transformer.search.common import dim
 
 
 def length_penalty_factor(length, alpha):
@@ -83,31 +81,3 @@ def round_up(value, multiple):
     # Not `-(-value // multiple)`: tf2onnx exports an integer FloorDiv as
     # ONNX Div, which truncates negative quotients.
     return (value + multiple - 1) // multiple * multiple
-
-
-def token_log_probs(model, logits, generated_length, max_lengths):
-    """Log-probabilities of the next token, with forbidden tokens at -inf.
-
-    Args:
-        logits: `[B, ..., V]`.
-        generated_length: int or scalar tensor, |Y| once this token is added.
-        max_lengths: int32 `[B]`.
-
-    The log-softmax is taken over the model's full distribution first, so a
-    hypothesis' score is its true log-probability; then the pad and start
-    ids are excluded, and at a row's maximum length everything but the end
-    id.
-    """
-    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
-    vocabulary = ops.arange(model.vocabulary_size, dtype="int32")
-    allowed = ops.logical_and(
-        ops.not_equal(vocabulary, model.pad_id), ops.not_equal(vocabulary, model.start_id)
-    )  # [V]
-    at_max = ops.equal(max_lengths, generated_length)  # [B]
-    at_max = ops.reshape(at_max, (-1,) + (1,) * (len(log_probs.shape) - 1))  # [B, 1, ..., 1]
-    is_end = ops.equal(vocabulary, model.end_id)  # [V]
-    allowed = ops.logical_and(allowed, ops.logical_or(ops.logical_not(at_max), is_end))
-    # A model that gives the end id probability 0 still gets it at the maximum length.
-    forced = ops.logical_and(at_max, is_end)
-    log_probs = ops.where(forced, ops.maximum(log_probs, FORCED_END_LOG_PROB), log_probs)
-    return ops.where(allowed, log_probs, NEG_INF)

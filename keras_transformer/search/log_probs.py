@@ -1,0 +1,69 @@
+"""The search's next-token log-probabilities: one rule, in `keras.ops` and in NumPy.
+
+The rule, applied to the logits of every step:
+
+1. the log-softmax over the model's whole vocabulary, so that a hypothesis'
+   score is its true log-probability;
+2. the pad and start ids are excluded (-inf): the search never generates them;
+3. at a row's maximum length every id but the end id is excluded, and the
+   end id gets at least `FORCED_END_LOG_PROB` (a model that gives it
+   probability 0 still ends the row).
+
+`token_log_probs` (`keras.ops`) is what greedy and beam search apply
+(`search/greedy.py`, `search/beam.py`); `token_log_probs_numpy` is its twin
+for teacher-forced scoring (`search/scoring.py`), which must run in the ONNX
+Runtime server without Keras. `tests/test_scoring.py` checks the twins against
+each other on every backend. Keras is imported inside `token_log_probs` only,
+so that importing this module does not import it.
+
+Shape legend: B batch, V vocabulary size ("..." any axes between them).
+"""
+
+import numpy as np
+
+# The least log-probability the forced end id gets at the maximum length.
+FORCED_END_LOG_PROB = -1e9
+
+
+def token_log_probs(model, logits, generated_length, max_lengths):
+    """Log-probabilities of the next token under the search's rule (`keras.ops`).
+
+    Args:
+        model: read for `vocabulary_size`, `pad_id`, `start_id`, `end_id`.
+        logits: `[B, ..., V]`.
+        generated_length: int or scalar tensor, |Y| once this token is added.
+        max_lengths: int32 `[B]`, each row's maximum |Y|.
+
+    Returns:
+        float32 `[B, ..., V]`, -inf where an id is excluded.
+    """
+    from keras import ops
+
+    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
+    vocabulary = ops.arange(model.vocabulary_size, dtype="int32")
+    allowed = ops.logical_and(
+        ops.not_equal(vocabulary, model.pad_id), ops.not_equal(vocabulary, model.start_id)
+    )  # [V]
+    at_max = ops.equal(max_lengths, generated_length)  # [B]
+    at_max = ops.reshape(at_max, (-1,) + (1,) * (len(log_probs.shape) - 1))  # [B, 1, ..., 1]
+    is_end = ops.equal(vocabulary, model.end_id)  # [V]
+    allowed = ops.logical_and(allowed, ops.logical_or(ops.logical_not(at_max), is_end))
+    forced = ops.logical_and(at_max, is_end)
+    log_probs = ops.where(forced, ops.maximum(log_probs, FORCED_END_LOG_PROB), log_probs)
+    return ops.where(allowed, log_probs, float("-inf"))
+
+
+def token_log_probs_numpy(model, logits, generated_length, max_lengths):
+    """`token_log_probs` in NumPy: the same rule, the same arguments, float32 `[B, ..., V]`."""
+    logits = np.asarray(logits, np.float32)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    vocabulary = np.arange(model.vocabulary_size)
+    allowed = (vocabulary != model.pad_id) & (vocabulary != model.start_id)  # [V]
+    at_max = np.asarray(max_lengths) == generated_length  # [B]
+    at_max = at_max.reshape((-1,) + (1,) * (log_probs.ndim - 1))  # [B, 1, ..., 1]
+    is_end = vocabulary == model.end_id  # [V]
+    allowed = allowed & (~at_max | is_end)
+    forced = at_max & is_end
+    log_probs = np.where(forced, np.maximum(log_probs, np.float32(FORCED_END_LOG_PROB)), log_probs)
+    return np.where(allowed, log_probs, np.float32(-np.inf)).astype(np.float32)
