@@ -40,7 +40,7 @@ def open_hdf5(path):
 
 
 @contextlib.contextmanager
-def atomic_path(path, suffix=""):
+def atomic_path(path, suffix="", replace_stale=False):
     """Yields a temporary path beside `path`; renames it onto `path` on success.
 
     On any error the temporary file is removed and `path` is left as it was,
@@ -49,11 +49,22 @@ def atomic_path(path, suffix=""):
     Args:
         path: the final file path.
         suffix: ending for the temporary name (Keras wants `.weights.h5`).
+        replace_stale: bool. Name the temporary `.NAME.tmp-PID-HEX` (then
+            `suffix` must be "") and first delete those that killed writers
+            of `path` left (`remove_stale_temporaries`): for files written
+            again and again at the same place, such as translations.
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=suffix, dir=directory)
+    if replace_stale:
+        if suffix:
+            raise ValueError(f"suffix={suffix!r}: a temporary that replace_stale recognises has no suffix")
+        remove_stale_temporaries(path)
+        temporary = str(temporary_sibling(path, "tmp"))
+        fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    else:
+        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=suffix, dir=directory)
     os.close(fd)
     try:
         yield temporary
