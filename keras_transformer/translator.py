@@ -1,28 +1,104 @@
-"""Text in, text out: tokenizer + model + search.
+"""Text in, text out: tokenizer + model + search, and scores of given translations.
 
 No training framework is imported here: the ONNX Runtime server
 (`export.runtime.OnnxTranslator`) uses this class too.
 """
 
+import itertools
 import logging
 import os
+from typing import NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from keras_transformer.decoding import LENGTH_BUCKET, check_search_args
+from keras_transformer.search.scoring import score_targets
+from keras_transformer.textio import check_output_path, check_text_file, count_lines, iter_lines, write_lines
+
 logger = logging.getLogger(__name__)
+
+# Sentences per search when neither `batch_size` nor `max_batch_tokens` is given.
+DEFAULT_BATCH_SIZE = 32
+# Lines that `translate_iterable` and `translate_file` read, sort and translate together.
+DEFAULT_WINDOW = 10_000
+
+
+class TargetScore(NamedTuple):
+    """The score of one target given its source (`Translator.score`).
+
+    Attributes:
+        log_prob: float, log P(target | source): the sum of `token_log_probs`.
+        token_log_probs: list of float, one per target token, the end token
+            included.
+        token_ids: list of int, the target's token ids (the end id last),
+            which `token_log_probs` scores.
+    """
+
+    log_prob: float
+    token_log_probs: list
+    token_ids: list
+
+
+def check_batch_limits(batch_size, max_batch_tokens):
+    """Refuses a `batch_size` or `max_batch_tokens` that is neither None nor a positive integer."""
+    for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer or None")
+
+
+def length_batches(lengths, batch_size=None, max_batch_tokens=None):
+    """Groups items into batches of similar length, longest first.
+
+    Items are sorted by length (longest first; equal lengths keep their
+    order), then cut into batches of at most `batch_size` items whose padded
+    size, items x the longest length rounded up to a multiple of
+    `LENGTH_BUCKET` (as the search pads sources), is at most
+    `max_batch_tokens`. An item longer than `max_batch_tokens` is a batch
+    of its own. With neither limit, `DEFAULT_BATCH_SIZE` items per batch.
+    Rounding to the bucket keeps the number of distinct batch shapes (each
+    compiled once on TensorFlow and JAX) near the number of length buckets.
+
+    Args:
+        lengths: list of int, e.g. the source tokens of each sentence.
+        batch_size: int >= 1 or None, items per batch.
+        max_batch_tokens: int >= 1 or None, padded tokens per batch.
+
+    Returns:
+        list of lists of indices into `lengths`; every index once.
+
+    Example:
+    >>> length_batches([3, 20, 5, 9], max_batch_tokens=32)
+    [[1], [3, 2], [0]]
+    """
+    check_batch_limits(batch_size, max_batch_tokens)
+    if batch_size is None and max_batch_tokens is None:
+        batch_size = DEFAULT_BATCH_SIZE
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, start = [], 0
+    while start < len(order):
+        rows = len(order) - start if batch_size is None else batch_size
+        if max_batch_tokens is not None:
+            padded = -(-max(lengths[order[start]], 1) // LENGTH_BUCKET) * LENGTH_BUCKET
+            rows = min(rows, max(1, max_batch_tokens // padded))
+        batches.append(order[start: start + rows])
+        start += rows
+    return batches
 
 
 class Translator:
     """Translates sentences with a model and its tokenizer.
 
     Sentences are tokenized as the training pipeline does for sources
-    (tokens + end id, no start id), sorted by length into batches (less
-    padding, fewer distinct shapes to compile), searched with
+    (tokens + end id, no start id), sorted by length into batches
+    (`length_batches`: less padding, fewer distinct shapes to compile) of
+    `batch_size` sentences or `max_batch_tokens` tokens, searched with
     the model's `generate` (`TransformerModel.generate`, or
     `OnnxSeq2Seq.generate` with the same arguments and tokens), decoded, and
     returned in the input order. Empty (or whitespace-only) strings give empty strings
-    without running the model.
+    without running the model. `translate_file` streams a file of any size
+    through the same batches; `score` gives the log-probability of given
+    translations.
 
     The model may be a `TransformerModel`, the ONNX Runtime
     `export.runtime.OnnxSeq2Seq`, or any object implementing the decoding
@@ -38,6 +114,9 @@ class Translator:
     >>> translator = Translator.from_preset("path/to/preset")
     >>> translator.translate(["A sentence."], beam_size=4)
     ['Ein Satz.']
+    >>> scores = translator.score(["A sentence."], ["Ein Satz."])  # [TargetScore(log_prob, ...)]
+    >>> translator.translate_file("test.en.gz", "test.de", max_batch_tokens=4096)  # lines written
+    946
     """
 
     def __init__(self, model, tokenizer):
@@ -87,11 +166,12 @@ class Translator:
             )
         return cls(model, model.tokenizer)
 
-    def encode(self, texts):
+    def encode(self, texts, first_index=0):
         """Source ids as training sees them: tokens + end id, no start id.
 
         Sources longer than the model's `max_sequence_length` are cut (the
-        end id kept) with a warning.
+        end id kept) with a warning naming the sentence (numbered from
+        `first_index`).
 
         Returns:
             list of lists of int.
@@ -103,10 +183,183 @@ class Translator:
                 if len(ids) > limit:
                     logger.warning(
                         "Sentence %d has %d tokens; keeping the first %d (max_sequence_length=%d)",
-                        i, len(ids), limit - 1, limit,
+                        first_index + i, len(ids), limit - 1, limit,
                     )
                     sources[i] = ids[: limit - 1] + [self.tokenizer.end_id]
         return sources
+
+    # ------------------------------------------------------------------ #
+    # Translation
+    # ------------------------------------------------------------------ #
+    def translate(
+        self,
+        texts,
+        beam_size=4,
+        batch_size=None,
+        length_penalty=0.6,
+        max_extra_length=50,
+        progress=False,
+        max_batch_tokens=None,
+    ):
+        """Translates a list of sentences.
+
+        Args:
+            texts: list of str (a single str is treated as a list of one).
+            beam_size: int >= 1; 1 is greedy search. Defaults to 4.
+            batch_size: int >= 1 or None, sentences per search. None:
+                `DEFAULT_BATCH_SIZE` (32), or no limit when
+                `max_batch_tokens` is given.
+            length_penalty: float alpha >= 0. Defaults to 0.6.
+            max_extra_length: int >= 0, output tokens beyond the source
+                length. Defaults to 50.
+            progress: bool, show a tqdm progress bar (on stderr).
+            max_batch_tokens: int >= 1 or None, padded source tokens per
+                search (see `length_batches`).
+
+        Returns:
+            list of str, in the order of `texts`.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = list(texts)
+        search = self._search_args(beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens)
+        with tqdm(total=len(texts), desc="Translating", unit=" sentences", disable=not progress) as bar:
+            return self._translate(texts, search, batch_size, max_batch_tokens, bar)
+
+    def translate_iterable(
+        self,
+        texts,
+        beam_size=4,
+        batch_size=None,
+        length_penalty=0.6,
+        max_extra_length=50,
+        progress=False,
+        max_batch_tokens=None,
+        window=DEFAULT_WINDOW,
+        total=None,
+    ):
+        """Translates a stream of sentences; yields the translations in input order.
+
+        Reads `window` sentences at a time, sorts them by length into
+        batches (`length_batches`) and yields their translations before
+        reading on, so memory is bounded by the window, not the stream.
+        The arguments are checked when this is called, not when the first
+        translation is asked for.
+
+        Args:
+            texts: an iterable of str (e.g. `textio.iter_lines(path)`).
+            window: int >= 1, sentences sorted together (more: fuller,
+                better sorted batches and more memory). Defaults to
+                `DEFAULT_WINDOW`.
+            total: int or None, the number of sentences, for the progress
+                bar's ETA.
+            beam_size, batch_size, length_penalty, max_extra_length,
+            progress, max_batch_tokens: as `translate`.
+
+        Returns:
+            An iterator of str, one per input sentence.
+        """
+        search = self._search_args(beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens)
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+            raise ValueError(f"window={window!r} must be a positive integer (sentences sorted together)")
+        if isinstance(texts, str):
+            texts = [texts]
+        return self._stream(iter(texts), search, batch_size, max_batch_tokens, int(window), progress, total)
+
+    def translate_file(
+        self,
+        src_path,
+        out_path,
+        beam_size=4,
+        batch_size=None,
+        length_penalty=0.6,
+        max_extra_length=50,
+        progress=False,
+        max_batch_tokens=None,
+        window=DEFAULT_WINDOW,
+        overwrite=False,
+    ):
+        """Translates a file of any size, one sentence per line, into another.
+
+        The input is streamed (`textio.iter_lines`: UTF-8, plain or `.gz`,
+        lines end at "\\n" only; "-" is stdin) through `translate_iterable`:
+        `window` lines at a time are sorted by length into batches of
+        `batch_size` sentences or `max_batch_tokens` source tokens, and
+        their translations are written in input order, one line per input
+        line (empty lines stay empty). The output is written to a temporary
+        file beside `out_path` and renamed when complete
+        (`textio.write_lines`): a failed or killed run leaves no partial
+        `out_path`. The paths are checked before anything is translated.
+
+        Args:
+            src_path: the input file (str or path-like), or "-" for stdin.
+            out_path: the output file; its directory must exist.
+            overwrite: bool, replace an existing `out_path`.
+            progress: bool, a tqdm progress bar on stderr (sentences/s;
+                with the total for a file).
+            beam_size, batch_size, length_penalty, max_extra_length,
+            max_batch_tokens, window: as `translate_iterable`.
+
+        Returns:
+            int, the number of lines written.
+
+        Raises:
+            FileNotFoundError: `src_path` does not exist, or the directory
+                of `out_path` does not.
+            FileExistsError: `out_path` exists and `overwrite` is False.
+            ValueError: bad arguments; `src_path` is binary or not UTF-8;
+                `out_path` is `src_path`.
+        """
+        self._search_args(beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens)
+        check_text_file(src_path, "src_path")
+        check_output_path(out_path, "out_path", overwrite=overwrite, source=src_path)
+        total = count_lines(src_path) if progress else None
+        translations = self.translate_iterable(
+            iter_lines(src_path),
+            beam_size=beam_size,
+            batch_size=batch_size,
+            length_penalty=length_penalty,
+            max_extra_length=max_extra_length,
+            progress=progress,
+            max_batch_tokens=max_batch_tokens,
+            window=window,
+            total=total,
+        )
+        return write_lines(out_path, translations, overwrite=overwrite)
+
+    def _search_args(self, beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens):
+        """Checks the arguments up front; returns the search's keyword arguments."""
+        check_search_args(beam_size, length_penalty, max_extra_length)
+        check_batch_limits(batch_size, max_batch_tokens)
+        return dict(beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length)
+
+    def _stream(self, texts, search, batch_size, max_batch_tokens, window, progress, total):
+        with tqdm(total=total, desc="Translating", unit=" sentences", disable=not progress) as bar:
+            for first in itertools.count(0, window):
+                chunk = list(itertools.islice(texts, window))
+                if not chunk:
+                    return
+                yield from self._translate(chunk, search, batch_size, max_batch_tokens, bar, first)
+
+    def _translate(self, texts, search, batch_size, max_batch_tokens, bar, first_index=0):
+        """Translations of `texts` (a list), batched by `length_batches`; `bar` counts sentences."""
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(
+                    f"texts[{first_index + i}] must be a str, received {type(text).__name__}: {text!r}"
+                )
+        results = [""] * len(texts)
+        sources = self.encode(texts, first_index)
+        # Empty strings (nothing but the end id) translate to empty strings.
+        todo = [i for i, ids in enumerate(sources) if len(ids) > 1 and texts[i].strip()]
+        bar.update(len(texts) - len(todo))
+        for positions in length_batches([len(sources[i]) for i in todo], batch_size, max_batch_tokens):
+            batch = [todo[position] for position in positions]
+            outputs = self._generate(_padded([sources[i] for i in batch]), **search)
+            for i, text in zip(batch, self.tokenizer.decode(outputs)):
+                results[i] = text
+            bar.update(len(batch))
+        return results
 
     def _generate(self, ids, **search):
         if callable(getattr(self.model, "generate", None)):
@@ -115,57 +368,88 @@ class Translator:
 
         return generate(self.model, ids, **search)
 
-    def translate(
-        self,
-        texts,
-        beam_size=4,
-        batch_size=32,
-        length_penalty=0.6,
-        max_extra_length=50,
-        progress=False,
-    ):
-        """Translates a list of sentences.
+    # ------------------------------------------------------------------ #
+    # Scoring
+    # ------------------------------------------------------------------ #
+    def score(self, sources, targets, batch_size=None, max_batch_tokens=None, progress=False):
+        """The log-probability of each target given its source, teacher forced.
+
+        Per pair, the target is tokenized as a training target and fed to
+        the model's decoder one position at a time, in batches
+        (`search.scoring.score_targets`, over the decoding protocol, so
+        Keras and ONNX Runtime give the same numbers): each token gets the
+        log-probability the search would give it. Scoring greedy search's
+        own output gives greedy search's log-probability, when the output
+        text tokenizes back into the same pieces (a text is always scored
+        by its tokenizer's pieces). Sources are cut to the model's
+        `max_sequence_length` as in `translate`.
 
         Args:
-            texts: list of str (a single str is treated as a list of one).
-            beam_size: int >= 1; 1 is greedy search. Defaults to 4.
-            batch_size: int >= 1, sentences per search. Defaults to 32.
-            length_penalty: float alpha >= 0. Defaults to 0.6.
-            max_extra_length: int >= 0, output tokens beyond the source
-                length. Defaults to 50.
-            progress: bool, show a tqdm progress bar (on stderr).
+            sources: list of str, non-empty (a single str is a list of one).
+            targets: list of str, one per source; "" scores the end token
+                alone (the model translating into nothing).
+            batch_size, max_batch_tokens: as `translate` (the length of a
+                pair is its longer side's).
+            progress: bool, a tqdm progress bar on stderr.
 
         Returns:
-            list of str, in the order of `texts`.
-        """
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = list(texts)
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"texts[{i}] must be a str, received {type(text).__name__}: {text!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
+            list of `TargetScore(log_prob, token_log_probs, token_ids)`, in
+            the order of the pairs.
 
-        results = [""] * len(texts)
-        sources = self.encode(texts)
-        # Empty strings (nothing but the end id) translate to empty strings.
-        todo = [i for i, ids in enumerate(sources) if len(ids) > 1 and texts[i].strip()]
-        # Longest first: the slowest batch (and any out-of-memory) comes first.
-        order = sorted(todo, key=lambda i: len(sources[i]), reverse=True)
-        batches = [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
-        with tqdm(total=len(order), desc="Translating", unit=" sentences", disable=not progress) as bar:
-            for batch in batches:
-                ids = np.zeros((len(batch), max(len(sources[i]) for i in batch)), "int32")
-                for row, i in enumerate(batch):
-                    ids[row, : len(sources[i])] = sources[i]
-                outputs = self._generate(
-                    ids,
-                    beam_size=beam_size,
-                    length_penalty=length_penalty,
-                    max_extra_length=max_extra_length,
+        Raises:
+            ValueError: different numbers of sources and targets, an empty
+                source, a target longer than the model's
+                `max_sequence_length`, or bad batch limits.
+            TypeError: a source or target that is not a str.
+        """
+        sources, targets = _texts(sources, "sources"), _texts(targets, "targets")
+        if len(sources) != len(targets):
+            raise ValueError(
+                f"sources has {len(sources)} texts but targets has {len(targets)}; score needs one target per source"
+            )
+        for i, text in enumerate(sources):
+            if not text.strip():
+                raise ValueError(
+                    f"sources[{i}] is empty; score needs a non-empty source text (an empty target is allowed)"
                 )
-                for i, text in zip(batch, self.tokenizer.decode(outputs)):
-                    results[i] = text
+        check_batch_limits(batch_size, max_batch_tokens)
+        source_ids = self.encode(sources)
+        target_ids = self.tokenizer.encode(targets, add_start=True, add_end=True, target=True)
+        limit = getattr(self.model, "max_sequence_length", None)
+        for i, ids in enumerate(target_ids):
+            if limit is not None and len(ids) - 1 > limit:
+                raise ValueError(
+                    f"targets[{i}] has {len(ids) - 1} tokens (the end token included); the model scores at most "
+                    f"max_sequence_length={limit}"
+                )
+        results = [None] * len(sources)
+        lengths = [max(len(s), len(t) - 1) for s, t in zip(source_ids, target_ids)]
+        with tqdm(total=len(sources), desc="Scoring", unit=" pairs", disable=not progress) as bar:
+            for batch in length_batches(lengths, batch_size, max_batch_tokens):
+                log_probs, token_log_probs = score_targets(
+                    self.model, _padded([source_ids[i] for i in batch]), _padded([target_ids[i] for i in batch])
+                )
+                for row, i in enumerate(batch):
+                    count = len(target_ids[i]) - 1
+                    results[i] = TargetScore(
+                        float(log_probs[row]), token_log_probs[row, :count].tolist(), list(target_ids[i][1:])
+                    )
                 bar.update(len(batch))
         return results
+
+
+def _texts(texts, name):
+    """`texts` as a list of str (a single str is a list of one); TypeError naming the first that is not."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"{name}[{i}] must be a str, received {type(text).__name__}: {text!r}")
+    return texts
+
+
+def _padded(rows):
+    """int32 `[len(rows), longest]`: the rows, then pad ids (0)."""
+    ids = np.zeros((len(rows), max(len(row) for row in rows)), "int32")
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+    return ids

@@ -3,6 +3,10 @@
 - `api.py`: `generate`, `generate_in_graph`, `search_graph` and the choice of driver;
 - `greedy.py`, `beam.py`: each search as pure functions of a declared state;
 - `lengths.py`: the length rules and `length_penalty_factor`;
+- `log_probs.py`: the token rule (log-softmax, excluded ids), in `keras.ops`
+  and as its NumPy twin;
+- `scoring.py`: teacher-forced scoring of given targets (NumPy: the ONNX
+  Runtime server scores without Keras);
 - `loop.py`: the loop that runs either search, compiled (`while_loop`) or eager;
 - `compiled.py`: compiling the loop (TensorFlow, JAX, PyTorch) and the caches.
 
