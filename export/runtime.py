@@ -3,7 +3,8 @@
 A serving process needs no training framework: this module imports
 onnxruntime, NumPy, SentencePiece and the framework-free parts of this
 package (`keras_transformer.decoding`, `.tokenizer`, `.marian_tokenizer`,
-`.translator`, `.textio`), never Keras, TensorFlow, JAX or PyTorch (a test runs it where
+`.translator`, `.search.scoring`, `.textio`, the file options of
+`.translate`), never Keras, TensorFlow, JAX or PyTorch (a test runs it where
 importing them fails). `pip install "keras-aiayn[serve]"` installs just that
 (`[serve-gpu]` for CUDA).
 
@@ -23,11 +24,15 @@ from export.runtime import OnnxSeq2Seq, OnnxTranslator
 
 model = OnnxSeq2Seq("exported/onnx")        # CUDA when it works, else CPU
 ids = model.generate(src_ids, beam_size=4)  # same tokens as TransformerModel.generate
-OnnxTranslator("exported/onnx").translate(["A sentence."])
+translator = OnnxTranslator("exported/onnx")
+translator.translate(["A sentence."])
+translator.score(["A sentence."], ["Ein Satz."])   # teacher-forced log-probabilities, as on Keras
+translator.translate_file("test.en.gz", "test.de", max_batch_tokens=4096)
 ```
 
 ```
 echo "A sentence." | python -m export.runtime --model exported/onnx --beam-size 4
+python -m export.runtime --model exported/onnx --src test.en.gz --output test.de --max-batch-tokens 4096
 ```
 """
 
@@ -43,9 +48,9 @@ from export import contract
 from export.contract import CONFIG_FILE, ValidationError
 from export.validate import check_graph_signature
 from keras_transformer.decoding import check_search_args, finish_rows
-from keras_transformer.textio import read_lines
 from keras_transformer.token_ids import check_id_range
 from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
+from keras_transformer.translate import add_file_arguments, check_file_arguments, translate_lines
 from keras_transformer.translator import Translator
 
 # Named, not __name__, so that `python -m export.runtime` logs under the same name.
@@ -447,8 +452,9 @@ class OnnxTranslator(Translator):
     """Text in, text out with an exported model and the tokenizer stored beside it.
 
     The `Translator` of the Keras side (same tokenization, length-sorted
-    batches, truncation, empty lines) over an `OnnxSeq2Seq`: each batch is
-    one ONNX Runtime call.
+    batches, truncation, empty lines; `translate_file`, `score`) over an
+    `OnnxSeq2Seq`: each translated batch is one ONNX Runtime call; `score`
+    runs the protocol graphs step by step.
 
     Args:
         directory: written by `python -m export.onnx` from a preset with a
@@ -483,11 +489,11 @@ class OnnxTranslator(Translator):
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m export.runtime",
-        description="Translate stdin to stdout, one sentence per line, with an exported ONNX model.",
+        description="Translate one sentence per line (stdin or --src to stdout or --output) with an exported "
+                    "ONNX model, streaming: a file of any size translates in bounded memory.",
     )
     parser.add_argument("--model", required=True, help="directory written by `python -m export.onnx`")
     parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy (default 4)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sentences per search (default 32)")
     parser.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha (default 0.6)")
     parser.add_argument(
         "--max-extra-length", type=int, default=50, help="output tokens beyond the source length (default 50)"
@@ -496,11 +502,11 @@ def main(argv=None):
         "--threads", type=int, default=None,
         help="ONNX Runtime threads per session (default: one per core; 1 on a busy machine)",
     )
+    add_file_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show ONNX Runtime's provider choice")
     args = parser.parse_args(argv)
-    for name, value in (("--beam-size", args.beam_size), ("--batch-size", args.batch_size)):
-        if value < 1:
-            parser.error(f"{name} must be >= 1, received {value}")
+    if args.beam_size < 1:
+        parser.error(f"--beam-size must be >= 1, received {args.beam_size}")
     if args.max_extra_length < 0 or not args.length_penalty >= 0:
         parser.error("--max-extra-length and --length-penalty must be >= 0")
     if args.threads is not None and args.threads < 1:
@@ -509,19 +515,17 @@ def main(argv=None):
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
+        check_file_arguments(args)
         translator = OnnxTranslator(args.model, intra_op_threads=args.threads)
-        lines = read_lines(None)
-    except (FileNotFoundError, ValueError) as error:
-        parser.exit(2, f"error: {error}\n")
-    # Empty lines translate to empty lines, so the output lines up with the input.
-    translations = translator.translate(
-        lines,
-        beam_size=args.beam_size,
-        batch_size=args.batch_size,
-        length_penalty=args.length_penalty,
-        max_extra_length=args.max_extra_length,
-    )
-    sys.stdout.writelines(text + "\n" for text in translations)
+        # Empty lines translate to empty lines, so the output lines up with the input.
+        count = translate_lines(
+            translator, args,
+            beam_size=args.beam_size, length_penalty=args.length_penalty, max_extra_length=args.max_extra_length,
+        )
+    except (ValueError, OSError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if args.output is not None:
+        print(f"Wrote {count} lines to {args.output}", file=sys.stderr)
     return 0
 
 

@@ -1,17 +1,20 @@
 """`python -m keras_transformer.translate`: translate text with a preset directory or a pretrained checkpoint.
 
-Reads one sentence per line from stdin (or `--input`), writes one
-translation per line to stdout (or `--output`); progress goes to stderr.
+Reads one sentence per line from stdin (or `--src`), writes one translation
+per line to stdout (or `--output`), streaming: `--window` lines at a time
+are sorted by length into batches (`--batch-size` sentences or
+`--max-batch-tokens` source tokens), so a file of any size translates in
+bounded memory (`Translator.translate_file`). `--output` is written to a
+temporary beside it and renamed when complete. Progress goes to stderr.
 
 ```
 echo "A sentence." | python -m keras_transformer.translate --preset runs/small
-python -m keras_transformer.translate --preset runs/small --input test.en --output test.de --beam-size 4
+python -m keras_transformer.translate --preset runs/small --src test.en --output test.de --max-batch-tokens 4096
 echo "A sentence." | python -m keras_transformer.translate --preset opus_mt_en_de    # downloaded once
 ```
 """
 
 import argparse
-import os
 import sys
 
 from keras_transformer import cli
@@ -19,32 +22,58 @@ from keras_transformer import cli
 if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
     cli.quiet_startup()
 
-# `read_lines` is re-exported: export/runtime.py imports it from here.
-from keras_transformer.textio import read_lines  # noqa: E402
-from keras_transformer.utils import atomic_path  # noqa: E402
+# `read_lines` and `write_lines` are re-exported (their home is keras_transformer.textio).
+from keras_transformer.textio import (  # noqa: E402
+    check_output_path,
+    check_text_file,
+    iter_lines,
+    read_lines,
+    write_lines,
+)
+from keras_transformer.translator import DEFAULT_WINDOW, Translator  # noqa: E402  (no framework: NumPy)
+from keras_transformer.utils import positive_int  # noqa: E402
 
-__all__ = ["build_parser", "main", "read_lines", "write_lines"]
+__all__ = [
+    "add_file_arguments", "build_parser", "check_file_arguments", "main", "read_lines", "translate_lines",
+    "write_lines",
+]
 
 
-def write_lines(path, lines, overwrite=False):
-    """Writes `lines` to `path` atomically (a temporary file, then `os.replace`).
+def add_file_arguments(parser):
+    """The input, output and batching options shared with `python -m export.runtime`."""
+    parser.add_argument("--src", "--input", dest="src", default=None,
+                        help="input file, one sentence per line (plain or .gz); default stdin")
+    parser.add_argument("--output", default=None, help="output file (its directory must exist); default stdout")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    parser.add_argument("--batch-size", type=positive_int, default=None,
+                        help="sentences per search (default 32, or no limit with --max-batch-tokens)")
+    parser.add_argument("--max-batch-tokens", type=positive_int, default=None,
+                        help="padded source tokens per search (default: no limit)")
+    parser.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW,
+                        help=f"lines sorted by length together (default {DEFAULT_WINDOW}; memory grows with it)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return parser
 
-    Args:
-        path: output file.
-        lines: iterable of str, one per line.
-        overwrite: bool, replace an existing file.
 
-    Raises:
-        FileExistsError: when `path` exists and `overwrite` is False.
-    """
-    path = os.fspath(path)
-    if os.path.exists(path) and not overwrite:
-        raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
-    with atomic_path(path, suffix=".tmp") as temporary, open(temporary, "w", encoding="utf-8", newline="\n") as f:
-        for line in lines:
-            f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+def check_file_arguments(args):
+    """Refuses a missing or binary --src and an --output that must not be written, before loading a model."""
+    check_text_file(args.src, "--src")
+    if args.output is not None:
+        check_output_path(args.output, "--output", overwrite=args.overwrite, source=args.src, source_name="--src",
+                          overwrite_name="--overwrite")
+
+
+def translate_lines(translator, args, **search):
+    """Translates `args.src` (or stdin) into `args.output` (or stdout); returns the number of lines."""
+    batching = dict(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, window=args.window,
+                    progress=not args.no_progress, **search)
+    if args.output is not None:
+        return translator.translate_file(args.src or "-", args.output, overwrite=args.overwrite, **batching)
+    count = 0
+    for count, line in enumerate(translator.translate_iterable(iter_lines(args.src), **batching), start=1):
+        sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    return count
 
 
 def build_parser():
@@ -54,16 +83,12 @@ def build_parser():
                     "(model + tokenizer).",
     )
     parser.add_argument("--preset", required=True, help=cli.PRESET_HELP)
-    parser.add_argument("--input", default=None, help="input file (plain or .gz); default stdin")
-    parser.add_argument("--output", default=None, help="output file; default stdout")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy (default 4)")
-    parser.add_argument("--batch-size", type=int, default=32, help="sentences per search (default 32)")
     parser.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha (default 0.6)")
     parser.add_argument(
         "--max-extra-length", type=int, default=50, help="output tokens beyond the source length (default 50)"
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_file_arguments(parser)
     cli.add_verbose_argument(parser)
     return parser
 
@@ -71,32 +96,21 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    # Checked before loading the model, so a refusal is immediate.
-    if args.output is not None and os.path.exists(args.output) and not args.overwrite:
-        parser.error(f"{args.output} already exists; pass --overwrite to replace it")
+    try:  # Checked before loading the model, so a refusal is immediate.
+        check_file_arguments(args)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
     cli.setup_logging(args.verbose)
-
-    from keras_transformer.translator import Translator
-
     try:
-        sources = read_lines(args.input)
         translator = Translator.from_preset(args.preset)
-        translations = translator.translate(
-            sources,
-            beam_size=args.beam_size,
-            batch_size=args.batch_size,
-            length_penalty=args.length_penalty,
-            max_extra_length=args.max_extra_length,
-            progress=not args.no_progress,
+        count = translate_lines(
+            translator, args,
+            beam_size=args.beam_size, length_penalty=args.length_penalty, max_extra_length=args.max_extra_length,
         )
     except (ValueError, OSError) as error:  # Bad input or preset: one line, no traceback.
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    if args.output is None:
-        sys.stdout.write("".join(line + "\n" for line in translations))
-        sys.stdout.flush()
-    else:
-        write_lines(args.output, translations, overwrite=args.overwrite)
-        print(f"Wrote {len(translations)} lines to {args.output}", file=sys.stderr)
+    if args.output is not None:
+        print(f"Wrote {count} lines to {args.output}", file=sys.stderr)
 
 
 if __name__ == "__main__":

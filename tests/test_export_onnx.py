@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -281,6 +282,84 @@ def test_runtime_cli_translates_stdin_line_by_line(exported, monkeypatch, capsys
 
 
 # --------------------------------------------------------------------------- #
+# Scores and files on ONNX Runtime (Translator.score, translate_file)
+# --------------------------------------------------------------------------- #
+SCORED_SOURCES = ["the cat sees a dog.", "a red ball.", "my bird eats the big fish.", "the old fish likes the cat."]
+SCORED_TARGETS = ["a dog sees the cat.", "", "the big fish.", "my bird likes a red ball. the cat eats the fish."]
+
+
+def _numpy_log_softmax(logits):
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def test_scores_agree_between_keras_onnx_runtime_and_numpy(model, exported, preset_dir):
+    keras_scores = Translator.from_preset(preset_dir).score(SCORED_SOURCES, SCORED_TARGETS, batch_size=3)
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    onnx_scores = translator.score(SCORED_SOURCES, SCORED_TARGETS, batch_size=3)
+    for ours, theirs in zip(onnx_scores, keras_scores):
+        assert ours.token_ids == theirs.token_ids
+        assert ours.log_prob == pytest.approx(theirs.log_prob, abs=1e-4)
+        np.testing.assert_allclose(ours.token_log_probs, theirs.token_log_probs, atol=1e-4)
+    # A NumPy log-softmax of the full (uncached) Keras model's logits, teacher forced.
+    for source, score in zip(translator.encode(SCORED_SOURCES), onnx_scores):
+        target = np.array([[START] + score.token_ids], np.int32)
+        inputs = {"encoder_token_ids": np.array([source], np.int32), "decoder_token_ids": target[:, :-1]}
+        logits = to_numpy(model(inputs))
+        expected = np.take_along_axis(_numpy_log_softmax(logits[0]), target[0, 1:, None], axis=-1)[:, 0]
+        np.testing.assert_allclose(score.token_log_probs, expected, atol=1e-4)
+        assert score.log_prob == pytest.approx(expected.sum(), abs=1e-4)
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 0.6])
+def test_scoring_the_greedy_graphs_output_gives_its_own_log_probability(onnx_model, length_penalty):
+    from keras_transformer.search.scoring import score_targets
+
+    src = sources(np.random.default_rng(11), [6, 3, 9, 2])
+    ids, scores = onnx_model.generate(src, beam_size=1, length_penalty=length_penalty, max_extra_length=5,
+                                      return_scores=True)
+    log_probs, _ = score_targets(onnx_model, src, ids)
+    lengths = (ids[:, 1:] != 0).sum(axis=1)
+    np.testing.assert_allclose(log_probs / ((5.0 + lengths) / 6.0) ** length_penalty, scores, rtol=1e-5, atol=1e-4)
+
+
+def test_translate_file_of_the_bundled_test_split_equals_translate(exported, tmp_path, caplog):
+    from keras_transformer.datasets import bundled_paths
+    from keras_transformer.textio import read_lines
+
+    caplog.set_level(logging.ERROR, logger="keras_transformer.translator")  # this tokenizer cuts most lines
+    src = bundled_paths("test")[0]
+    lines = read_lines(src)
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    search = dict(beam_size=1, max_extra_length=2, max_batch_tokens=2048)
+    assert translator.translate_file(src, tmp_path / "test.de", window=300, **search) == len(lines) == 946
+    assert read_lines(tmp_path / "test.de") == translator.translate(lines, **search)
+
+
+def test_runtime_cli_translates_src_to_output_and_refuses_a_missing_directory(exported, tmp_path, capsys):
+    from export import runtime
+
+    lines = ["the cat sees a dog.", "", "a red ball.", "my bird eats the big fish."]
+    (tmp_path / "in.en").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out.de"
+    search = ["--beam-size", "1", "--max-extra-length", "3"]
+    assert runtime.main(["--model", str(exported), "--src", str(tmp_path / "in.en"), "--output", str(out),
+                         "--max-batch-tokens", "16", "--no-progress", *search]) == 0
+    expected = OnnxTranslator(exported, providers=["CPUExecutionProvider"]).translate(
+        lines, beam_size=1, max_extra_length=3)
+    assert out.read_text(encoding="utf-8").split("\n")[:-1] == expected
+    assert f"Wrote 4 lines to {out}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as error:
+        runtime.main(["--model", str(exported), "--src", str(tmp_path / "in.en"), "--output",
+                      str(tmp_path / "nowhere" / "out.de")])
+    err = capsys.readouterr().err
+    assert error.value.code == 2 and "Traceback" not in err
+    assert err.strip().split("\n")[-1].startswith("python -m export.runtime: error: --output: the directory of ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.en", "out.de"]
+
+
+# --------------------------------------------------------------------------- #
 # Validation
 # --------------------------------------------------------------------------- #
 def test_validation_reports_the_output_and_the_largest_difference(exported):
@@ -508,6 +587,7 @@ def test_providers_fall_back_to_the_cpu_quietly(exported, capfd):
 
 
 LEAN_SCRIPT = """
+import json
 import sys
 
 class NoFramework:
@@ -518,25 +598,38 @@ class NoFramework:
 sys.meta_path.insert(0, NoFramework())
 from export import runtime
 
-sys.stdin = open(sys.argv[2], encoding="utf-8")
-sys.exit(runtime.main(["--model", sys.argv[1], "--beam-size", "2", "--max-extra-length", "5"]))
+model, source, output, scores = sys.argv[1:5]
+search = ["--beam-size", "2", "--max-extra-length", "5"]
+sys.stdin = open(source, encoding="utf-8")
+status = runtime.main(["--model", model, "--no-progress", *search])
+status |= runtime.main(["--model", model, "--src", source, "--output", output, "--max-batch-tokens", "16", *search])
+translator = runtime.OnnxTranslator(model)
+with open(scores, "w") as f:
+    json.dump([score.log_prob for score in translator.score(sys.argv[5:], sys.argv[5:])], f)
+sys.exit(status)
 """
 
 
 @pytest.mark.slow
 def test_the_server_runs_without_any_training_framework(exported, preset_dir, tmp_path):
-    """`python -m export.runtime` where importing TensorFlow, Keras, JAX or PyTorch fails."""
+    """`python -m export.runtime` (stdin, and --src/--output) and `score` where importing TensorFlow, Keras, JAX or
+    PyTorch fails."""
     texts = ["the cat sees a dog.", "", "my bird eats the big fish.", "a red ball."]
     source = tmp_path / "source.txt"
     source.write_text("\n".join(texts) + "\n", encoding="utf-8")
     script = tmp_path / "lean.py"
     script.write_text(LEAN_SCRIPT)
     result = subprocess.run(
-        [sys.executable, str(script), str(exported), str(source)],
+        [sys.executable, str(script), str(exported), str(source), str(tmp_path / "out.txt"),
+         str(tmp_path / "scores.json"), *texts[2:]],
         capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
         env={**os.environ, "PYTHONPATH": str(pathlib.Path(onnx_export.__file__).parents[1])},
     )
     assert result.returncode == 0, result.stderr
-    expected = Translator.from_preset(preset_dir).translate(texts, beam_size=2, max_extra_length=5)
+    keras_translator = Translator.from_preset(preset_dir)
+    expected = keras_translator.translate(texts, beam_size=2, max_extra_length=5)
     assert result.stdout.split("\n")[:-1] == expected
+    assert (tmp_path / "out.txt").read_text(encoding="utf-8").split("\n")[:-1] == expected
+    expected_scores = [score.log_prob for score in keras_translator.score(texts[2:], texts[2:])]
+    np.testing.assert_allclose(json.loads((tmp_path / "scores.json").read_text()), expected_scores, atol=1e-4)
     assert "Traceback" not in result.stderr and "[E:onnxruntime" not in result.stderr
