@@ -96,12 +96,9 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:  # Checked before loading the model, so a refusal is immediate.
-        check_file_arguments(args)
-    except (ValueError, OSError) as error:
-        parser.error(str(error))
     cli.setup_logging(args.verbose)
     try:
+        check_file_arguments(args)  # before loading the model, so that a refusal is immediate
         translator = Translator.from_preset(args.preset)
         count = translate_lines(
             translator, args,
