@@ -37,7 +37,7 @@ import os
 import numpy as np
 import sentencepiece as spm
 
-from keras_transformer.tokenizer import END_ID, FIRST_ORDINARY_ID, PAD_ID, START_ID, UNK_ID
+from keras_transformer.tokenizer import END_ID, FIRST_ORDINARY_ID, PAD_ID, START_ID, UNK_ID, id_sequences
 from keras_transformer.utils import atomic_path
 
 SOURCE_SPM = "source.spm"
@@ -218,15 +218,8 @@ class MarianTokenizer:
         Returns:
             list of str.
         """
-        if hasattr(ids, "shape"):
-            ids = np.asarray(ids)
-            ids = ids.tolist() if ids.ndim > 1 else [ids.tolist()]
-        else:
-            ids = list(ids)
-            if not ids or not isinstance(ids[0], (list, tuple, np.ndarray)):
-                ids = [ids]
         texts = []
-        for sequence in ids:
+        for sequence in id_sequences(ids):
             pieces = []
             for token in sequence:
                 token = int(token)

@@ -214,6 +214,17 @@ def _training_error(error, vocabulary_size):
     return RuntimeError(f"SentencePiece could not train a vocabulary of {vocabulary_size} pieces: {message.strip()}")
 
 
+def id_sequences(ids):
+    """`ids` as a list of lists of int: from lists, a 2D array or tensor `[B, L]`, or one flat sequence."""
+    if hasattr(ids, "shape"):  # NumPy array or backend tensor.
+        ids = np.asarray(ids)
+        return ids.tolist() if ids.ndim > 1 else [ids.tolist()]
+    ids = list(ids)
+    if not ids or not isinstance(ids[0], (list, tuple, np.ndarray)):
+        ids = [ids]
+    return ids
+
+
 class Tokenizer:
     """A shared SentencePiece subword vocabulary.
 
@@ -322,13 +333,7 @@ class Tokenizer:
         Returns:
             list of str, one per sequence.
         """
-        if hasattr(ids, "shape"):  # NumPy array or backend tensor.
-            ids = np.asarray(ids)
-            ids = ids.tolist() if ids.ndim > 1 else [ids.tolist()]
-        else:
-            ids = list(ids)
-            if not ids or not isinstance(ids[0], (list, tuple, np.ndarray)):
-                ids = [ids]
+        ids = id_sequences(ids)
         drop = {self.pad_id, self.start_id}
         sequences = []
         for sequence in ids:
