@@ -53,7 +53,15 @@ def pytest_report_header(config):
 # layers, the search, the losses, the schedule, training steps and the
 # optimizer state round trip run on all three. A name listed here that no
 # longer matches a test only makes that test run on every backend again.
+#
+# Tests marked `own_processes` (the notebooks, the commands' output) run their
+# work in processes of their own, on the TensorFlow backend whatever the
+# suite's, so they too run once: in the run of the backend that
+# KT_PROCESS_TESTS_BACKEND names (TensorFlow unless set). tests/run.sh gives
+# them to the PyTorch run, the shortest, which shares a lane with JAX beside
+# the TensorFlow lane, so that the two lanes end at about the same time.
 # KT_ALL_BACKENDS=1 runs everything on the current backend.
+PROCESS_TESTS_BACKEND = os.environ.get("KT_PROCESS_TESTS_BACKEND", "tensorflow")
 BACKEND_INDEPENDENT = {
     "test_datasets.py": ["*"],
     "test_tokenizer.py": ["*"],
@@ -107,12 +115,18 @@ def _backend_independent(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    if BACKEND == "tensorflow" or os.environ.get("KT_ALL_BACKENDS") == "1":
+    if os.environ.get("KT_ALL_BACKENDS") == "1":
         return
-    skip = pytest.mark.skip(reason="backend-independent: runs once, on the TensorFlow backend (KT_ALL_BACKENDS=1 to run)")
     for item in items:
-        if _backend_independent(item):
-            item.add_marker(skip)
+        if item.get_closest_marker("own_processes"):
+            if BACKEND != PROCESS_TESTS_BACKEND:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"runs its own processes once, in the {PROCESS_TESTS_BACKEND} run (KT_PROCESS_TESTS_BACKEND)"
+                ))
+        elif BACKEND != "tensorflow" and _backend_independent(item):
+            item.add_marker(pytest.mark.skip(
+                reason="backend-independent: runs once, on the TensorFlow backend (KT_ALL_BACKENDS=1 to run)"
+            ))
 
 
 # ---------------------------------------------------------------------- #

@@ -3,7 +3,7 @@
 # Usage: bash tests/run.sh [pytest args]    (BACKENDS="jax" bash tests/run.sh to pick)
 #
 # On a machine with two cores or more, the first backend (TensorFlow, the
-# longest run: the exports, notebooks and commands run there only) runs beside
+# longest run: the exports run there only) runs beside
 # the others (JAX, then PyTorch), each lane in its own pytest process with its
 # output kept in a log and printed when the lane ends: the CI machine's two
 # cores then halve the wall time. KT_TEST_LANES=1 runs the backends one after
@@ -28,6 +28,11 @@ if [[ "$lanes" -lt 2 || "${#backends[@]}" -lt 2 ]]; then
   exit $status
 fi
 
+# The tests that run their own processes (tests/conftest.py: the notebooks,
+# the commands' output) go to the second lane's last backend, so that the
+# lanes take about as long: TensorFlow runs the exports and the backend-
+# independent tests, JAX then PyTorch the rest. A caller's value stands.
+export KT_PROCESS_TESTS_BACKEND=${KT_PROCESS_TESTS_BACKEND:-${backends[-1]}}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 first=${backends[0]}

@@ -15,7 +15,6 @@ import sys
 
 import pytest
 
-from conftest import BACKEND
 from keras_transformer import cli
 
 # Lines a command must not print by default (each names what it catches).
@@ -103,8 +102,7 @@ def _assert_quiet(result, command):
 
 
 @pytest.mark.slow
-@pytest.mark.tensorflow_only
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="the commands run on the TensorFlow backend (export needs it)")
+@pytest.mark.own_processes  # the commands run on the TensorFlow backend (export needs it), whatever the suite's
 def test_commands_print_no_noise_and_train_reports_steps(tmp_path):
     # `python -m keras_transformer.X` runs the package's __init__ first: it must
     # not import TensorFlow, or the commands could not quiet it.

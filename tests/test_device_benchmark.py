@@ -64,6 +64,7 @@ def numbers(value, path="$"):
 
 
 @pytest.mark.slow
+@pytest.mark.own_processes
 def test_device_smoke_runs_every_section_on_jax_and_torch_without_tensorflow(tmp_path):
     blocker = tmp_path / "blocker"
     blocker.mkdir()

@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from conftest import BACKEND
 
 nbformat = pytest.importorskip("nbformat")
 
@@ -65,8 +64,7 @@ def test_badges_point_at_one_repository():
 
 
 @pytest.mark.slow
-@pytest.mark.tensorflow_only
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="the notebooks run on the TensorFlow backend (export needs it)")
+@pytest.mark.own_processes  # the kernels run on the TensorFlow backend (export needs it), whatever the suite's
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom_in_smoke_mode(path, tmp_path, monkeypatch, record_property, request):
     nbclient = pytest.importorskip("nbclient")
