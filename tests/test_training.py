@@ -367,7 +367,7 @@ def test_mixed_precision_with_gradient_accumulation_trains_and_writes_a_float32_
     before = keras.mixed_precision.global_policy().name
     metadata = training.run_training(
         out, preset="tiny", train_src=src, train_tgt=tgt, vocabulary_size=300, tokens_per_batch=512,
-        steps=20, checkpoint_every=10, warmup_steps=5, max_length=48, mixed_precision="mixed_bfloat16",
+        steps=20, checkpoint_every=10, warmup_steps=5, max_length=16, mixed_precision="mixed_bfloat16",
         gradient_accumulation_steps=2, verbose=0, model_overrides={"max_sequence_length": 64},
     )
     # The global policy is restored, and the preset does not carry the training policy.
