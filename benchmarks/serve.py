@@ -1352,6 +1352,8 @@ def _weights_label(preset, preset_dir):
         metadata = {}
     if str(metadata.get("weights", "")).startswith("random"):
         return "random"
+    if "steps" in metadata and "valid_bleu" in metadata:  # written by run_training
+        return f"trained ({metadata['steps']} updates, validation BLEU {metadata['valid_bleu']})"
     return "from the preset directory"
 
 

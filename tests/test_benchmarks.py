@@ -188,3 +188,11 @@ def test_natural_table_translates_every_sentence_in_batches_and_reports_scaling(
         "settings": {"sentences": 5, "beam_size": 4, "batch_sizes": [1, 4]}}}
     table = serve.markdown(results)
     assert "| 4 | keras | 25.00 | 3.8 |" in table and "| 2.50x |" in table
+
+
+def test_weights_label_says_random_or_how_the_model_was_trained(tmp_path):
+    assert serve._weights_label("small", tmp_path) == "random"
+    (tmp_path / "metadata.json").write_text('{"weights": "random, seed 0"}')
+    assert serve._weights_label(str(tmp_path), tmp_path) == "random"
+    (tmp_path / "metadata.json").write_text('{"steps": 300, "valid_bleu": 1.02}')
+    assert serve._weights_label(str(tmp_path), tmp_path) == "trained (300 updates, validation BLEU 1.02)"
