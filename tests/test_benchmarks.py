@@ -188,6 +188,9 @@ def test_natural_table_translates_every_sentence_in_batches_and_reports_scaling(
         "settings": {"sentences": 5, "beam_size": 4, "batch_sizes": [1, 4]}}}
     table = serve.markdown(results)
     assert "| 4 | keras | 25.00 | 3.8 |" in table and "| 2.50x |" in table
+    # Own steps 4 + 6 + 5 + 3 + 6 = 24; in batches of 4: 4 x (5 + 1), then 1 x 6.
+    assert keras[4]["lockstep_over_own_steps"] == pytest.approx(30 / 24)
+    assert keras[1]["lockstep_over_own_steps"] == 1.0
 
 
 def test_weights_label_says_random_or_how_the_model_was_trained(tmp_path):
