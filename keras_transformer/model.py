@@ -373,17 +373,17 @@ class TransformerModel(keras.Model):
         backend = keras.backend.backend()
         alternative = PROJECT_EXPORTERS.get(format)
 
-        def refuse(reason):
-            raise RuntimeError(
+        def refusal(reason):
+            return RuntimeError(
                 f"Keras cannot export a TransformerModel to format={format!r} on the {backend} backend "
                 f"({reason}); use `{alternative} --preset DIR --output OUT` (TensorFlow backend) instead"
             )
 
         if alternative and backend == "torch":
             if format == "tf_saved_model":
-                refuse("its PyTorch SavedModel export takes one tensor, not the dict of token ids")
+                raise refusal("its PyTorch SavedModel export takes one tensor, not the dict of token ids")
             if input_signature is None:
-                refuse(
+                raise refusal(
                     "for any batch and length: PyTorch's exporter fixes the shapes; for fixed shapes pass "
                     "input_signature=[{name: keras.InputSpec(shape=(B, L), dtype='int32', name=name)}] "
                     "for encoder_token_ids and decoder_token_ids"
@@ -398,7 +398,7 @@ class TransformerModel(keras.Model):
             except (ImportError, NotImplementedError) as error:
                 if alternative is None:
                     raise
-                refuse(f"{type(error).__name__}: {' '.join(str(error).split())[:200]}")
+                raise refusal(f"{type(error).__name__}: {' '.join(str(error).split())[:200]}") from error
 
     # ------------------------------------------------------------------ #
     # Forward pass
