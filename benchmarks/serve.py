@@ -101,6 +101,13 @@ GOAL_ORT_CT2_INT8 = 1.5  # ORT int8 time / CTranslate2 int8 time, at most
 GOAL_COLD_START_SECONDS = 0.6
 GOAL_RSS_MB = 200
 
+# The natural-length table (`--natural`): a trained model's own output lengths.
+NATURAL_ENGINES = ("ort-float32", "keras", "ct2-float32")
+NATURAL_SENTENCES = 128
+NATURAL_BATCH_SIZES = (1, 16, 64)
+NATURAL_BEAM_SIZE = 4
+NATURAL_MAX_EXTRA_LENGTH = 50  # the paper's and the commands' default
+
 # Each timed measurement runs a system this long at least (several calls when one is short).
 MIN_MEASUREMENT_SECONDS = 0.3
 WORKER_TIMEOUT_SECONDS = 900
@@ -290,6 +297,24 @@ def _time_calls(system, sources, beam_size, calls):
     return times, _cpu_seconds() - cpu, tokens
 
 
+def _translate_pass(system, batches, beam_size, max_extra_length):
+    """Translates `batches` (lists of rows of piece ids, any lengths) one after another.
+
+    Returns the seconds and CPU seconds of the whole pass and the tokens of
+    every row, in order.
+    """
+    saved, system.max_extra_length = system.max_extra_length, max_extra_length
+    try:
+        tokens, cpu = [], _cpu_seconds()
+        start = time.perf_counter()
+        for batch in batches:
+            tokens += system.generate(batch, beam_size)
+        seconds = time.perf_counter() - start
+    finally:
+        system.max_extra_length = saved
+    return {"seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu, "tokens": tokens}
+
+
 def profile_search(directory, sources_by_batch, beam_size, max_extra_length, threads, prefix, calls=2):
     """ONNX Runtime's profile of `beam_search.onnx`: microseconds per op type, per batch size.
 
@@ -388,6 +413,8 @@ def worker_main(system, directory, threads, max_extra_length):
             if request["op"] == "run":
                 times, cpu, tokens = _time_calls(runner, request["sources"], request["beam_size"], request["calls"])
                 answer({"seconds": times, "cpu_seconds": cpu, "tokens": tokens})
+            elif request["op"] == "pass":
+                answer(_translate_pass(runner, request["batches"], request["beam_size"], request["max_extra_length"]))
             elif request["op"] == "profile":
                 sources = {int(batch): rows for batch, rows in request["sources_by_batch"].items()}
                 answer({"profile": profile_search(
@@ -653,8 +680,9 @@ def summarize(measured, calls, workers):
         lengths = [len(row) for row in entry["tokens"]]
         rows.append({
             "system": worker.system_name, "threads": worker.threads, "batch": batch, "search": search,
+            "beam_size": SEARCHES[search],
             "seconds": seconds, "seconds_per_round": entry["seconds"], "calls_per_round": calls[name, batch, search],
-            "tokens_per_row": sorted(set(lengths)), "tokens": sum(lengths),
+            "tokens_per_row": sorted(set(lengths)), "tokens": sum(lengths), "token_counts": lengths,
             "ms_per_token": 1e3 * seconds / max(sum(lengths), 1), "sentences_per_second": batch / seconds,
             "cpu_per_wall": statistics.median(entry["cpu"]),
             "cpu_ms_per_token": 1e3 * statistics.median(entry["cpu_seconds"]) / max(sum(lengths), 1),
@@ -690,6 +718,123 @@ def agreement(measured, workers):
             "equal_lengths": [len(r) for r in entry["tokens"]] == [len(r) for r in reference["tokens"]],
         })
     return result
+
+
+def natural_sources(preset_dir, count):
+    """The first `count` sentences of the bundled test split as piece ids (no end id), at their own lengths."""
+    from keras_transformer.datasets import load_bundled
+    from keras_transformer.tokenizer import TOKENIZER_FILENAME, Tokenizer
+
+    if not (pathlib.Path(preset_dir) / TOKENIZER_FILENAME).is_file():
+        raise ValueError(f"{preset_dir} has no {TOKENIZER_FILENAME}: the natural-length table translates text")
+    english, _ = load_bundled("test")
+    return [list(ids) for ids in Tokenizer.load(preset_dir).encode(english[:count], add_end=False)]
+
+
+def measure_natural(workers, sources, batch_sizes, beam_size, rounds, max_extra_length):
+    """Every system translates all of `sources`, in consecutive batches of each size, `rounds` times.
+
+    One untimed pass per batch size first (Keras compiles a search per
+    length bucket). Then in each round each system translates the whole
+    list once per batch size, the order of the systems rotating. Returns
+    `{(worker name, batch): {"seconds": [per round], "cpu_seconds": [...], "tokens": rows}}`.
+    """
+    names, measured = list(workers), {}
+
+    def translate(name, batch):
+        batches = [sources[i: i + batch] for i in range(0, len(sources), batch)]
+        return workers[name].request(op="pass", batches=batches, beam_size=beam_size,
+                                     max_extra_length=max_extra_length)
+
+    logger.info("Natural lengths: one untimed pass per system and batch size (Keras compiles its searches)")
+    for batch in batch_sizes:
+        for name in list(names):
+            try:
+                answer = translate(name, batch)
+            except RuntimeError as error:
+                logger.error("%s", error)
+                names.remove(name)
+                continue
+            measured[name, batch] = {"seconds": [], "cpu_seconds": [], "tokens": answer["tokens"],
+                                     "warmup_seconds": answer["seconds"]}
+    for round_index in range(rounds):
+        logger.info("Natural lengths: round %d of %d", round_index + 1, rounds)
+        for batch in batch_sizes:
+            shift = round_index % max(len(names), 1)
+            for name in names[shift:] + names[:shift]:
+                if (name, batch) not in measured:
+                    continue
+                try:
+                    answer = translate(name, batch)
+                except RuntimeError as error:
+                    logger.error("%s", error)
+                    continue
+                entry = measured[name, batch]
+                entry["seconds"].append(answer["seconds"])
+                entry["cpu_seconds"].append(answer["cpu_seconds"])
+                if answer["tokens"] != entry["tokens"]:
+                    entry["nondeterministic"] = True
+    return measured
+
+
+def lockstep_over_own_steps(token_counts, batch):
+    """Decoder steps of a search that runs each batch until its longest row ends, over the rows' own steps.
+
+    A row of n tokens needs n + 1 steps (the end id last); a batched search
+    that keeps every row of the batch until the last one ends runs
+    `rows x (longest + 1)` (Keras' and ONNX Runtime's searches do; CTranslate2
+    drops finished rows). 1.0 at batch 1.
+    """
+    own = sum(n + 1 for n in token_counts)
+    lockstep = sum(
+        len(token_counts[i: i + batch]) * (max(token_counts[i: i + batch]) + 1)
+        for i in range(0, len(token_counts), batch)
+    )
+    return lockstep / max(own, 1)
+
+
+def summarize_natural(measured, workers, beam_size):
+    """Rows of the natural-length table, and each system's largest-batch / batch-1 throughput ratio.
+
+    Returns `(rows, scaling)`: per (system, batch) the median seconds for
+    all the sentences, sentences/s, tokens, CPU / wall and the rows with
+    tokens identical to Keras' at the same batch size; `scaling[system]` is
+    sentences/s at the largest batch over sentences/s at the smallest.
+    """
+    rows = []
+    for (name, batch), entry in measured.items():
+        if not entry["seconds"]:
+            continue
+        seconds = statistics.median(entry["seconds"])
+        lengths = [len(tokens) for tokens in entry["tokens"]]
+        rows.append({
+            "system": workers[name].system_name, "threads": workers[name].threads, "batch": batch,
+            "beam_size": beam_size, "seconds": seconds, "seconds_per_round": entry["seconds"],
+            "sentences": len(lengths), "sentences_per_second": len(lengths) / seconds, "tokens": sum(lengths),
+            "token_counts": lengths, "mean_tokens": sum(lengths) / max(len(lengths), 1),
+            "ms_per_token": 1e3 * seconds / max(sum(lengths), 1),
+            "lockstep_over_own_steps": lockstep_over_own_steps(lengths, batch),
+            "cpu_per_wall": statistics.median(c / s for c, s in zip(entry["cpu_seconds"], entry["seconds"])),
+            "deterministic": not entry.get("nondeterministic", False),
+            "_tokens": entry["tokens"],
+        })
+    keras = {r["batch"]: r["_tokens"] for r in rows if r["system"] == KERAS}
+    for row in rows:
+        reference = keras.get(row["batch"])
+        row["rows_identical_to_keras"] = (
+            sum(a == b for a, b in zip(row["_tokens"], reference)) if reference is not None else None
+        )
+    for row in rows:
+        del row["_tokens"]
+    scaling = {}
+    for system in {r["system"] for r in rows}:
+        own = sorted((r for r in rows if r["system"] == system), key=lambda r: r["batch"])
+        if len(own) > 1:
+            scaling[system] = {"batches": [own[0]["batch"], own[-1]["batch"]],
+                               "ratio": own[-1]["sentences_per_second"] / own[0]["sentences_per_second"]}
+    order = {name: i for i, name in enumerate(NATURAL_ENGINES)}
+    rows.sort(key=lambda r: (r["batch"], order.get(r["system"], len(order))))
+    return rows, scaling
 
 
 def cold_start(command, env, text, log, timeout=COLD_START_TIMEOUT_SECONDS):
@@ -811,6 +956,140 @@ def installed_sizes():
 
 
 # ---------------------------------------------------------------------- #
+# The decoder step's matrix products: the roofline column
+# ---------------------------------------------------------------------- #
+def model_sizes(config):
+    """The sizes the decoder step's products depend on, from a preset's `config`.
+
+    Returns a dict: `layers` (decoder layers L), `hidden` (D), `intermediate`
+    (F), `heads` (N), `key` and `value` (per-head d_k, d_v), `vocabulary` (V).
+    """
+    heads, hidden = int(config["num_heads"]), int(config["hidden_dim"])
+    return {
+        "layers": int(config.get("num_decoder_layers") or config["num_layers"]),
+        "hidden": hidden,
+        "intermediate": int(config["intermediate_dim"]),
+        "heads": heads,
+        "key": int(config.get("key_dim") or hidden // heads),
+        "value": int(config.get("value_dim") or hidden // heads),
+        "vocabulary": int(config["vocabulary_size"]),
+    }
+
+
+def step_products(sizes):
+    """The weight products of one decoder step for one hypothesis: `(k, n)` per `[1, k] x [k, n]`.
+
+    Per decoder layer: the self-attention query, key, value and output
+    projections, the cross-attention query and output projections (its keys
+    and values are computed once per source, by `init_cache`, not by the
+    step), the feed-forward network's two layers; then the output layer
+    (the shared embedding, `[D, V]`).
+    """
+    d, f, hk, hv = sizes["hidden"], sizes["intermediate"], sizes["heads"] * sizes["key"], sizes["heads"] * sizes["value"]
+    layer = [(d, hk), (d, hk), (d, hv), (hv, d), (d, hk), (hv, d), (d, f), (f, d)]
+    return layer * sizes["layers"] + [(d, sizes["vocabulary"])]
+
+
+def step_flops(sizes, position, source_length):
+    """Floating-point operations (2 per multiply-add) of one decoder step for one hypothesis.
+
+    The products of `step_products`, and per layer the attention products
+    `q K^T` and `weights V` over the `position` target positions decoded so
+    far (this one included) and over the `source_length` source positions.
+    """
+    weights = sum(2 * k * n for k, n in step_products(sizes))
+    per_position = 2 * sizes["heads"] * (sizes["key"] + sizes["value"])
+    return weights + sizes["layers"] * per_position * (position + source_length)
+
+
+def decoded_flops(sizes, rows, beam_size):
+    """FLOPs of the decoder steps that produced `rows`: `(source ids, tokens)` per sentence.
+
+    A sentence of n tokens took n + 1 steps (the last one emits the end id),
+    each run for `beam_size` hypotheses; step t (1-based) attends to t
+    target positions. Only the work of each sentence's own steps is
+    counted: none for rows a batched search keeps running after they
+    finished, nor for padding.
+    """
+    weights = step_flops(sizes, 0, 0)
+    per_position = sizes["layers"] * 2 * sizes["heads"] * (sizes["key"] + sizes["value"])
+    total = 0
+    for source_length, tokens in rows:
+        steps = tokens + 1
+        total += beam_size * (steps * weights + per_position * (steps * (steps + 1) // 2 + steps * source_length))
+    return total
+
+
+def gemm_rates(sizes, row_counts, min_seconds=0.2):
+    """This process's float32 rate (FLOP/s) on one decoder step's weight products, per row count.
+
+    For m rows (batch x beam), NumPy multiplies `[m, k] x [k, n]` for each
+    `(k, n)` of `step_products`, over and over for at least `min_seconds`;
+    the rate is their FLOPs over the time. Run it with one BLAS thread
+    (`measure_gemm_rates`) to compare with one-thread engines.
+    """
+    rng = np.random.default_rng(0)
+    products = step_products(sizes)
+    weights = {shape: rng.standard_normal(shape, dtype=np.float32) for shape in set(products)}
+    rates = {}
+    for m in sorted(set(row_counts)):
+        inputs = {k: rng.standard_normal((m, k), dtype=np.float32) for k in {k for k, _ in products}}
+        flops = sum(2 * m * k * n for k, n in products)
+        for k, n in products:  # warm-up: first touches, BLAS's buffers
+            inputs[k] @ weights[k, n]
+        repeats, start = 0, time.perf_counter()
+        while True:
+            for k, n in products:
+                inputs[k] @ weights[k, n]
+            repeats += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+        rates[m] = flops * repeats / elapsed
+    return rates
+
+
+SINGLE_THREAD_ENV = {name: "1" for name in (
+    "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS",
+)}
+
+
+def measure_gemm_rates(sizes, row_counts, min_seconds=0.5):
+    """`gemm_rates` in a fresh process with one BLAS thread: `{rows: FLOP/s}`."""
+    request = json.dumps({"sizes": sizes, "row_counts": sorted(set(row_counts)), "min_seconds": min_seconds})
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.serve", "--gemm-rates", request], cwd=REPO,
+        env=dict(os.environ, **SINGLE_THREAD_ENV), capture_output=True, text=True, timeout=WORKER_TIMEOUT_SECONDS,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"the GEMM rate measurement failed: {result.stderr[-2000:]}")
+    return {int(m): rate for m, rate in json.loads(result.stdout).items()}
+
+
+def add_roofline(row, decoded, sizes, rates):
+    """Adds the roofline fields to a table row (in place) and returns it.
+
+    Args:
+        row: a table row with `seconds` (the time measured for `decoded`),
+            `batch` and `beam_size`.
+        decoded: `(source ids, tokens)` of each sentence translated in that time.
+        sizes: `model_sizes`.
+        rates: `{rows: FLOP/s}` from `measure_gemm_rates`, for `batch x beam_size` rows.
+
+    Adds `decoder_gflop` (`decoded_flops`), `gemm_gflops` (the rate used),
+    `roofline_seconds` (the time the decoder steps' products alone would
+    take at that rate) and `x_roofline` (the row's time over it).
+    """
+    rate = rates.get(row["batch"] * row["beam_size"])
+    if not rate:
+        return row
+    flops = decoded_flops(sizes, decoded, row["beam_size"])
+    row.update(decoder_gflop=flops / 1e9, gemm_gflops=rate / 1e9, roofline_seconds=flops / rate)
+    row["x_roofline"] = row["seconds"] / row["roofline_seconds"]
+    return row
+
+
+# ---------------------------------------------------------------------- #
 # Report
 # ---------------------------------------------------------------------- #
 def goals(rows, cold):
@@ -843,20 +1122,48 @@ def goals(rows, cold):
     return checks
 
 
+def _roofline_cell(row):
+    return f"{row['x_roofline']:.1f}x" if row.get("x_roofline") else "-"
+
+
 def markdown(results):
-    lines = [
-        "| threads | batch | search | system | tokens/row | ms/token | sentences/s | vs Keras | ORT / CT2 time "
-        "| CPU ms/token |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = []
+    if results["throughput"]:
+        lines += [
+            "| threads | batch | search | system | tokens/row | ms/token | sentences/s | vs Keras | ORT / CT2 time "
+            "| CPU ms/token | x roofline |",
+            "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
     for r in results["throughput"]:
         tokens = "/".join(str(t) for t in r["tokens_per_row"])
         speedup = f"{r['speedup_vs_keras']:.2f}x" if r["speedup_vs_keras"] else "-"
         ratio = f"{r['time_over_ct2']:.2f}x" if r.get("time_over_ct2") else ""
         lines.append(
             f"| {r['threads']} | {r['batch']} | {r['search']} | {r['system']} | {tokens} | {r['ms_per_token']:.3f} "
-            f"| {r['sentences_per_second']:.1f} | {speedup} | {ratio} | {r['cpu_ms_per_token']:.3f} |"
+            f"| {r['sentences_per_second']:.1f} | {speedup} | {ratio} | {r['cpu_ms_per_token']:.3f} "
+            f"| {_roofline_cell(r)} |"
         )
+    natural = results.get("natural")
+    if natural:
+        settings = natural["settings"]
+        lines += [""] * bool(lines) + [
+            f"Natural lengths: {settings['sentences']} test sentences, beam {settings['beam_size']}, 1 thread, "
+            f"weights: {natural['weights']}",
+            "",
+            "| batch | system | sentences/s | tokens/sentence | ms/token | CPU/wall | same as Keras | lockstep / own steps "
+            "| x roofline | largest / batch-1 sentences/s |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        largest = max(settings["batch_sizes"])
+        for r in natural["rows"]:
+            same = f"{r['rows_identical_to_keras']}/{r['sentences']}" if r["rows_identical_to_keras"] is not None else "-"
+            scaling = natural["scaling"].get(r["system"])
+            ratio = f"{scaling['ratio']:.2f}x" if scaling and r["batch"] == largest else ""
+            lines.append(
+                f"| {r['batch']} | {r['system']} | {r['sentences_per_second']:.2f} | {r['mean_tokens']:.1f} "
+                f"| {r['ms_per_token']:.3f} | {r['cpu_per_wall']:.2f} | {same} | {r['lockstep_over_own_steps']:.2f} "
+                f"| {_roofline_cell(r)} | {ratio} |"
+            )
     if results["cold_start"]:
         lines += ["", "| serving path | cold start (s) | peak RSS (MB) | installed (MB) |", "|---|---:|---:|---:|"]
         for entry in results["cold_start"]:
@@ -938,7 +1245,8 @@ def run_benchmark(args):
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     preset_dir = prepare_preset(args.preset, work, args.seed)
-    directories, skipped = prepare_exports(preset_dir, work, ENGINES)
+    engines = NATURAL_ENGINES if args.natural_only else ENGINES
+    directories, skipped = prepare_exports(preset_dir, work, engines)
     for engine, reason in skipped.items():
         logger.warning("Skipping %s: %s", engine, reason)
     config = json.loads((preset_dir / "config.json").read_text())["config"]
@@ -947,9 +1255,9 @@ def run_benchmark(args):
     )
 
     workers = {}
-    for threads in args.threads:
-        for engine in ENGINES:
-            if engine not in directories:
+    for threads in [1] if args.natural_only else args.threads:
+        for engine in engines:
+            if engine not in directories or (args.natural_only and engine not in NATURAL_ENGINES):
                 continue
             name = f"{engine}@{threads}"
             logger.info("Starting %s", name)
@@ -960,8 +1268,18 @@ def run_benchmark(args):
             except RuntimeError as error:
                 logger.error("%s", error)
                 skipped[name] = str(error)
+    measured, calls, natural_measured, natural = {}, {}, {}, None
     try:
-        measured, calls = measure_throughput(workers, sources, args.batch_sizes, args.rounds)
+        if not args.natural_only:
+            measured, calls = measure_throughput(workers, sources, args.batch_sizes, args.rounds)
+        if args.natural or args.natural_only:
+            natural_workers = {name: worker for name, worker in workers.items()
+                               if worker.threads == 1 and worker.system_name in NATURAL_ENGINES}
+            natural_rows = natural_sources(preset_dir, args.natural_sentences)
+            natural_measured = measure_natural(
+                natural_workers, natural_rows, args.natural_batch_sizes, NATURAL_BEAM_SIZE, args.natural_rounds,
+                NATURAL_MAX_EXTRA_LENGTH,
+            )
     finally:
         for worker in workers.values():
             worker.close()
@@ -970,8 +1288,37 @@ def run_benchmark(args):
         profile = profile_in_worker(directories, sources, args.batch_sizes, args.max_extra_length, work)
     rows = summarize(measured, calls, workers)
     same = agreement(measured, workers)
+    if natural_measured:
+        natural_table, scaling = summarize_natural(natural_measured, workers, NATURAL_BEAM_SIZE)
+        natural = {
+            "weights": _weights_label(args.preset, preset_dir),
+            "settings": {
+                "sentences": len(natural_rows), "source": "bundled test split, first sentences, in order",
+                "source_ids_per_sentence": [len(row) + 1 for row in natural_rows],
+                "beam_size": NATURAL_BEAM_SIZE, "length_penalty": LENGTH_PENALTY,
+                "max_extra_length": NATURAL_MAX_EXTRA_LENGTH, "batch_sizes": list(args.natural_batch_sizes),
+                "rounds": args.natural_rounds, "threads": 1,
+            },
+            "rows": natural_table, "scaling": scaling,
+        }
+    # The roofline: one BLAS thread's rate on the decoder step's products, same run.
+    sizes = model_sizes(config)
+    row_counts = [r["batch"] * r["beam_size"] for r in rows + (natural["rows"] if natural else [])]
+    rates = {}
+    if row_counts:
+        logger.info("Measuring NumPy's one-thread float32 rate on the decoder step's products")
+        try:
+            rates = measure_gemm_rates(sizes, row_counts)
+        except RuntimeError as error:
+            logger.error("%s", error)
+    for row in rows:
+        add_roofline(row, [(args.source_length + 1, n) for n in row["token_counts"]], sizes, rates)
+    if natural:
+        lengths = natural["settings"]["source_ids_per_sentence"]
+        for row in natural["rows"]:
+            add_roofline(row, list(zip(lengths, row["token_counts"])), sizes, rates)
     cold = []
-    if args.cold_repeats > 0:
+    if args.cold_repeats > 0 and not args.natural_only:
         from keras_transformer.datasets import load_bundled
 
         sentence = load_bundled("test")[0][0]
@@ -982,7 +1329,7 @@ def run_benchmark(args):
         "preset": str(args.preset),
         "preset_name": os.path.basename(os.path.normpath(str(args.preset))),
         "preset_directory": str(preset_dir),
-        "weights": "random" if not os.path.isdir(args.preset) else "from the preset directory",
+        "weights": _weights_label(args.preset, preset_dir),
         "settings": {
             "source_pieces": args.source_length, "source_ids": args.source_length + 1, "sources": source_kind,
             "max_extra_length": args.max_extra_length, "length_penalty": LENGTH_PENALTY,
@@ -1003,11 +1350,29 @@ def run_benchmark(args):
         },
         "throughput": rows,
         "agreement": same,
+        "natural": natural,
+        "model_sizes": sizes,
+        "gemm_gflops_one_thread": {str(m): rate / 1e9 for m, rate in sorted(rates.items())},
         "cold_start": cold,
         "installed": installed_sizes(),
         "profile": profile,
         "goals": goals(rows, cold),
     }
+
+
+def _weights_label(preset, preset_dir):
+    """"random" for a built-in preset (or a directory saved with random weights), else where they come from."""
+    if not os.path.isdir(preset):
+        return "random"
+    try:
+        metadata = json.loads((pathlib.Path(preset_dir) / "metadata.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        metadata = {}
+    if str(metadata.get("weights", "")).startswith("random"):
+        return "random"
+    if "steps" in metadata and "valid_bleu" in metadata:  # written by run_training
+        return f"trained ({metadata['steps']} updates, validation BLEU {metadata['valid_bleu']})"
+    return "from the preset directory"
 
 
 def print_report(results):
@@ -1018,6 +1383,16 @@ def print_report(results):
     for engine, reason in results["skipped"].items():
         print(f"skipped {engine}: {reason}")
     print(markdown(results))
+    natural = results.get("natural")
+    if natural and natural["weights"] == "random":
+        print("\nNOTE: the natural-length table ran an untrained model (random weights), which practically never "
+              "emits the end id, so every sentence runs to its maximum length: the figures need a trained model "
+              "(--preset runs/small).")
+    if results["gemm_gflops_one_thread"]:
+        rates = ", ".join(f"{m} rows {rate:.1f}" for m, rate in results["gemm_gflops_one_thread"].items())
+        print(f"\nRoofline: NumPy float32, one thread, on the decoder step's weight products (GFLOP/s): {rates}. "
+              "`x roofline` = the row's time / the time those products alone would take for the tokens it "
+              "decoded (projections, attention products, output layer; no encoder, no search).")
     print("\nAgreement with Keras (rows with identical tokens):")
     for a in results["agreement"]:
         print(f"  {a['threads']} thr B={a['batch']:<2d} {a['search']:6s} {a['system']:12s} "
@@ -1061,25 +1436,46 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="measurement rounds (default 5; 2 quick)")
     parser.add_argument("--cold-repeats", type=int, default=None, help="cold starts per command (default 3; 1 quick)")
     parser.add_argument("--profile", action="store_true", help="ONNX Runtime profile of beam_search.onnx")
+    parser.add_argument("--natural", action="store_true",
+                        help="add the natural-length table: the first test sentences, beam 4, 1 thread, each "
+                             "system's own output lengths, batch 1, 16, 64 (use a trained --preset)")
+    parser.add_argument("--natural-only", action="store_true",
+                        help="only the natural-length table (no fixed-length table, no cold starts)")
+    parser.add_argument("--natural-sentences", type=int, default=None,
+                        help=f"sentences of the natural-length table (default {NATURAL_SENTENCES}; 8 quick)")
+    parser.add_argument("--natural-batch-sizes", type=int, nargs="+", default=None,
+                        help=f"default {' '.join(map(str, NATURAL_BATCH_SIZES))} (1 4 quick)")
+    parser.add_argument("--natural-rounds", type=int, default=None, help="default 2 (1 quick)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", choices=sorted(SYSTEMS), help=argparse.SUPPRESS)
+    parser.add_argument("--gemm-rates", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("benchmarks").setLevel(logging.INFO)
     if args.worker:
         return worker_main(args.worker, args.model, args.threads[0], args.max_extra_length)
+    if args.gemm_rates:
+        request = json.loads(args.gemm_rates)
+        rates = gemm_rates(request["sizes"], request["row_counts"], request["min_seconds"])
+        print(json.dumps({str(m): rate for m, rate in rates.items()}))
+        return 0
 
     quick = args.quick
     defaults = {"preset": "tiny" if quick else "small", "source_length": 8 if quick else 20,
-                "max_extra_length": 8 if quick else 30, "rounds": 2 if quick else 5, "cold_repeats": 1 if quick else 3}
+                "max_extra_length": 8 if quick else 30, "rounds": 2 if quick else 5, "cold_repeats": 1 if quick else 3,
+                "natural_sentences": 8 if quick else NATURAL_SENTENCES,
+                "natural_batch_sizes": [1, 4] if quick else list(NATURAL_BATCH_SIZES),
+                "natural_rounds": 1 if quick else 2}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("source_length", "rounds"):
+    for name in ("source_length", "rounds", "natural_sentences", "natural_rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, received {getattr(args, name)}")
-    if args.max_extra_length < 0 or args.cold_repeats < 0 or min(args.threads) < 1 or min(args.batch_sizes) < 1:
+    if args.max_extra_length < 0 or args.cold_repeats < 0 or min(args.threads) < 1 or min(
+        args.batch_sizes + args.natural_batch_sizes
+    ) < 1:
         parser.error("--max-extra-length and --cold-repeats must be >= 0, --threads and --batch-sizes >= 1")
     backend = os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     if backend != "tensorflow":
@@ -1088,12 +1484,12 @@ def main(argv=None):
     results = run_benchmark(args)
     output = pathlib.Path(args.results)
     output.mkdir(parents=True, exist_ok=True)
-    stem = "serve_quick" if quick else "serve"
+    stem = ("serve_quick" if quick else "serve") + ("_natural" if args.natural_only else "")
     (output / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     if results["throughput"]:
         plot(results, output / f"{stem}.png")
     print_report(results)
-    print(f"\nWrote {output / (stem + '.json')} and {stem}.png")
+    print(f"\nWrote {output / (stem + '.json')}{f' and {stem}.png' if results['throughput'] else ''}")
     return 0
 
 

@@ -37,8 +37,10 @@ python -m export.runtime --model exported/onnx --src test.en.gz --output test.de
 """
 
 import argparse
+import hashlib
 import json
 import logging
+import os
 import pathlib
 import sys
 
@@ -234,6 +236,15 @@ class OnnxSeq2Seq:
             turns off the thread pool's spinning (see `_session_options`).
         intra_op_threads: int or None, threads per session (with the
             default session options).
+        optimized_cache: optional directory. Each graph's session, once
+            ONNX Runtime has optimised the graph, is saved there (with its
+            weights) and later sessions load that copy without optimising
+            again: the `small` beam search's session starts in a fraction of
+            the time (benchmarks/README.md). The copy is named after the
+            graph and weights files (size, time), onnxruntime's version, the
+            providers and the optimisation level, so a new export or
+            onnxruntime is optimised afresh; an unreadable copy is optimised
+            again with a warning. With the default session options only.
 
     Attributes: `vocabulary_size`, `pad_id`, `unk_id`, `start_id`, `end_id`,
     `max_sequence_length`, `config` (the directory's `config.json`),
@@ -245,8 +256,14 @@ class OnnxSeq2Seq:
     2
     """
 
-    def __init__(self, directory, providers=None, use_io_binding=None, session_options=None, intra_op_threads=None):
+    def __init__(
+        self, directory, providers=None, use_io_binding=None, session_options=None, intra_op_threads=None,
+        optimized_cache=None,
+    ):
         self.directory = pathlib.Path(directory)
+        if optimized_cache is not None and session_options is not None:
+            raise ValueError("optimized_cache works with the default session options; pass intra_op_threads, "
+                             "not session_options")
         self.config = read_config(self.directory)
         config = self.config
         try:
@@ -259,6 +276,8 @@ class OnnxSeq2Seq:
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{self.directory / CONFIG_FILE} lacks or garbles {error}; export again") from None
         self._session_options = session_options or _session_options(intra_op_threads)
+        self._intra_op_threads = intra_op_threads
+        self._optimized_cache = None if optimized_cache is None else pathlib.Path(optimized_cache)
         self._requested = resolve_providers(providers, probe_path=self._graph_path("encoder"))
         self.providers = [p[0] if isinstance(p, (tuple, list)) else p for p in self._requested]
         self._device = "cuda" if self.providers[0] == CUDA else "cpu"
@@ -276,10 +295,21 @@ class OnnxSeq2Seq:
 
         if graph not in self._sessions:
             path = self._graph_path(graph)
-            try:
-                session = ort.InferenceSession(str(path), self._session_options, providers=self._requested)
-            except Exception as error:  # noqa: BLE001 - re-raised naming the file
-                raise ValueError(f"ONNX Runtime could not load {path}: {error}") from error
+            session = self._cached_session(graph) if self._optimized_cache is not None else None
+            if session is None:
+                options, saved = self._session_options, None
+                if self._optimized_cache is not None:
+                    options, saved = self._options_saving(graph)
+                try:
+                    session = ort.InferenceSession(str(path), options, providers=self._requested)
+                except Exception as error:  # noqa: BLE001 - re-raised naming the file
+                    raise ValueError(f"ONNX Runtime could not load {path}: {error}") from error
+                if saved is not None:
+                    try:
+                        os.replace(saved, self._optimized_path(graph))  # complete: its weights are written first
+                    except OSError as error:
+                        logger.warning("Could not cache the optimised %s in %s: %s", graph, self._optimized_cache,
+                                       error)
             try:
                 check_graph_signature(session, graph, self.config)
             except ValidationError as error:
@@ -290,6 +320,56 @@ class OnnxSeq2Seq:
 
     def __repr__(self):
         return f"OnnxSeq2Seq({str(self.directory)!r}, providers={self.providers})"
+
+    # ------------------------------------------------------------------ #
+    # The optimised-graph cache (`optimized_cache`)
+    # ------------------------------------------------------------------ #
+    def _optimized_path(self, graph):
+        """Where the optimised copy of `graph` is cached for these files, this onnxruntime and these providers."""
+        import onnxruntime as ort
+
+        path = self._graph_path(graph)
+        parts = [ort.__version__, repr(self._requested), str(int(self._session_options.graph_optimization_level)),
+                 str(path.resolve())]
+        weights = self.config.get("weights")
+        for file in (path, self.directory / weights) if weights else (path,):
+            stat = file.stat()
+            parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+        key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+        return self._optimized_cache / f"{graph}-{key}.onnx"
+
+    def _cached_session(self, graph):
+        """A session on the cached optimised copy of `graph`, not optimised again; None when there is none."""
+        import onnxruntime as ort
+
+        cached = self._optimized_path(graph)
+        if not cached.is_file():
+            return None
+        options = _session_options(self._intra_op_threads)
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            return ort.InferenceSession(str(cached), options, providers=self._requested)
+        except Exception as error:  # noqa: BLE001 - optimised again from the export
+            logger.warning("Cannot load the cached %s (%s); optimising %s again", cached, error, graph)
+            return None
+
+    def _options_saving(self, graph):
+        """Session options that also write the optimised graph, and the temporary path it is written to.
+
+        Its weights go to a file of their own whose name the graph records
+        (unique per process); the graph is renamed into place once the
+        session exists, so a cached graph always has its weights.
+        """
+        self._optimized_cache.mkdir(parents=True, exist_ok=True)
+        final = self._optimized_path(graph)
+        temporary = final.with_name(f".{final.stem}.{os.getpid()}.onnx")
+        options = _session_options(self._intra_op_threads)
+        options.optimized_model_filepath = str(temporary)
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", f"{final.stem}.{os.getpid()}.weights"
+        )
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        return options, temporary
 
     # ------------------------------------------------------------------ #
     # Running a graph
@@ -460,14 +540,14 @@ class OnnxTranslator(Translator):
         directory: written by `python -m export.onnx` from a preset with a
             tokenizer (`keras_transformer.tokenizer.load_tokenizer`: ours, or
             an imported Marian checkpoint's).
-        providers, intra_op_threads: as `OnnxSeq2Seq`.
+        providers, intra_op_threads, optimized_cache: as `OnnxSeq2Seq`.
 
     Example:
     >>> OnnxTranslator("exported/onnx").translate(["A sentence."], beam_size=4)
     ['Ein Satz.']
     """
 
-    def __init__(self, directory, providers=None, intra_op_threads=None):
+    def __init__(self, directory, providers=None, intra_op_threads=None, optimized_cache=None):
         directory = pathlib.Path(directory)
         read_config(directory)
         tokenizer = load_tokenizer(directory)
@@ -477,13 +557,15 @@ class OnnxTranslator(Translator):
                 "preset directory or checkpoint that holds its tokenizer to translate text (OnnxSeq2Seq works on "
                 "ids without one)"
             )
-        model = OnnxSeq2Seq(directory, providers=providers, intra_op_threads=intra_op_threads)
+        model = OnnxSeq2Seq(
+            directory, providers=providers, intra_op_threads=intra_op_threads, optimized_cache=optimized_cache
+        )
         super().__init__(model, tokenizer)
 
     @classmethod
-    def from_preset(cls, directory, providers=None, intra_op_threads=None):
+    def from_preset(cls, directory, providers=None, intra_op_threads=None, optimized_cache=None):
         """`OnnxTranslator(directory)`, named as `Translator.from_preset`."""
-        return cls(directory, providers=providers, intra_op_threads=intra_op_threads)
+        return cls(directory, providers=providers, intra_op_threads=intra_op_threads, optimized_cache=optimized_cache)
 
 
 def main(argv=None):
@@ -502,6 +584,10 @@ def main(argv=None):
         "--threads", type=int, default=None,
         help="ONNX Runtime threads per session (default: one per core; 1 on a busy machine)",
     )
+    parser.add_argument(
+        "--optimized-cache", default=None, metavar="DIR",
+        help="keep ONNX Runtime's optimised graphs in DIR: later starts skip the optimisation (faster cold start)",
+    )
     add_file_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show ONNX Runtime's provider choice")
     args = parser.parse_args(argv)
@@ -516,7 +602,7 @@ def main(argv=None):
     )
     try:
         check_file_arguments(args)
-        translator = OnnxTranslator(args.model, intra_op_threads=args.threads)
+        translator = OnnxTranslator(args.model, intra_op_threads=args.threads, optimized_cache=args.optimized_cache)
         # Empty lines translate to empty lines, so the output lines up with the input.
         count = translate_lines(
             translator, args,

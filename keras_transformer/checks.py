@@ -28,7 +28,7 @@ def _is_symbolic(x):
     if backend == "torch":
         import torch
 
-        return torch.compiler.is_compiling()
+        return torch.compiler.is_compiling() or torch.jit.is_tracing()
     return False
 
 
@@ -80,9 +80,12 @@ def _batch_size(x):
     """`x.shape[0]`, or None where it is unknown (traced) or `x` has no axes."""
     shape = getattr(x, "shape", None)
     try:
-        return None if shape is None or len(shape) == 0 else shape[0]
+        size = None if shape is None or len(shape) == 0 else shape[0]
     except (TypeError, ValueError):  # TensorFlow shape of unknown rank
         return None
+    # A traced size is no int: a tensor under torch.jit.trace (Keras' ONNX
+    # export on PyTorch), a symbolic dimension under jax2tf or torch.export.
+    return int(size) if isinstance(size, (int, np.integer)) else None
 
 
 def check_cache_index(index, cache_length):

@@ -5,6 +5,7 @@ Shape legend: B batch, S source length, T target length, D hidden_dim
 key/value size (d_k, d_v).
 """
 
+import contextlib
 import itertools
 import json
 import math
@@ -39,6 +40,12 @@ POSITION_ENCODINGS = ("sinusoidal", "sinusoidal_halves", "learned")
 # The feed-forward activation: ReLU in the paper (equation 2); the others
 # for imported checkpoints (Marian's "swish" is `silu`).
 ACTIVATIONS = ("relu", "gelu", "silu")
+# The forward pass's inputs, `[B, S]` and `[B, T]` int32 ids: what `build`
+# records (for `summary`) and the signature of Keras' own `model.export`.
+INPUT_NAMES = ("encoder_token_ids", "decoder_token_ids")
+# Keras' exporters by format, and the project's own, which export the
+# search too (encoder, decoder step, cache), for where Keras' cannot.
+PROJECT_EXPORTERS = {"onnx": "python -m export.onnx", "tf_saved_model": "python -m export.saved_model"}
 
 
 def check_model_args(
@@ -226,7 +233,8 @@ class TransformerModel(keras.Model):
         self._create_sublayers(key_dim_resolved, value_dim_resolved)
         # All sizes are in the config, so the model is built (and has its
         # weights, e.g. for count_params) as soon as it is constructed.
-        self.build()
+        # Keras records the input shapes given here (`summary`, export).
+        self.build({name: (None, None) for name in INPUT_NAMES})
 
     def _create_sublayers(self, key_dim, value_dim):
         """The embeddings, position layers, dropouts, the two stacks and (pre-LN) the final norms."""
@@ -300,10 +308,20 @@ class TransformerModel(keras.Model):
         return super().__call__(*args, **kwargs)
 
     def build(self, input_shape=None):
+        """Creates every weight; the sizes come from the config, not `input_shape`.
+
+        Args:
+            input_shape: ignored beyond being recorded by Keras: a dict
+                `{"encoder_token_ids": (B, S), "decoder_token_ids": (B, T)}`
+                (the constructor passes `(None, None)` for both), or None.
+        """
         sequence = (None, None, self.hidden_dim)
         self.token_embedding.build((None, None))
         self.encoder_position.build(sequence)
         self.decoder_position.build(sequence)
+        # Dropout has no weights; built so that `summary` shows its shape.
+        self.encoder_embedding_dropout.build(sequence)
+        self.decoder_embedding_dropout.build(sequence)
         for layer in self.encoder_layers:
             layer.build(sequence)
         for layer in self.decoder_layers:
@@ -318,6 +336,69 @@ class TransformerModel(keras.Model):
                 name="logits_bias", shape=(self.vocabulary_size,), initializer="zeros", dtype="float32"
             )
         self.built = True
+
+    def export_input_signature(self):
+        """The forward pass's inputs for Keras' `export`: int32 `[B, S]` and `[B, T]`, any B, S, T.
+
+        Returns:
+            a list with one dict of `keras.InputSpec` named as the inputs,
+            so that the names reach the SavedModel signature and the ONNX graph.
+        """
+        return [{name: keras.InputSpec(shape=(None, None), dtype="int32", name=name) for name in INPUT_NAMES}]
+
+    def export(self, filepath, format="tf_saved_model", verbose=None, input_signature=None, **kwargs):
+        """Keras' export of the forward pass: token ids in, logits `[B, T, V]` out.
+
+        As `keras.Model.export`, with `export_input_signature()` (any batch
+        and lengths) as the default signature, so the model need not have
+        been called. What works where: "tf_saved_model" on TensorFlow and
+        JAX; "onnx" on TensorFlow, on JAX with jax2onnx installed, and on
+        PyTorch only for the fixed shapes of an explicit `input_signature`.
+        For translation (the search, its cache, the tokenizer) use the
+        project's exporters, `python -m export.onnx` and
+        `python -m export.saved_model`.
+
+        Example:
+        >>> model = TransformerModel.from_preset("tiny")
+        >>> model.export("tiny.onnx", format="onnx")   # TensorFlow backend
+        >>> import onnxruntime
+        >>> session = onnxruntime.InferenceSession("tiny.onnx")
+        >>> [i.name for i in session.get_inputs()]
+        ['decoder_token_ids', 'encoder_token_ids']
+
+        Raises:
+            RuntimeError: one line naming the backend, the format and the
+                project's exporter, where Keras cannot export this model.
+        """
+        backend = keras.backend.backend()
+        alternative = PROJECT_EXPORTERS.get(format)
+
+        def refusal(reason):
+            return RuntimeError(
+                f"Keras cannot export a TransformerModel to format={format!r} on the {backend} backend "
+                f"({reason}); use `{alternative} --preset DIR --output OUT` (TensorFlow backend) instead"
+            )
+
+        if alternative and backend == "torch":
+            if format == "tf_saved_model":
+                raise refusal("its PyTorch SavedModel export takes one tensor, not the dict of token ids")
+            if input_signature is None:
+                raise refusal(
+                    "for any batch and length: PyTorch's exporter fixes the shapes; for fixed shapes pass "
+                    "input_signature=[{name: keras.InputSpec(shape=(B, L), dtype='int32', name=name)}] "
+                    "for encoder_token_ids and decoder_token_ids"
+                )
+        if input_signature is None:
+            input_signature = self.export_input_signature()
+        with _tf2onnx_without_reshape_merge(active=format == "onnx" and backend == "tensorflow"):
+            try:
+                return super().export(
+                    filepath, format=format, verbose=verbose, input_signature=input_signature, **kwargs
+                )
+            except (ImportError, NotImplementedError) as error:
+                if alternative is None:
+                    raise
+                raise refusal(f"{type(error).__name__}: {' '.join(str(error).split())[:200]}") from error
 
     # ------------------------------------------------------------------ #
     # Forward pass
@@ -654,6 +735,33 @@ class TransformerModel(keras.Model):
             if tokenizer is not None:
                 tokenizer.save(staging)
             (staging / METADATA_FILE).write_text(json.dumps(metadata or {}, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def _tf2onnx_without_reshape_merge(active=True):
+    """Keras' ONNX export (tf2onnx) without tf2onnx's back-to-back Reshape merge.
+
+    tf2onnx 1.17's "remove_back_to_back" optimizer miscompiles the attention
+    head split after a `Dense` on `[B, T, D]`: the graph then runs only at the
+    traced shape (`export/onnx.py`, `_optimizers`, has the details; it drops
+    the same pass). Keras' `export_onnx` passes no optimizer list to
+    `tf2onnx.convert.from_function`, so the list is narrowed here, for the
+    duration of the export only.
+    """
+    if not active:
+        yield
+        return
+    from unittest import mock
+
+    from tf2onnx import optimizer
+
+    every = optimizer._get_optimizers  # tf2onnx has no public list
+
+    def without_merge():
+        return {name: factory for name, factory in every().items() if name != "remove_back_to_back"}
+
+    with mock.patch.object(optimizer, "_get_optimizers", without_merge):
+        yield
 
 
 def _constructor_args():

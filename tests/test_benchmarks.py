@@ -104,3 +104,98 @@ def test_installed_size_follows_dependencies():
     size = serve.installed_size(["pytest"])
     assert "pytest" in size["distributions"] and "pluggy" in size["distributions"]
     assert size["mb"] > serve.installed_size(["pluggy"])["mb"] > 0
+
+
+TOY_SIZES = {"layers": 1, "hidden": 4, "intermediate": 8, "heads": 2, "key": 2, "value": 3, "vocabulary": 10}
+
+
+def test_step_flops_count_the_products_of_the_decoder_step():
+    # Projections: self q, k (4x4), v (4x6), out (6x4); cross q (4x4), out (6x4);
+    # feed-forward 4x8, 8x4; output layer 4x10. 2 FLOPs per multiply-add.
+    weights = 2 * (16 + 16 + 24 + 24 + 16 + 24 + 32 + 32 + 40)
+    assert serve.step_flops(TOY_SIZES, 0, 0) == weights
+    # Attention products per attended position: q.k (2 heads x 2) and weights.v (2 heads x 3).
+    assert serve.step_flops(TOY_SIZES, 3, 5) == weights + 2 * (2 * 2 + 2 * 3) * 8
+    assert serve.model_sizes({"num_heads": 4, "hidden_dim": 16, "num_layers": 2, "num_decoder_layers": 3,
+                              "intermediate_dim": 32, "vocabulary_size": 50, "key_dim": None, "value_dim": 8}) == {
+        "layers": 3, "hidden": 16, "intermediate": 32, "heads": 4, "key": 4, "value": 8, "vocabulary": 50}
+
+
+def test_decoded_flops_sum_every_step_of_every_hypothesis():
+    rows = [(6, 3), (9, 0)]  # (source ids, tokens): 4 steps, then 1 step (the end id at once)
+    expected = sum(serve.step_flops(TOY_SIZES, t, 6) for t in range(1, 5)) + serve.step_flops(TOY_SIZES, 1, 9)
+    assert serve.decoded_flops(TOY_SIZES, rows, beam_size=4) == 4 * expected
+
+
+def test_roofline_from_a_measured_gemm_rate():
+    rates = serve.gemm_rates(TOY_SIZES, [1, 8], min_seconds=0.01)
+    assert set(rates) == {1, 8} and all(rate > 0 for rate in rates.values())
+    row = {"batch": 2, "beam_size": 4, "seconds": 0.5}
+    decoded = [(6, 3), (9, 0)]
+    serve.add_roofline(row, decoded, TOY_SIZES, rates)
+    assert row["roofline_seconds"] == pytest.approx(serve.decoded_flops(TOY_SIZES, decoded, 4) / rates[8])
+    assert row["x_roofline"] == pytest.approx(0.5 / row["roofline_seconds"])
+    assert "x_roofline" not in serve.add_roofline({"batch": 3, "beam_size": 1, "seconds": 1.0}, decoded,
+                                                  TOY_SIZES, rates)  # no rate measured for 3 rows
+
+
+def test_gemm_rates_are_measured_in_a_one_thread_process():
+    rates = serve.measure_gemm_rates(TOY_SIZES, [2, 2, 4], min_seconds=0.01)
+    assert set(rates) == {2, 4} and all(rate > 0 for rate in rates.values())
+
+
+class _FakeSystem:
+    """Answers a source row of n ids with min(n, max_extra_length) tokens; counts its batches."""
+
+    def __init__(self):
+        self.max_extra_length, self.batches = 30, []
+
+    def generate(self, sources, beam_size):
+        self.batches.append(len(sources))
+        return [[7] * min(len(row), self.max_extra_length) for row in sources]
+
+
+class _FakeWorker:
+    def __init__(self, system_name, shorter=False):
+        self.system_name, self.threads, self.system, self.shorter = system_name, 1, _FakeSystem(), shorter
+
+    def request(self, op, batches, beam_size, max_extra_length):
+        assert op == "pass"
+        answer = serve._translate_pass(self.system, batches, beam_size, max_extra_length)
+        if self.shorter:
+            answer["tokens"] = [tokens[:-1] for tokens in answer["tokens"]]
+        answer["seconds"] = len(batches) * 0.1  # 0.1 s per batch, whatever its size
+        return answer
+
+
+def test_natural_table_translates_every_sentence_in_batches_and_reports_scaling():
+    sources = [[5] * n for n in (3, 9, 4, 2, 6)]
+    workers = {"keras@1": _FakeWorker("keras"), "ort-float32@1": _FakeWorker("ort-float32", shorter=True)}
+    measured = serve.measure_natural(workers, sources, [1, 4], beam_size=4, rounds=2, max_extra_length=5)
+    # A warm-up pass, then 2 rounds, each over both batch sizes: 5 batches of 1, 2 (4 + 1) of 4.
+    assert workers["keras@1"].system.batches == ([1] * 5 + [4, 1]) * 3
+    assert workers["keras@1"].system.max_extra_length == 30  # restored after each pass
+    rows, scaling = serve.summarize_natural(measured, workers, beam_size=4)
+    keras = {r["batch"]: r for r in rows if r["system"] == "keras"}
+    assert keras[1]["token_counts"] == [3, 5, 4, 2, 5]  # capped at max_extra_length=5
+    assert keras[1]["sentences_per_second"] == pytest.approx(5 / 0.5)
+    assert keras[4]["sentences_per_second"] == pytest.approx(5 / 0.2)
+    assert scaling["keras"] == {"batches": [1, 4], "ratio": pytest.approx(2.5)}
+    ort = next(r for r in rows if r["system"] == "ort-float32" and r["batch"] == 4)
+    assert ort["rows_identical_to_keras"] == 0 and keras[4]["rows_identical_to_keras"] == 5
+    results = {"throughput": [], "cold_start": [], "natural": {
+        "weights": "random", "rows": rows, "scaling": scaling,
+        "settings": {"sentences": 5, "beam_size": 4, "batch_sizes": [1, 4]}}}
+    table = serve.markdown(results)
+    assert "| 4 | keras | 25.00 | 3.8 |" in table and "| 2.50x |" in table
+    # Own steps 4 + 6 + 5 + 3 + 6 = 24; in batches of 4: 4 x (5 + 1), then 1 x 6.
+    assert keras[4]["lockstep_over_own_steps"] == pytest.approx(30 / 24)
+    assert keras[1]["lockstep_over_own_steps"] == 1.0
+
+
+def test_weights_label_says_random_or_how_the_model_was_trained(tmp_path):
+    assert serve._weights_label("small", tmp_path) == "random"
+    (tmp_path / "metadata.json").write_text('{"weights": "random, seed 0"}')
+    assert serve._weights_label(str(tmp_path), tmp_path) == "random"
+    (tmp_path / "metadata.json").write_text('{"steps": 300, "valid_bleu": 1.02}')
+    assert serve._weights_label(str(tmp_path), tmp_path) == "trained (300 updates, validation BLEU 1.02)"

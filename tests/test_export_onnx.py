@@ -281,6 +281,38 @@ def test_runtime_cli_translates_stdin_line_by_line(exported, monkeypatch, capsys
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
 
 
+def test_optimized_cache_loads_the_optimised_graph_without_optimising_again(exported, onnx_model, tmp_path,
+                                                                             monkeypatch, caplog):
+    import onnxruntime as ort
+
+    cache = tmp_path / "cache"
+    ids = sources(np.random.default_rng(0), [4, 2])
+    expected = onnx_model.generate(ids, beam_size=2, max_extra_length=6)
+    opened = []
+    real_session = ort.InferenceSession
+
+    def recording(path, options=None, **kwargs):
+        opened.append((pathlib.Path(path), options.graph_optimization_level))
+        return real_session(path, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", recording)
+    first = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
+    np.testing.assert_array_equal(first.generate(ids, beam_size=2, max_extra_length=6), expected)
+    cached = first._optimized_path("beam_search")
+    assert cached.is_file() and opened[-1][0] == exported / first.config["graphs"]["beam_search"]
+    assert not list(cache.glob(".*"))  # no temporary graph left behind
+    second = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
+    np.testing.assert_array_equal(second.generate(ids, beam_size=2, max_extra_length=6), expected)
+    assert opened[-1] == (cached, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    # A damaged copy is optimised again from the export, with a warning.
+    cached.write_bytes(b"not a graph")
+    third = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
+    np.testing.assert_array_equal(third.generate(ids, beam_size=2, max_extra_length=6), expected)
+    assert "optimising beam_search again" in caplog.text
+    with pytest.raises(ValueError, match="optimized_cache works with the default session options"):
+        OnnxSeq2Seq(exported, session_options=ort.SessionOptions(), optimized_cache=cache)
+
+
 # --------------------------------------------------------------------------- #
 # Scores and files on ONNX Runtime (Translator.score, translate_file)
 # --------------------------------------------------------------------------- #

@@ -344,3 +344,82 @@ def test_one_weights_file_gives_the_same_logits_on_all_backends(tmp_path):
     reference = np.load(tmp_path / "tensorflow.npy")
     for backend in ("jax", "torch"):
         np.testing.assert_allclose(np.load(tmp_path / f"{backend}.npy"), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_summary_shows_every_layers_output_shape_and_parameters():
+    model = tiny_model()
+    lines = []
+    model.summary(print_fn=lambda line, **kwargs: lines.append(line))
+    table = "\n".join(lines)
+    for name in ("encoder_position", "encoder_embedding_dropout", "encoder_layer_1", "decoder_layer_0"):
+        row = next(line for line in lines if name in line)
+        assert "(None, None, 16)" in row, row
+    assert "?" not in table
+    assert f"Total params: {model.count_params():,}" in table
+
+
+def _export_inputs(rng):
+    # Other batch and lengths than the first call's, with padding.
+    src, tgt = random_ids(rng, 3, 9), random_ids(rng, 3, 6)
+    src[0, 6:] = 0
+    tgt[1, 4:] = 0
+    return {"encoder_token_ids": src, "decoder_token_ids": tgt}
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="Keras' SavedModel export on PyTorch takes no dict inputs (refusal tested below)")
+def test_keras_export_tf_saved_model_gives_keras_logits(tmp_path, rng):
+    import tensorflow as tf
+
+    model = tiny_model()
+    logits(model, random_ids(rng, 2, 5), random_ids(rng, 2, 4))
+    model.export(str(tmp_path / "saved"), format="tf_saved_model", verbose=False)
+    inputs = _export_inputs(rng)
+    loaded = tf.saved_model.load(str(tmp_path / "saved"))  # kept: `serve` needs its variables
+    served = loaded.serve(inputs).numpy()
+    np.testing.assert_allclose(served, logits(model, inputs["encoder_token_ids"], inputs["decoder_token_ids"]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="ONNX export of any shape: TensorFlow (tf2onnx); "
+                    "JAX needs jax2onnx, PyTorch fixed shapes (tested below)")
+def test_keras_export_onnx_gives_keras_logits_at_other_shapes(tmp_path, rng):
+    import onnxruntime
+
+    model = tiny_model()
+    model.export(str(tmp_path / "m.onnx"), format="onnx", verbose=False)  # never called before
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert sorted(i.name for i in session.get_inputs()) == ["decoder_token_ids", "encoder_token_ids"]
+    for batch, source, target in ((3, 9, 6), (1, 2, 11)):
+        inputs = {"encoder_token_ids": random_ids(rng, batch, source), "decoder_token_ids": random_ids(rng, batch, target)}
+        inputs["encoder_token_ids"][0, -1] = 0
+        served = session.run(None, inputs)[0]
+        np.testing.assert_allclose(served, logits(model, inputs["encoder_token_ids"], inputs["decoder_token_ids"]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="PyTorch's limits of Keras' export")
+def test_keras_export_on_torch_refuses_in_one_line_or_takes_fixed_shapes(tmp_path, rng):
+    import onnxruntime
+
+    model = tiny_model()
+    for fmt, command in (("onnx", "python -m export.onnx"), ("tf_saved_model", "python -m export.saved_model")):
+        with pytest.raises(RuntimeError, match=f"format='{fmt}' on the torch backend .*`{command} ") as error:
+            model.export(str(tmp_path / fmt), format=fmt)
+        assert "\n" not in str(error.value)
+    inputs = _export_inputs(rng)
+    signature = [{name: keras.InputSpec(shape=value.shape, dtype="int32", name=name) for name, value in inputs.items()}]
+    model.export(str(tmp_path / "m.onnx"), format="onnx", verbose=False, input_signature=signature)
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, inputs)[0],
+                               logits(model, inputs["encoder_token_ids"], inputs["decoder_token_ids"]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX's ONNX export needs jax2onnx")
+def test_keras_export_onnx_on_jax_without_jax2onnx_names_the_project_exporter(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("jax2onnx") is not None:
+        pytest.skip("jax2onnx is installed")
+    with pytest.raises(RuntimeError, match=r"format='onnx' on the jax backend \(ImportError: .*jax2onnx.*`python -m export.onnx "):
+        tiny_model().export(str(tmp_path / "m.onnx"), format="onnx")

@@ -60,6 +60,9 @@ class TransformerDecoderLayer(TransformerLayerBase):
         self._build_attention("cross_attention", decoder_sequence_shape, encoder_sequence_shape)
         self._build_feedforward(decoder_sequence_shape)
 
+    def compute_output_shape(self, decoder_sequence_shape, encoder_sequence_shape=None):
+        return tuple(decoder_sequence_shape)  # [B, T, D] -> [B, T, D]
+
     def compute_cross_attention_cache(self, encoder_sequence):
         """Cross-attention keys/values `([B, N, S, K], [B, N, S, V])`, once per source."""
         return self.cross_attention.compute_cache(encoder_sequence)

@@ -50,6 +50,9 @@ class TransformerEncoderLayer(TransformerLayerBase):
         self._build_attention("self_attention", inputs_shape, inputs_shape, self.attention_window)
         self._build_feedforward(inputs_shape)
 
+    def compute_output_shape(self, inputs_shape):
+        return tuple(inputs_shape)  # [B, S, D] -> [B, S, D]
+
     def _forward(self, x, self_attend, training):
         x = self._sublayer("self_attention", x, self_attend, training)
         return self._feedforward(x, training)

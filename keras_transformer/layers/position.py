@@ -96,6 +96,9 @@ class SinusoidalPositionEncoding(keras.layers.Layer):
                 f"SinusoidalPositionEncoding needs an even hidden size, received {inputs_shape[-1]}"
             )
 
+    def compute_output_shape(self, inputs_shape):
+        return tuple(inputs_shape)  # the positions' values for [B, T, D] inputs
+
     def call(self, inputs, start_index=0):
         _check_length(self, inputs, start_index)
         shape = ops.shape(inputs)
@@ -140,6 +143,9 @@ class LearnedPositionEmbedding(keras.layers.Layer):
             initializer=self.initializer,
             trainable=True,
         )
+
+    def compute_output_shape(self, inputs_shape):
+        return tuple(inputs_shape)  # the positions' values for [B, T, D] inputs
 
     def call(self, inputs, start_index=0):
         _check_length(self, inputs, start_index)
