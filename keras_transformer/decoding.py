@@ -12,6 +12,7 @@ and `collect_hypotheses` makes the `Hypotheses` of its outputs.
 """
 
 import math
+import zlib
 from typing import NamedTuple
 
 import numpy as np
@@ -72,7 +73,7 @@ def finish_rows(sequences, end_id, pad_id):
     return np.ascontiguousarray(sequences[:, : int(ends.max()) + 1])
 
 
-# Sampling seeds are in [0, MAX_SEED] (`search/sample.py`: 2^31 - 2).
+# Sampling seeds and row keys are in [0, MAX_SEED] (`search/sample.py`: its hash is modulo 2^31 - 1).
 MAX_SEED = 2**31 - 2
 
 
@@ -203,7 +204,7 @@ class HypothesesPlan(NamedTuple):
         source: int32 `[B', S]` source ids (each row repeated per sample).
         options: `{name: NumPy array}` of the search's options, named as the
             exported graphs' inputs (`target_prefix`, `num_hypotheses`,
-            `sample_index`, `seed`, `sampling_*`).
+            `sample_key`, `seed`, `sampling_*`).
     """
 
     search_name: str
@@ -218,7 +219,7 @@ def hypotheses_plan(source, prefix, beam_size, num_hypotheses, sampling_topk, sa
 
     Beam search (`beam_size > 1`) keeps its `num_hypotheses` best finished
     hypotheses; sampling (`sampling_topk != 1`) repeats each row
-    `num_hypotheses` times, each with its own `sample_index`; otherwise
+    `num_hypotheses` times, each with its own `sample_keys`; otherwise
     greedy search (one hypothesis).
 
     Args:
@@ -231,7 +232,7 @@ def hypotheses_plan(source, prefix, beam_size, num_hypotheses, sampling_topk, sa
         source = np.repeat(source, repeats, axis=0)
         prefix = None if prefix is None else np.repeat(prefix, repeats, axis=0)
         options.update(
-            sample_index=np.tile(np.arange(repeats, dtype=np.int32), len(source) // repeats),
+            sample_key=sample_keys(source, repeats),
             seed=np.int32(seed),
             sampling_topk=np.int32(sampling_topk),
             sampling_topp=np.float32(sampling_topp),
@@ -248,13 +249,33 @@ def hypotheses_plan(source, prefix, beam_size, num_hypotheses, sampling_topk, sa
     return HypothesesPlan(search_name, int(beam_size), np.ascontiguousarray(source, np.int32), options)
 
 
+def sample_keys(source, num_samples):
+    """The key of each sampled row: a hash of its source tokens and its sample number.
+
+    Args:
+        source: int `[B * num_samples, S]`, each source row repeated
+            `num_samples` times; padding is ignored (so a text gets the same
+            key in any batch).
+
+    Returns:
+        int32 `[B * num_samples]` in `[0, MAX_SEED]` (CRC-32 of the tokens
+        and the sample number, reduced).
+    """
+    keys = np.zeros((len(source),), np.int32)
+    for row, ids in enumerate(np.asarray(source)):
+        tokens = ids[ids != 0].astype("<i4").tobytes() + np.int32(row % num_samples).astype("<i4").tobytes()
+        keys[row] = zlib.crc32(tokens) % (MAX_SEED + 1)
+    return keys
+
+
 def collect_hypotheses(plan, sequences, scores, log_probs, num_hypotheses, model):
     """The `Hypotheses` of a plan's search outputs.
 
     Args:
         plan: the `HypothesesPlan` that was run.
         sequences: int `[B', K, L]`; scores, log_probs: float `[B', K]`,
-            each row's hypotheses best first (K = 1 but for beam search).
+            each row's hypotheses best first (K = 1 but for beam search;
+            `[B', L]` and `[B']` for K = 1 too).
         model: read for `pad_id`, `start_id`, `end_id`.
 
     Returns:
@@ -263,6 +284,8 @@ def collect_hypotheses(plan, sequences, scores, log_probs, num_hypotheses, model
         sorted by score (samples may repeat).
     """
     sequences, scores, log_probs = (np.asarray(x) for x in (sequences, scores, log_probs))
+    if sequences.ndim == 2:
+        sequences, scores, log_probs = sequences[:, None], scores[:, None], log_probs[:, None]
     if plan.search_name == "sample":
         batch = sequences.shape[0] // num_hypotheses
         sequences = sequences.reshape((batch, num_hypotheses, sequences.shape[-1]))

@@ -79,7 +79,7 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir):
     )
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
-    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 3)
+    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 4)
     assert config["opset"] == onnx_export.DEFAULT_OPSET == 17
     assert config["quantization"] is None
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)

@@ -216,9 +216,10 @@ def generate_hypotheses(
       `sampling_topk` most probable ids (0: all) and to the smallest set
       holding `sampling_topp` of the probability; `num_hypotheses` samples
       per row (sample i of a row draws with its own noise), sorted by
-      score. The draw is a function of (`seed`, step, sample number, token
-      id) only: the same seed gives the same samples on every backend, in
-      the exported ONNX graph, and in any batch. `sampling_topk=1` is
+      score. The draw is a function of (`seed`, step, the row's source
+      tokens and sample number, token id) only: the same seed gives the
+      same samples on every backend, in the exported ONNX graph, and in
+      any batch. `sampling_topk=1` is
       greedy search.
 
     Args:
@@ -388,7 +389,7 @@ def hypotheses_graph(model, search_name):
         (sequences [B, K, L] int32, scores [B, K] float32, log_probs [B, K]
         float32)`; `options` a dict of tensors named as in
         `decoding.hypotheses_plan` (`target_prefix` int32 `[B, P]`, P >= 1,
-        pad-filled; beam: `num_hypotheses`; sample: `sample_index`, `seed`,
+        pad-filled; beam: `num_hypotheses`; sample: `sample_key`, `seed`,
         `sampling_topk`, `sampling_topp`, `sampling_temperature`). K is the
         beam size (1 for sampling); rows are not trimmed.
     """

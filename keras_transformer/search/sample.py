@@ -7,13 +7,14 @@ reaches `sampling_topp`. `sampling_topk=1` is greedy search.
 
 The draw is a Gumbel-max draw (Gumbel, 1954; Maddison et al., "A* Sampling",
 2014): the kept id with the largest `log_p / temperature + g`, where `g` is
-Gumbel noise made from a counter-based hash of (seed, step, sample index,
-token id) computed with int32 `keras.ops` (`random_integers`): no random
-state, nothing but integer multiply, add, divide and compare, so the same
-seed draws the same noise on TensorFlow, JAX, PyTorch and in the exported
-ONNX graph. The noise does not depend on a row's place in the batch, only
-on its `sample_index` (the number of the sample of its text), so a text
-gets the same samples whichever batch it is translated in.
+Gumbel noise made from a counter-based hash of (seed, step, row key, token
+id) computed with int32 `keras.ops` (`random_integers`): no random state,
+nothing but integer multiply, add, divide and compare, so the same seed
+draws the same noise on TensorFlow, JAX, PyTorch and in the exported ONNX
+graph. A row's key (`decoding.sample_keys`) is a hash of its source's
+tokens and the number of the sample, not of its place in the batch: a text
+gets the same samples in any batch, and different texts or samples get
+independent noise.
 
 The recorded log-probability of a drawn token is the model's (untempered,
 under the token rule of `log_probs.py`), so a sample's score is its
@@ -33,7 +34,7 @@ from keras_transformer.search.common import NEG_INF, Field, constant_field
 NAME = "sample"
 REORDERS_CACHE = False
 STATE_SPEC = greedy.STATE_SPEC + (
-    Field("sample_index", "int32", ("B",)),  # which sample of its text each row is (constant)
+    Field("sample_key", "int32", ("B",)),  # each row's key in [0, MODULUS): source and sample number (constant)
     Field("seed", "int32", ()),
     Field("sampling_topk", "int32", ()),  # 0: every id
     Field("sampling_topp", "float32", ()),  # in (0, 1]
@@ -54,7 +55,7 @@ def init(model, batch, beam_size, length, index, cache, options=None):
     """Greedy search's start state and the sampling options (`options`, a dict of tensors)."""
     state, cache = greedy.init(model, batch, beam_size, length, index, cache, options)
     state.update(
-        sample_index=constant_field(options, "sample_index", ops.zeros((batch,), "int32"), "int32"),
+        sample_key=constant_field(options, "sample_key", ops.zeros((batch,), "int32"), "int32"),
         seed=constant_field(options, "seed", 0, "int32"),
         sampling_topk=constant_field(options, "sampling_topk", 1, "int32"),
         sampling_topp=constant_field(options, "sampling_topp", 1.0, "float32"),
@@ -67,19 +68,19 @@ def update(model, state, logits, max_lengths, alpha):
     """Appends a token drawn from `logits` `[B, V]`; returns `(state, None)`."""
     log_probs = greedy.step_log_probs(model, state, logits, max_lengths)  # [B, V]
     next_tokens, next_log_probs = draw(
-        log_probs, state["seed"], state["index"], state["sample_index"],
+        log_probs, state["seed"], state["index"], state["sample_key"],
         state["sampling_topk"], state["sampling_topp"], state["sampling_temperature"],
     )
     return greedy.extend(model, state, next_tokens, next_log_probs, alpha), None
 
 
-def draw(log_probs, seed, step, sample_index, topk, topp, temperature):
+def draw(log_probs, seed, step, sample_key, topk, topp, temperature):
     """One id per row drawn from `log_probs` `[B, V]` (-inf: excluded).
 
     Args:
         log_probs: float32 `[B, V]`.
         seed, step: int32 scalars.
-        sample_index: int32 `[B]`.
+        sample_key: int32 `[B]`, each row's key in `[0, MODULUS)`.
         topk: int32 scalar, keep the `topk` most probable ids (0: all).
         topp: float32 scalar, keep the most probable ids until their
             tempered probability reaches `topp` (the first is always kept).
@@ -99,28 +100,31 @@ def draw(log_probs, seed, step, sample_index, topk, topp, temperature):
     keep = ops.greater(sorted_log_probs, NEG_INF)
     keep = ops.logical_and(keep, ops.logical_or(ops.less_equal(topk, 0), ops.less(rank, topk)))
     keep = ops.logical_and(keep, ops.logical_or(ops.greater_equal(topp, 1.0), ops.less(mass_before, topp)))
-    noise = gumbel_noise(random_integers(seed, step, sample_index, order))  # [B, V], by token id
+    noise = gumbel_noise(random_integers(seed, step, sample_key, order))  # [B, V], by token id
     candidates = ops.where(keep, tempered + noise, NEG_INF)
     # top_k rather than argmax (see greedy.update).
     _, pick = ops.top_k(candidates, 1)  # [B, 1]
     chosen = ops.equal(ops.expand_dims(rank, 0), ops.cast(pick, "int32"))  # [B, V], one True per row
     next_tokens = ops.sum(ops.where(chosen, order, 0), axis=-1)
-    next_log_probs = ops.sum(ops.where(chosen, sorted_log_probs, 0.0), axis=-1)
+    # The chosen log-probability is finite; the others are made finite first,
+    # as the ONNX conversion may turn this `where` into a product (-inf * 0).
+    finite = ops.maximum(sorted_log_probs, -3.0e38)
+    next_log_probs = ops.sum(ops.where(chosen, finite, 0.0), axis=-1)
     return ops.cast(next_tokens, "int32"), next_log_probs
 
 
-def random_integers(seed, step, sample_index, token_ids):
+def random_integers(seed, step, sample_key, token_ids):
     """Pseudo-random integers in `[0, MODULUS)`, a function of (seed, step, sample, token).
 
     Args:
         seed, step: int32 scalars in `[0, MODULUS)`.
-        sample_index: int32 `[B]`.
+        sample_key: int32 `[B]` in `[0, MODULUS)`.
         token_ids: int32 `[B, V]`.
 
     Returns:
         int32 `[B, V]`.
     """
-    row = _mix(_add(_mix(_add(_mix(ops.convert_to_tensor(seed, "int32")), step)), sample_index))  # [B]
+    row = _mix(_add(_mix(_add(_mix(ops.convert_to_tensor(seed, "int32")), step)), sample_key))  # [B]
     return _mix(_mix(_add(ops.expand_dims(row, -1), token_ids)))
 
 
@@ -149,7 +153,7 @@ def _add(x, y):
 
 
 def _mix(x):
-    """A bijection-free scramble of `[0, MODULUS)`: Park-Miller, a square (the non-linear part), Park-Miller."""
+    """A scramble of `[0, MODULUS)`: Park-Miller, a square (the non-linear part), Park-Miller."""
     x = _minstd(x)
     low = x - ops.floor_divide(x, 46337) * 46337  # low ** 2 < MODULUS
     x = _add(_add(x, low * low), 1013904223)
