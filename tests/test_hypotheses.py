@@ -326,3 +326,23 @@ def test_translator_refuses_bad_input_in_one_line(translator, call, match):
     with pytest.raises(ValueError, match=match) as raised:
         call(translator)
     assert "\n" not in str(raised.value)
+
+
+def test_translate_cli_samples_and_refuses_a_bad_option_in_one_line(translator, tmp_path, monkeypatch, capsys):
+    import io
+
+    from keras_transformer.translate import main as translate_main
+
+    preset = tmp_path / "preset"
+    translator.model.save_to_preset(preset, tokenizer=translator.tokenizer)
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(TEXTS) + "\n"))
+    translate_main(["--preset", str(preset), "--beam-size", "1", "--sampling-topk", "0", "--seed", "5",
+                    "--no-progress"])
+    assert capsys.readouterr().out.splitlines() == translator.translate(TEXTS, beam_size=1, sampling_topk=0, seed=5)
+    with pytest.raises(SystemExit):
+        translate_main(["--preset", str(preset), "--beam-size", "1", "--sampling-temperature", "0",
+                        "--sampling-topk", "3", "--src", str(preset / "config.json"), "--output",
+                        str(tmp_path / "out.txt")])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sampling_temperature=0.0 must be a finite number > 0" in err
+    assert not (tmp_path / "out.txt").exists()
