@@ -34,7 +34,10 @@ import numpy as np
 
 CONFIG_FILE = "config.json"
 # Dynamic axis -> its letter.
-DYNAMIC_AXES = {"batch": "B", "source_length": "S", "cache_length": "T_max", "output_length": "T_out"}
+DYNAMIC_AXES = {
+    "batch": "B", "source_length": "S", "cache_length": "T_max", "output_length": "T_out",
+    "hypotheses": "N_best", "prefix_length": "P",
+}
 # Fixed axis (a config.json key, the size) -> its letter.
 FIXED_AXES = {
     "hidden_dim": "D", "num_decoder_layers": "L", "num_heads": "N", "head_key_dim": "K",
@@ -122,6 +125,16 @@ _CROSS_CACHE = (
 )
 _SEARCH_OUTPUTS = (_ids("sequences", "batch", "output_length"), Tensor("scores", "float32", ("batch",)))
 _SEARCH_ARGUMENTS = (_scalar("beam_size"), _scalar("alpha", "float32"), _scalar("max_extra_length"))
+_TARGET_PREFIX = _ids("target_prefix", "batch", "prefix_length")
+_HYPOTHESES_OUTPUTS = (
+    _ids("sequences", "batch", "hypotheses", "output_length"),
+    Tensor("scores", "float32", ("batch", "hypotheses")),
+    Tensor("log_probs", "float32", ("batch", "hypotheses")),
+)
+_SAMPLING_ARGUMENTS = (
+    _ids("sample_key", "batch"), _scalar("seed"), _scalar("sampling_topk"),
+    _scalar("sampling_topp", "float32"), _scalar("sampling_temperature", "float32"),
+)
 _TEXT = Tensor("text", "string", ("batch",))
 _TRANSLATION = Tensor("translation", "string", ("batch",))
 
@@ -146,6 +159,19 @@ GREEDY_SEARCH = Graph(
     "generation.search_graph(model, 'greedy')", (_SOURCE_IDS, *_SEARCH_ARGUMENTS[1:]), _SEARCH_OUTPUTS
 )
 BEAM_SEARCH = Graph("generation.search_graph(model, 'beam')", (_SOURCE_IDS, *_SEARCH_ARGUMENTS), _SEARCH_OUTPUTS)
+# The search of `generation.generate_hypotheses` (`generation.hypotheses_graph`), options as inputs:
+# n-best beam search with target prefixes; sampling (and greedy search: `sampling_topk` 1) with them.
+BEAM_HYPOTHESES = Graph(
+    "generation.hypotheses_graph(model, 'beam')",
+    (_SOURCE_IDS, _TARGET_PREFIX, _SEARCH_ARGUMENTS[0], _scalar("num_hypotheses"), *_SEARCH_ARGUMENTS[1:]),
+    _HYPOTHESES_OUTPUTS,
+)
+# One hypothesis per row: the outputs of `hypotheses_graph(model, 'sample')` without their axis of size 1.
+SAMPLE_SEARCH = Graph(
+    "generation.hypotheses_graph(model, 'sample'), hypotheses axis dropped",
+    (_SOURCE_IDS, _TARGET_PREFIX, *_SAMPLING_ARGUMENTS, *_SEARCH_ARGUMENTS[1:]),
+    (*_SEARCH_OUTPUTS, Tensor("log_probs", "float32", ("batch",))),
+)
 # Text in, text out: SentencePiece around the search (tokenized as `Translator` does).
 TRANSLATE = Graph("Translator.translate, in the graph (beam size set at export)", (_TEXT,), (_TRANSLATION,))
 # translate.onnx (`export/text_graph.py`): the search arguments are optional inputs.
@@ -155,14 +181,16 @@ TEXT_GRAPH = Graph(
 )
 
 # An ONNX export: graph name -> Graph; the file is `{name}.onnx` (config.json `graphs`).
+# 4: the beam_hypotheses and sample_search graphs (n-best, target prefixes, sampling);
 # 3: the whole search as one graph per search (2 had per-step update graphs);
 # 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
 ONNX = Format(
     "keras_transformer.onnx",
-    3,
+    4,
     {
         "encoder": ENCODE, "init_cache": INIT_CACHE, "decoder_step": DECODE_STEP,
         "greedy_search": GREEDY_SEARCH, "beam_search": BEAM_SEARCH,
+        "beam_hypotheses": BEAM_HYPOTHESES, "sample_search": SAMPLE_SEARCH,
     },
 )
 # A SavedModel export: signature name -> Graph.
@@ -263,6 +291,33 @@ def run(session, graph, values, compute_dtype):
     """`{output name: array}` of an ONNX Runtime session of `graph` on `{input name: value}`."""
     names = graph.output_names()
     return dict(zip(names, session.run(names, feeds(graph, values, compute_dtype))))
+
+
+def hypotheses_feeds(plan, length_penalty, max_extra_length):
+    """The ONNX graph and its inputs that run a `decoding.hypotheses_plan`.
+
+    Beam search runs `beam_hypotheses`; greedy search and sampling run
+    `sample_search` (greedy search is `sampling_topk` 1). Options the plan
+    leaves out get the values that change nothing (no prefix: one pad
+    column).
+
+    Returns:
+        `(graph name, {input name: value})`.
+    """
+    options, rows = plan.options, len(plan.source)
+    values = {
+        "encoder_token_ids": plan.source, "alpha": length_penalty, "max_extra_length": max_extra_length,
+        "target_prefix": options.get("target_prefix", np.zeros((rows, 1), np.int32)),
+    }
+    if plan.search_name == "beam":
+        values.update(beam_size=plan.beam_size, num_hypotheses=options["num_hypotheses"])
+        return "beam_hypotheses", values
+    values.update(
+        sample_key=options.get("sample_key", np.zeros((rows,), np.int32)), seed=options.get("seed", 0),
+        sampling_topk=options.get("sampling_topk", 1), sampling_topp=options.get("sampling_topp", 1.0),
+        sampling_temperature=options.get("sampling_temperature", 1.0),
+    )
+    return "sample_search", values
 
 
 def jsonable(config):

@@ -12,7 +12,9 @@ TensorFlow backend.
 import inspect
 
 from export import contract
-from keras_transformer.generation import search_graph
+from keras_transformer.generation import hypotheses_graph, search_graph
+
+_HYPOTHESES_OUTPUTS = ("sequences", "scores", "log_probs")
 
 
 def input_signature(graph, model):
@@ -55,9 +57,29 @@ def graph_functions(model):
     def beam_search(encoder_token_ids, beam_size, alpha, max_extra_length):
         return dict(zip(("sequences", "scores"), beam(encoder_token_ids, beam_size, alpha, max_extra_length)))
 
+    beam_n_best, sample = hypotheses_graph(model, "beam"), hypotheses_graph(model, "sample")
+
+    def beam_hypotheses(encoder_token_ids, target_prefix, beam_size, num_hypotheses, alpha, max_extra_length):
+        options = {"target_prefix": target_prefix, "num_hypotheses": num_hypotheses}
+        outputs = beam_n_best(encoder_token_ids, beam_size, alpha, max_extra_length, options)
+        return dict(zip(_HYPOTHESES_OUTPUTS, outputs))
+
+    def sample_search(
+        encoder_token_ids, target_prefix, sample_key, seed, sampling_topk, sampling_topp, sampling_temperature,
+        alpha, max_extra_length,
+    ):
+        options = {
+            "target_prefix": target_prefix, "sample_key": sample_key, "seed": seed,
+            "sampling_topk": sampling_topk, "sampling_topp": sampling_topp,
+            "sampling_temperature": sampling_temperature,
+        }
+        outputs = sample(encoder_token_ids, 1, alpha, max_extra_length, options)
+        return dict(zip(_HYPOTHESES_OUTPUTS, (output[:, 0] for output in outputs)))
+
     functions = {
         "encoder": encoder, "init_cache": init_cache, "decoder_step": decoder_step,
         "greedy_search": greedy_search, "beam_search": beam_search,
+        "beam_hypotheses": beam_hypotheses, "sample_search": sample_search,
     }
     signatures = {}
     for name, graph in contract.ONNX.graphs.items():

@@ -24,8 +24,12 @@ from export.runtime import OnnxSeq2Seq, OnnxTranslator
 
 model = OnnxSeq2Seq("exported/onnx")        # CUDA when it works, else CPU
 ids = model.generate(src_ids, beam_size=4)  # same tokens as TransformerModel.generate
+best = model.generate_hypotheses(src_ids, beam_size=4, num_hypotheses=3)   # as generation.generate_hypotheses
 translator = OnnxTranslator("exported/onnx")
 translator.translate(["A sentence."])
+translator.translate_hypotheses(["A sentence."], num_hypotheses=2)    # [[Hypothesis(text, ...), ...]]
+translator.translate(["A sentence."], target_prefix=["Ein"])
+translator.translate(["A sentence."], beam_size=1, sampling_topk=10, seed=1)
 translator.score(["A sentence."], ["Ein Satz."])   # teacher-forced log-probabilities, as on Keras
 translator.translate_file("test.en.gz", "test.de", max_batch_tokens=4096)
 ```
@@ -49,7 +53,15 @@ import numpy as np
 from export import contract
 from export.contract import CONFIG_FILE, ValidationError
 from export.validate import check_graph_signature
-from keras_transformer.decoding import check_search_args, finish_rows
+from keras_transformer.decoding import (
+    check_hypotheses_args,
+    check_search_args,
+    collect_hypotheses,
+    finish_rows,
+    hypotheses_plan,
+    no_hypotheses,
+    target_prefix_ids,
+)
 from keras_transformer.token_ids import check_id_range
 from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
 from keras_transformer.translate import add_file_arguments, check_file_arguments, translate_lines
@@ -527,12 +539,53 @@ class OnnxSeq2Seq:
         sequences, scores = finish_rows(outputs["sequences"], self.end_id, self.pad_id), outputs["scores"]
         return (sequences, scores) if return_scores else sequences
 
+    def generate_hypotheses(
+        self,
+        encoder_token_ids,
+        beam_size=4,
+        num_hypotheses=1,
+        length_penalty=0.6,
+        max_extra_length=50,
+        target_prefix=None,
+        sampling_topk=1,
+        sampling_topp=1.0,
+        sampling_temperature=1.0,
+        seed=0,
+    ):
+        """`keras_transformer.generation.generate_hypotheses` in one ONNX Runtime call per batch.
+
+        The same plan (`decoding.hypotheses_plan`), checks and results,
+        run by the exported `beam_hypotheses` graph (beam search) or
+        `sample_search` graph (sampling, and greedy search as
+        `sampling_topk` 1): the same tokens, scores and log-probabilities
+        (within float32 rounding), the same samples for the same seed.
+
+        Returns:
+            `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
+        """
+        check_search_args(beam_size, length_penalty, max_extra_length)
+        check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed)
+        ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
+        self._check_length(ids.shape[1], "encoder_token_ids")
+        prefix = target_prefix_ids(target_prefix, ids.shape[0], self)
+        if ids.shape[0] == 0:
+            return no_hypotheses(num_hypotheses)
+        plan = hypotheses_plan(
+            ids, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed
+        )
+        graph, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
+        outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
+        return collect_hypotheses(
+            plan, outputs["sequences"], outputs["scores"], outputs["log_probs"], num_hypotheses, self
+        )
+
 
 class OnnxTranslator(Translator):
     """Text in, text out with an exported model and the tokenizer stored beside it.
 
     The `Translator` of the Keras side (same tokenization, length-sorted
-    batches, truncation, empty lines; `translate_file`, `score`) over an
+    batches, truncation, empty lines; `translate_file`, `score`,
+    `translate_hypotheses`, target prefixes, sampling) over an
     `OnnxSeq2Seq`: each translated batch is one ONNX Runtime call; `score`
     runs the protocol graphs step by step.
 

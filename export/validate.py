@@ -140,7 +140,8 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
 
     def record(graph, name, actual, expected):
         key = f"{graph}/{name}"
-        if contract.ONNX.graphs[graph] in (contract.GREEDY_SEARCH, contract.BEAM_SEARCH):
+        searches = (contract.GREEDY_SEARCH, contract.BEAM_SEARCH, contract.BEAM_HYPOTHESES, contract.SAMPLE_SEARCH)
+        if contract.ONNX.graphs[graph] in searches:
             difference = _compare_search(graph, name, actual, expected)  # Ids equal, scores within 1e-4.
         else:
             difference = _compare(graph, name, actual, expected, atol)
@@ -176,6 +177,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
             )
             tokens = rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, size=(batch,)).astype(np.int32)
     _validate_search_graphs(run, model, rng, record, exact=atol is not None)
+    _validate_hypotheses_graphs(run, model, rng, record, exact=atol is not None)
     per_graph = {}
     for key, difference in differences.items():
         graph = key.split("/")[0]
@@ -220,6 +222,52 @@ def _validate_search_graphs(run, model, rng, record, exact):
         )
         record(graph, "sequences", actual, expected)
         record(graph, "scores", scores, expected_scores)
+
+
+def _validate_hypotheses_graphs(run, model, rng, record, exact):
+    """`beam_hypotheses` and `sample_search` against `generation.generate_hypotheses`.
+
+    Both sides run the same plan (`decoding.hypotheses_plan`); rows with and
+    without a target prefix together; three best of a beam of 4; three
+    samples (top-k 5, top-p 0.9, temperature 0.8) and greedy search
+    (`sampling_topk` 1). With `exact`, ids equal and scores and
+    log-probabilities within 1e-4; otherwise well-formed rows.
+    """
+    from export.contract import hypotheses_feeds
+    from keras_transformer.decoding import collect_hypotheses, hypotheses_plan, target_prefix_ids
+    from keras_transformer.generation import generate_hypotheses
+
+    batch, source_length = 3, 9
+    ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
+    ids[np.arange(batch), np.count_nonzero(ids, axis=1) - 1] = model.end_id
+    prefixes = [list(rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, 2)), None, [FIRST_ORDINARY_ID]]
+    for label, arguments in (
+        ("n-best", dict(beam_size=4, num_hypotheses=3)),
+        ("samples", dict(beam_size=1, num_hypotheses=3, sampling_topk=5, sampling_topp=0.9,
+                         sampling_temperature=0.8, seed=7)),
+        ("greedy", dict(beam_size=1, num_hypotheses=1)),
+    ):
+        options = dict(sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0, seed=0)
+        options.update({key: value for key, value in arguments.items() if key.startswith("sampling") or key == "seed"})
+        plan = hypotheses_plan(
+            ids, target_prefix_ids(prefixes, batch, model), arguments["beam_size"], arguments["num_hypotheses"],
+            options["sampling_topk"], options["sampling_topp"], options["sampling_temperature"], options["seed"],
+        )
+        graph, values = hypotheses_feeds(plan, 0.6, 5)
+        outputs = run(graph, **values)
+        actual = collect_hypotheses(
+            plan, outputs["sequences"], outputs["scores"], outputs["log_probs"], arguments["num_hypotheses"], model
+        )
+        if not exact:
+            rows = actual.sequences.reshape((-1, actual.sequences.shape[-1]))
+            if not (np.all(rows[:, 0] == model.start_id) and np.all(np.any(rows == model.end_id, axis=1))):
+                raise ValidationError(f"{graph}.onnx returned malformed rows ({label}): {rows}")
+            continue
+        expected = generate_hypotheses(
+            model, ids, max_extra_length=5, length_penalty=0.6, target_prefix=prefixes, **arguments
+        )
+        for name in ("sequences", "scores", "log_probs"):
+            record(graph, name, getattr(actual, name), getattr(expected, name))
 
 
 def _compare_search(graph, name, actual, expected, atol=1e-4):

@@ -17,9 +17,12 @@ from keras_transformer.search.api import (  # noqa: F401
     PROTOCOL_ATTRIBUTES,
     check_protocol,
     generate,
+    generate_hypotheses,
     generate_in_graph,
+    hypotheses_graph,
     search_graph,
 )
+from keras_transformer.decoding import Hypotheses  # noqa: F401
 from keras_transformer.search.beam import gather_beams, reorder_cache, tile_cache  # noqa: F401
 from keras_transformer.search.common import NEG_INF  # noqa: F401
 from keras_transformer.search.lengths import length_penalty_factor  # noqa: F401

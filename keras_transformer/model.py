@@ -569,6 +569,22 @@ class TransformerModel(keras.Model):
             max_extra_length=max_extra_length,
         )
 
+    def generate_hypotheses(self, encoder_token_ids, beam_size=4, num_hypotheses=1, **options):
+        """The `num_hypotheses` best outputs per source, with scores: `generation.generate_hypotheses`.
+
+        A thin wrapper; `options` are `generate_hypotheses`' (`length_penalty`,
+        `max_extra_length`, `target_prefix`, `sampling_topk`, `sampling_topp`,
+        `sampling_temperature`, `seed`).
+
+        Returns:
+            `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
+        """
+        from keras_transformer.generation import generate_hypotheses
+
+        return generate_hypotheses(
+            self, encoder_token_ids, beam_size=beam_size, num_hypotheses=num_hypotheses, **options
+        )
+
     def attention_scores(self, encoder_token_ids, decoder_token_ids):
         """Every layer's and head's attention weights, for plots like the paper's Figures 3-5.
 

@@ -52,6 +52,14 @@ def add_file_arguments(parser):
     parser.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW,
                         help=f"lines sorted by length together (default {DEFAULT_WINDOW}; memory grows with it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--sampling-topk", type=int, default=1,
+                        help="sample each token from the K most probable (0: all; default 1: no sampling; "
+                             "with --beam-size 1)")
+    parser.add_argument("--sampling-topp", type=float, default=1.0,
+                        help="when sampling, keep the most probable tokens up to this probability (default 1)")
+    parser.add_argument("--sampling-temperature", type=float, default=1.0,
+                        help="when sampling, divide the log-probabilities by this (> 0, default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     return parser
 
 
@@ -66,7 +74,9 @@ def check_file_arguments(args):
 def translate_lines(translator, args, **search):
     """Translates `args.src` (or stdin) into `args.output` (or stdout); returns the number of lines."""
     batching = dict(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, window=args.window,
-                    progress=not args.no_progress, **search)
+                    progress=not args.no_progress, sampling_topk=args.sampling_topk,
+                    sampling_topp=args.sampling_topp, sampling_temperature=args.sampling_temperature,
+                    seed=args.seed, **search)
     if args.output is not None:
         return translator.translate_file(args.src or "-", args.output, overwrite=args.overwrite, **batching)
     count = 0

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 from tqdm.auto import tqdm
 
-from keras_transformer.decoding import LENGTH_BUCKET, check_search_args
+from keras_transformer.decoding import LENGTH_BUCKET, check_hypotheses_args, check_prefix_length, check_search_args
 from keras_transformer.search.scoring import score_targets
 from keras_transformer.textio import check_output_path, check_text_file, count_lines, iter_lines, write_lines
 
@@ -38,6 +38,24 @@ class TargetScore(NamedTuple):
     log_prob: float
     token_log_probs: list
     token_ids: list
+
+
+class Hypothesis(NamedTuple):
+    """One output of the search for a text (`Translator.translate_hypotheses`).
+
+    Attributes:
+        text: str, the translation.
+        token_ids: list of int, its token ids (the end id last).
+        log_prob: float, log P(token_ids | source) under the search's token
+            rule: what `Translator.score` gives the same ids.
+        score: float, the search's score: `log_prob` divided by the GNMT
+            length penalty `length_penalty_factor(len(token_ids), alpha)`.
+    """
+
+    text: str
+    token_ids: list
+    log_prob: float
+    score: float
 
 
 def check_batch_limits(batch_size, max_batch_tokens):
@@ -98,7 +116,11 @@ class Translator:
     returned in the input order. Empty (or whitespace-only) strings give empty strings
     without running the model. `translate_file` streams a file of any size
     through the same batches; `score` gives the log-probability of given
-    translations.
+    translations; `translate_hypotheses` the n best translations with their
+    scores. `target_prefix` (the output starts with given text) and
+    sampling (`sampling_topk`, `sampling_topp`, `sampling_temperature`,
+    `seed`) run the model's `generate_hypotheses` (`TransformerModel` and
+    `OnnxSeq2Seq` alike; `generation.generate_hypotheses` documents them).
 
     The model may be a `TransformerModel`, the ONNX Runtime
     `export.runtime.OnnxSeq2Seq`, or any object implementing the decoding
@@ -114,6 +136,12 @@ class Translator:
     >>> translator = Translator.from_preset("path/to/preset")
     >>> translator.translate(["A sentence."], beam_size=4)
     ['Ein Satz.']
+    >>> translator.translate_hypotheses(["A sentence."], beam_size=4, num_hypotheses=2)[0][0].text
+    'Ein Satz.'
+    >>> translator.translate(["A sentence."], target_prefix=["Einen"])
+    ['Einen Satz.']
+    >>> translator.translate(["A sentence."], beam_size=1, sampling_topk=10, seed=1)
+    ['Ein Satz!']
     >>> scores = translator.score(["A sentence."], ["Ein Satz."])  # [TargetScore(log_prob, ...)]
     >>> translator.translate_file("test.en.gz", "test.de", max_batch_tokens=4096)  # lines written
     946
@@ -200,6 +228,11 @@ class Translator:
         max_extra_length=50,
         progress=False,
         max_batch_tokens=None,
+        target_prefix=None,
+        sampling_topk=1,
+        sampling_topp=1.0,
+        sampling_temperature=1.0,
+        seed=0,
     ):
         """Translates a list of sentences.
 
@@ -215,16 +248,91 @@ class Translator:
             progress: bool, show a tqdm progress bar (on stderr).
             max_batch_tokens: int >= 1 or None, padded source tokens per
                 search (see `length_batches`).
+            target_prefix: None, or one str or None per text: the
+                translation starts with the prefix's tokens and the search
+                continues from there (at most `max_sequence_length - 2`
+                tokens).
+            sampling_topk: int >= 0. 1 (the default) is the search above;
+                otherwise each token is drawn from the `sampling_topk` most
+                probable (0: all), with `beam_size=1`.
+            sampling_topp: float in (0, 1], keep the most probable tokens up
+                to this probability mass when sampling. Defaults to 1.
+            sampling_temperature: float > 0, divides the log-probabilities
+                when sampling. Defaults to 1.
+            seed: int in `[0, 2^31 - 2]`: the same seed, the same samples
+                (on every backend and on ONNX Runtime).
 
         Returns:
             list of str, in the order of `texts`.
+
+        Raises:
+            ValueError: naming the argument, before anything is translated.
         """
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = list(texts)
-        search = self._search_args(beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens)
+        texts = _texts(texts, "texts")
+        search = self._search_args(
+            beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens,
+            sampling_topk=sampling_topk, sampling_topp=sampling_topp,
+            sampling_temperature=sampling_temperature, seed=seed,
+        )
+        prefixes = self._prefixes(target_prefix, texts)
         with tqdm(total=len(texts), desc="Translating", unit=" sentences", disable=not progress) as bar:
-            return self._translate(texts, search, batch_size, max_batch_tokens, bar)
+            return self._translate(texts, search, batch_size, max_batch_tokens, bar, prefixes=prefixes)
+
+    def translate_hypotheses(
+        self,
+        texts,
+        beam_size=4,
+        num_hypotheses=1,
+        batch_size=None,
+        length_penalty=0.6,
+        max_extra_length=50,
+        progress=False,
+        max_batch_tokens=None,
+        target_prefix=None,
+        sampling_topk=1,
+        sampling_topp=1.0,
+        sampling_temperature=1.0,
+        seed=0,
+    ):
+        """The `num_hypotheses` best translations of each sentence, with their scores.
+
+        Beam search's `num_hypotheses` best finished hypotheses (distinct,
+        best first; the first is `translate`'s translation), or with
+        sampling `num_hypotheses` samples sorted by score (they may repeat).
+        Greedy search (`beam_size=1`) has one.
+
+        Args:
+            texts: list of non-empty str (a single str is a list of one).
+            num_hypotheses: int >= 1, at most `beam_size` unless sampling.
+            beam_size, batch_size, length_penalty, max_extra_length,
+            progress, max_batch_tokens, target_prefix, sampling_topk,
+            sampling_topp, sampling_temperature, seed: as `translate`.
+
+        Returns:
+            list (one per text, in order) of lists of `Hypothesis(text,
+            token_ids, log_prob, score)`, best first; a slot the search
+            could not fill (a prefix that leaves fewer live beams than
+            hypotheses) is left out.
+
+        Raises:
+            ValueError: naming the argument (an empty text, `num_hypotheses
+            > beam_size`, a prefix too long, ...), before anything is
+            translated.
+        """
+        texts = _texts(texts, "texts")
+        search = self._search_args(
+            beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens,
+            num_hypotheses=num_hypotheses, sampling_topk=sampling_topk, sampling_topp=sampling_topp,
+            sampling_temperature=sampling_temperature, seed=seed,
+        )
+        for i, text in enumerate(texts):
+            if not text.strip():
+                raise ValueError(f"texts[{i}] is empty; translate_hypotheses needs a non-empty text")
+        prefixes = self._prefixes(target_prefix, texts)
+        with tqdm(total=len(texts), desc="Translating", unit=" sentences", disable=not progress) as bar:
+            return self._translate(
+                texts, search, batch_size, max_batch_tokens, bar, prefixes=prefixes, num_hypotheses=num_hypotheses
+            )
 
     def translate_iterable(
         self,
@@ -237,6 +345,10 @@ class Translator:
         max_batch_tokens=None,
         window=DEFAULT_WINDOW,
         total=None,
+        sampling_topk=1,
+        sampling_topp=1.0,
+        sampling_temperature=1.0,
+        seed=0,
     ):
         """Translates a stream of sentences; yields the translations in input order.
 
@@ -254,12 +366,17 @@ class Translator:
             total: int or None, the number of sentences, for the progress
                 bar's ETA.
             beam_size, batch_size, length_penalty, max_extra_length,
-            progress, max_batch_tokens: as `translate`.
+            progress, max_batch_tokens, sampling_topk, sampling_topp,
+            sampling_temperature, seed: as `translate`.
 
         Returns:
             An iterator of str, one per input sentence.
         """
-        search = self._search_args(beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens)
+        search = self._search_args(
+            beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens,
+            sampling_topk=sampling_topk, sampling_topp=sampling_topp,
+            sampling_temperature=sampling_temperature, seed=seed,
+        )
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
             raise ValueError(f"window={window!r} must be a positive integer (sentences sorted together)")
         if isinstance(texts, str):
@@ -278,6 +395,10 @@ class Translator:
         max_batch_tokens=None,
         window=DEFAULT_WINDOW,
         overwrite=False,
+        sampling_topk=1,
+        sampling_topp=1.0,
+        sampling_temperature=1.0,
+        seed=0,
     ):
         """Translates a file of any size, one sentence per line, into another.
 
@@ -298,7 +419,8 @@ class Translator:
             progress: bool, a tqdm progress bar on stderr (sentences/s;
                 with the total for a file).
             beam_size, batch_size, length_penalty, max_extra_length,
-            max_batch_tokens, window: as `translate_iterable`.
+            max_batch_tokens, window, sampling_topk, sampling_topp,
+            sampling_temperature, seed: as `translate_iterable`.
 
         Returns:
             int, the number of lines written.
@@ -310,7 +432,11 @@ class Translator:
             ValueError: bad arguments; `src_path` is binary or not UTF-8;
                 `out_path` is `src_path`.
         """
-        self._search_args(beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens)
+        sampling = dict(
+            sampling_topk=sampling_topk, sampling_topp=sampling_topp,
+            sampling_temperature=sampling_temperature, seed=seed,
+        )
+        self._search_args(beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens, **sampling)
         check_text_file(src_path, "src_path")
         check_output_path(out_path, "out_path", overwrite=overwrite, source=src_path)
         total = count_lines(src_path) if progress else None
@@ -324,14 +450,47 @@ class Translator:
             max_batch_tokens=max_batch_tokens,
             window=window,
             total=total,
+            **sampling,
         )
         return write_lines(out_path, translations, overwrite=overwrite)
 
-    def _search_args(self, beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens):
-        """Checks the arguments up front; returns the search's keyword arguments."""
+    def _search_args(
+        self, beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens, num_hypotheses=1,
+        sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0, seed=0,
+    ):
+        """Checks the arguments up front; returns the search's keyword arguments (sampling's when sampling)."""
         check_search_args(beam_size, length_penalty, max_extra_length)
+        check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed)
         check_batch_limits(batch_size, max_batch_tokens)
-        return dict(beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length)
+        search = dict(beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length)
+        if sampling_topk != 1:
+            search.update(
+                sampling_topk=sampling_topk, sampling_topp=sampling_topp,
+                sampling_temperature=sampling_temperature, seed=seed,
+            )
+        return search
+
+    def _prefixes(self, target_prefix, texts):
+        """The token ids of each text's target prefix (None: none), checked up front; None when no text has one."""
+        if target_prefix is None:
+            return None
+        target_prefix = [target_prefix] if isinstance(target_prefix, str) else list(target_prefix)
+        if len(target_prefix) != len(texts):
+            raise ValueError(
+                f"target_prefix has {len(target_prefix)} entries; expected one str or None per text ({len(texts)})"
+            )
+        for i, prefix in enumerate(target_prefix):
+            if prefix is not None and not isinstance(prefix, str):
+                raise TypeError(f"target_prefix[{i}] must be a str or None, received {type(prefix).__name__}")
+        given = [i for i, prefix in enumerate(target_prefix) if prefix]
+        prefixes = [None] * len(texts)
+        encoded = self.tokenizer.encode([target_prefix[i] for i in given], add_start=False, add_end=False, target=True)
+        for i, ids in zip(given, encoded):
+            check_prefix_length(i, len(ids), getattr(self.model, "max_sequence_length", None))
+            if not texts[i].strip():
+                raise ValueError(f"texts[{i}] is empty but target_prefix[{i}] is not; a prefix needs a source text")
+            prefixes[i] = ids or None
+        return prefixes if any(prefixes) else None
 
     def _stream(self, texts, search, batch_size, max_batch_tokens, window, progress, total):
         with tqdm(total=total, desc="Translating", unit=" sentences", disable=not progress) as bar:
@@ -341,24 +500,53 @@ class Translator:
                     return
                 yield from self._translate(chunk, search, batch_size, max_batch_tokens, bar, first)
 
-    def _translate(self, texts, search, batch_size, max_batch_tokens, bar, first_index=0):
-        """Translations of `texts` (a list), batched by `length_batches`; `bar` counts sentences."""
+    def _translate(
+        self, texts, search, batch_size, max_batch_tokens, bar, first_index=0, prefixes=None, num_hypotheses=None
+    ):
+        """Translations of `texts` (a list), batched by `length_batches`; `bar` counts sentences.
+
+        With `num_hypotheses`, lists of `Hypothesis` instead of str;
+        `prefixes`: None or per text None or its prefix's token ids.
+        """
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(
                     f"texts[{first_index + i}] must be a str, received {type(text).__name__}: {text!r}"
                 )
-        results = [""] * len(texts)
+        results = ["" if num_hypotheses is None else [] for _ in texts]
         sources = self.encode(texts, first_index)
         # Empty strings (nothing but the end id) translate to empty strings.
         todo = [i for i, ids in enumerate(sources) if len(ids) > 1 and texts[i].strip()]
         bar.update(len(texts) - len(todo))
+        # The plain search (`generate`) unless an option needs generate_hypotheses.
+        hypotheses = num_hypotheses is not None or prefixes is not None or "sampling_topk" in search
         for positions in length_batches([len(sources[i]) for i in todo], batch_size, max_batch_tokens):
             batch = [todo[position] for position in positions]
-            outputs = self._generate(_padded([sources[i] for i in batch]), **search)
-            for i, text in zip(batch, self.tokenizer.decode(outputs)):
-                results[i] = text
+            ids = _padded([sources[i] for i in batch])
+            if not hypotheses:
+                for i, text in zip(batch, self.tokenizer.decode(self._generate(ids, **search))):
+                    results[i] = text
+            else:
+                prefix = None if prefixes is None else [prefixes[i] for i in batch]
+                found = self._generate_hypotheses(ids, num_hypotheses or 1, prefix, **search)
+                for row, i in enumerate(batch):
+                    results[i] = self._hypotheses(found, row)
+                    if num_hypotheses is None:
+                        results[i] = results[i][0].text
             bar.update(len(batch))
+        return results
+
+    def _hypotheses(self, found, row):
+        """The `Hypothesis` list of one row of `generate_hypotheses`' output, unfilled slots left out."""
+        sequences = found.sequences[row]  # [n, L]
+        texts = self.tokenizer.decode(sequences)
+        results = []
+        for sequence, text, score, log_prob in zip(sequences, texts, found.scores[row], found.log_probs[row]):
+            if not np.isfinite(score):
+                continue
+            ends = np.flatnonzero(sequence[1:] == self.tokenizer.end_id)
+            token_ids = sequence[1: int(ends[0]) + 2].tolist() if len(ends) else sequence[1:].tolist()
+            results.append(Hypothesis(text, token_ids, float(log_prob), float(score)))
         return results
 
     def _generate(self, ids, **search):
@@ -367,6 +555,16 @@ class Translator:
         from keras_transformer.generation import generate
 
         return generate(self.model, ids, **search)
+
+    def _generate_hypotheses(self, ids, num_hypotheses, target_prefix, **search):
+        if callable(getattr(self.model, "generate_hypotheses", None)):
+            return self.model.generate_hypotheses(ids, num_hypotheses=num_hypotheses, target_prefix=target_prefix,
+                                                  **search)
+        from keras_transformer.generation import generate_hypotheses
+
+        return generate_hypotheses(
+            self.model, ids, num_hypotheses=num_hypotheses, target_prefix=target_prefix, **search
+        )
 
     # ------------------------------------------------------------------ #
     # Scoring

@@ -79,7 +79,7 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir):
     )
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
-    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 3)
+    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 4)
     assert config["opset"] == onnx_export.DEFAULT_OPSET == 17
     assert config["quantization"] is None
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
@@ -233,7 +233,7 @@ def test_search_graphs_carry_no_weights_through_the_loop(exported):
     """The Loop reads the weights from the outer graph (initializers: pre-packed, quantizable)."""
     import onnx
 
-    for graph in ("greedy_search", "beam_search"):
+    for graph in ("greedy_search", "beam_search", "beam_hypotheses", "sample_search"):
         proto = onnx.load(str(exported / f"{graph}.onnx"))
         (loop,) = [node for node in proto.graph.node if node.op_type == "Loop"]
         body = loop.attribute[0].g
@@ -356,6 +356,85 @@ def test_scoring_the_greedy_graphs_output_gives_its_own_log_probability(onnx_mod
     np.testing.assert_allclose(log_probs / ((5.0 + lengths) / 6.0) ** length_penalty, scores, rtol=1e-5, atol=1e-4)
 
 
+# --------------------------------------------------------------------------- #
+# n-best, target prefixes and sampling: the same numbers as Keras
+# --------------------------------------------------------------------------- #
+def test_an_export_of_format_3_is_refused_with_export_again(exported, tmp_path):
+    copy = copy_of(exported, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    config["format_version"] = 3
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="version 3; this version of export.runtime reads .* version 4. Export the"):
+        OnnxTranslator(copy)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        dict(beam_size=4, num_hypotheses=3),
+        dict(beam_size=3, num_hypotheses=2, target_prefix=[[7, 8, 9], None, [11], None]),
+        dict(beam_size=1, target_prefix=[None, [5], None, [6, 6]]),
+        dict(beam_size=1, num_hypotheses=3, sampling_topk=0, seed=4, target_prefix=[[9], None, None, None]),
+        dict(beam_size=1, num_hypotheses=2, sampling_topk=10, sampling_topp=0.8, sampling_temperature=0.7, seed=1),
+    ],
+    ids=["n-best", "n-best-prefix", "greedy-prefix", "samples-prefix", "samples-cut"],
+)
+def test_generate_hypotheses_gives_keras_tokens_scores_and_log_probs(model, onnx_model, arguments):
+    from keras_transformer.generation import generate_hypotheses
+    from keras_transformer.search.scoring import score_targets
+
+    src = sources(np.random.default_rng(5), [7, 2, 11, 5])
+    expected = generate_hypotheses(model, src, max_extra_length=6, **arguments)
+    found = onnx_model.generate_hypotheses(src, max_extra_length=6, **arguments)
+    np.testing.assert_array_equal(found.sequences, expected.sequences)
+    np.testing.assert_allclose(found.scores, expected.scores, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(found.log_probs, expected.log_probs, atol=1e-4, rtol=0)
+    # A NumPy recomputation from the graphs' logits (teacher forced) gives the same log-probabilities.
+    batch, count, length = found.sequences.shape
+    log_probs, _ = score_targets(onnx_model, np.repeat(src, count, axis=0), found.sequences.reshape((-1, length)))
+    np.testing.assert_allclose(found.log_probs.reshape(-1), log_probs, atol=1e-4, rtol=0)
+    for row, prefix in enumerate(arguments.get("target_prefix") or [None] * batch):
+        if prefix:
+            assert (found.sequences[row, :, 1: 1 + len(prefix)] == prefix).all()
+
+
+def test_sampling_with_top_k_1_is_greedy_and_a_seed_reproduces(onnx_model):
+    src = sources(np.random.default_rng(6), [4, 9, 6])
+    greedy = onnx_model.generate(src, beam_size=1, max_extra_length=5)
+    cut = onnx_model.generate_hypotheses(src, beam_size=1, sampling_topk=0, sampling_topp=1e-6, seed=3,
+                                         max_extra_length=5)
+    np.testing.assert_array_equal(cut.sequences[:, 0], greedy)
+    first = onnx_model.generate_hypotheses(src, beam_size=1, num_hypotheses=2, sampling_topk=0, seed=3)
+    again = onnx_model.generate_hypotheses(src, beam_size=1, num_hypotheses=2, sampling_topk=0, seed=3)
+    np.testing.assert_array_equal(first.sequences, again.sequences)
+    with pytest.raises(ValueError, match=r"num_hypotheses=5 must be <= beam_size=4"):
+        onnx_model.generate_hypotheses(src, beam_size=4, num_hypotheses=5)
+    assert onnx_model.generate_hypotheses(np.zeros((0, 3), np.int32), num_hypotheses=2).sequences.shape == (0, 2, 0)
+
+
+@pytest.mark.slow
+def test_onnx_translator_hypotheses_prefixes_and_samples_equal_keras(exported, preset_dir):
+    texts = ["the cat sat", "a dog ran far away", "the bird"]
+    keras_translator = Translator.from_preset(preset_dir)
+    onnx_translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    for arguments in (
+        dict(beam_size=4, num_hypotheses=3),
+        dict(beam_size=2, num_hypotheses=2, target_prefix=["the", None, "a dog"]),
+        dict(beam_size=1, num_hypotheses=2, sampling_topk=0, seed=8),
+    ):
+        ours = onnx_translator.translate_hypotheses(texts, **arguments)
+        theirs = keras_translator.translate_hypotheses(texts, **arguments)
+        for mine, other in zip(ours, theirs):
+            assert [h.text for h in mine] == [h.text for h in other]
+            assert [h.token_ids for h in mine] == [h.token_ids for h in other]
+            np.testing.assert_allclose([h.score for h in mine], [h.score for h in other], atol=1e-4)
+            np.testing.assert_allclose([h.log_prob for h in mine], [h.log_prob for h in other], atol=1e-4)
+        single = {key: value for key, value in arguments.items() if key != "num_hypotheses"}
+        if "sampling_topk" in single:  # The best of two samples is not the one sample.
+            ours = onnx_translator.translate_hypotheses(texts, **single)
+        assert onnx_translator.translate(texts, **single) == [row[0].text for row in ours]
+
+
 def test_translate_file_of_the_bundled_test_split_equals_translate(exported, tmp_path, caplog):
     from keras_transformer.datasets import bundled_paths
     from keras_transformer.textio import read_lines
@@ -423,7 +502,7 @@ def test_a_graph_that_deviates_from_the_contract_is_named(exported, tmp_path):
     message = r"decoder_step\.onnx decoder_token_ids axis 0 \(batch\) is fixed to 2; it must be dynamic"
     with pytest.raises(ValidationError, match=message):
         validate_onnx(copy, small_model())
-    with pytest.raises(ValueError, match="does not match export format 3: " + message):
+    with pytest.raises(ValueError, match="does not match export format 4: " + message):
         OnnxSeq2Seq(copy, providers=["CPUExecutionProvider"])._session("decoder_step")
 
     shutil.copy(exported / "decoder_step.onnx", path)
@@ -568,7 +647,7 @@ def test_another_format_version_is_rejected(exported, tmp_path):
     config["format_version"] = 99
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="version 99; this version of export.runtime reads 'keras_transformer.onnx' "
-                       "version 3. Export the model again"):
+                       "version 4. Export the model again"):
         OnnxSeq2Seq(copy)
 
 

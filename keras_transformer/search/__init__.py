@@ -1,9 +1,12 @@
 """Greedy and beam search over a cached decoder step (the decoding protocol: `search/api.py`).
 
-- `api.py`: `generate`, `generate_in_graph`, `search_graph` and the choice of driver;
-- `greedy.py`, `beam.py`: each search as pure functions of a declared state;
+- `api.py`: `generate`, `generate_hypotheses` (n-best, target prefixes,
+  sampling), `generate_in_graph`, `search_graph`, `hypotheses_graph` and the
+  choice of driver;
+- `greedy.py`, `beam.py`, `sample.py`: each search as pure functions of a
+  declared state (sampling: greedy search with a counter-based random draw);
 - `lengths.py`: the length rules and `length_penalty_factor`;
-- `log_probs.py`: the token rule (log-softmax, excluded ids), in `keras.ops`
+- `log_probs.py`: the token rule (log-softmax, excluded ids, forced prefixes), in `keras.ops`
   and as its NumPy twin;
 - `scoring.py`: teacher-forced scoring of given targets (NumPy: the ONNX
   Runtime server scores without Keras);

@@ -47,7 +47,15 @@ import numpy as np
 from keras import ops
 
 from keras_transformer.checks import check_token_ids
-from keras_transformer.decoding import check_search_args, finish_rows
+from keras_transformer.decoding import (
+    check_hypotheses_args,
+    check_search_args,
+    collect_hypotheses,
+    finish_rows,
+    hypotheses_plan,
+    no_hypotheses,
+    target_prefix_ids,
+)
 from keras_transformer.search import compiled, loop
 from keras_transformer.search.lengths import padded_search_inputs, search_lengths
 
@@ -159,7 +167,7 @@ def generate(
     source = np.pad(source, ((0, 0), (0, padded_length - source_length)))  # [B, S_bucket]
 
     search = select_driver(model, compile)
-    sequences, scores = search(
+    sequences, scores, _ = search(
         model,
         ops.convert_to_tensor(source, "int32"),
         ops.convert_to_tensor(max_lengths, "int32"),
@@ -167,10 +175,115 @@ def generate(
         int(beam_size),
         length,
     )
-    sequences = finish_rows(np.asarray(ops.convert_to_numpy(sequences)), model.end_id, model.pad_id)
+    sequences = finish_rows(np.asarray(ops.convert_to_numpy(sequences))[:, 0], model.end_id, model.pad_id)
     if return_scores:
-        return sequences, np.asarray(ops.convert_to_numpy(scores)).astype("float32")
+        return sequences, np.asarray(ops.convert_to_numpy(scores))[:, 0].astype("float32")
     return sequences
+
+
+def generate_hypotheses(
+    model,
+    encoder_token_ids,
+    beam_size=4,
+    num_hypotheses=1,
+    length_penalty=0.6,
+    max_extra_length=50,
+    target_prefix=None,
+    sampling_topk=1,
+    sampling_topp=1.0,
+    sampling_temperature=1.0,
+    seed=0,
+    compile=True,
+):
+    """The `num_hypotheses` best outputs per source row, with their scores and log-probabilities.
+
+    The search of `generate`, with three options:
+
+    - n-best: beam search keeps searching until no live beam can enter a
+      row's `num_hypotheses` best finished hypotheses (with one, exactly
+      `generate`'s search), and returns them best first; the first is
+      `generate`'s output. Distinct by construction (distinct paths).
+      Greedy search (`beam_size=1`) has one.
+    - `target_prefix`: every output of row b starts with its prefix's
+      tokens, and the search continues from there (the token rule of
+      `search/log_probs.py` excludes every other id inside the prefix; the
+      prefix's tokens keep their log-probabilities, so scores are the
+      model's log-probabilities of the whole output). Row b may generate at
+      least its prefix and the end id.
+    - sampling (`sampling_topk != 1`, with `beam_size=1`): greedy search
+      with each token drawn (`search/sample.py`) from the
+      `sampling_temperature`-tempered distribution cut to its
+      `sampling_topk` most probable ids (0: all) and to the smallest set
+      holding `sampling_topp` of the probability; `num_hypotheses` samples
+      per row (sample i of a row draws with its own noise), sorted by
+      score. The draw is a function of (`seed`, step, the row's source
+      tokens and sample number, token id) only: the same seed gives the
+      same samples on every backend, in the exported ONNX graph, and in
+      any batch. `sampling_topk=1` is
+      greedy search.
+
+    Args:
+        model, encoder_token_ids, beam_size, length_penalty,
+        max_extra_length, compile: as `generate`.
+        num_hypotheses: int >= 1, at most `beam_size` without sampling.
+        target_prefix: None, or per source row None or a list of token ids
+            (no start or end id), or an int array `[B, P]` padded with the
+            pad id; at most `model.max_sequence_length - 2` tokens.
+        sampling_topk: int >= 0. 1 (the default): no sampling.
+        sampling_topp: float in (0, 1]. Defaults to 1 (no cut).
+        sampling_temperature: float > 0. Defaults to 1.
+        seed: int in `[0, 2^31 - 2]`, the draws' seed.
+
+    Returns:
+        `decoding.Hypotheses(sequences, scores, log_probs)`: int32
+        `[B, num_hypotheses, L]` (rows as `generate`'s), float32
+        `[B, num_hypotheses]` twice; best first.
+
+    Raises:
+        ValueError: naming the argument, as `generate`, and for
+            `num_hypotheses > beam_size` (without sampling), a negative
+            `sampling_topk`, a temperature <= 0, sampling with
+            `beam_size > 1`, or a bad or too long prefix.
+
+    Example:
+    >>> best = generate_hypotheses(model, src, beam_size=4, num_hypotheses=3)
+    >>> best.sequences.shape[:2], best.scores.shape
+    ((2, 3), (2, 3))
+    """
+    check_protocol(model)
+    check_search_args(beam_size, length_penalty, max_extra_length)
+    check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed)
+    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
+    if model.pad_id != 0:
+        raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
+    source = np.asarray(ops.convert_to_numpy(encoder_token_ids)).astype("int32")
+    prefix = target_prefix_ids(target_prefix, source.shape[0], model)
+    if source.shape[0] == 0:
+        return no_hypotheses(num_hypotheses)
+    plan = hypotheses_plan(
+        source, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed
+    )
+    prefix = plan.options.get("target_prefix")
+    max_lengths, length, padded_length = search_lengths(
+        plan.source, max_extra_length, getattr(model, "max_sequence_length", None), prefix
+    )
+    length = int(ops.convert_to_numpy(length))
+    padded_length = int(ops.convert_to_numpy(padded_length))
+    source = np.pad(plan.source, ((0, 0), (0, padded_length - plan.source.shape[1])))
+    search = select_driver(model, compile, own_search=False)
+    outputs = search(
+        model,
+        ops.convert_to_tensor(source, "int32"),
+        ops.convert_to_tensor(np.asarray(ops.convert_to_numpy(max_lengths)).astype("int32"), "int32"),
+        ops.convert_to_tensor(float(length_penalty), "float32"),
+        plan.beam_size,
+        length,
+        plan.search_name,
+        {name: ops.convert_to_tensor(value) for name, value in plan.options.items()},
+    )
+    return collect_hypotheses(
+        plan, *(np.asarray(ops.convert_to_numpy(x)) for x in outputs), num_hypotheses=num_hypotheses, model=model
+    )
 
 
 def generate_in_graph(model, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50):
@@ -215,9 +328,10 @@ def generate_in_graph(model, encoder_token_ids, beam_size=4, length_penalty=0.6,
         encoder_token_ids, max_extra_length, getattr(model, "max_sequence_length", None)
     )
     search = compiled.compiled_search(model)
-    return search(
+    sequences, scores, _ = search(
         model, source, max_lengths, ops.convert_to_tensor(float(length_penalty), "float32"), int(beam_size), length
     )
+    return sequences[:, 0], scores[:, 0]
 
 
 def search_graph(model, search_name):
@@ -248,7 +362,51 @@ def search_graph(model, search_name):
         source, max_lengths, length = padded_search_inputs(encoder_token_ids, max_extra_length, limit)
         if search_name == "greedy":
             beam_size = 1
-        return loop.run(model, source, max_lengths, alpha, beam_size, length, compiled=True, search_name=search_name)
+        sequences, scores, _ = loop.run(
+            model, source, max_lengths, alpha, beam_size, length, compiled=True, search_name=search_name
+        )
+        return sequences[:, 0], scores[:, 0]
+
+    return search
+
+
+def hypotheses_graph(model, search_name):
+    """The search of `generate_hypotheses` as one function of tensors, to export as one graph.
+
+    As `search_graph`, with the search's options as inputs: the exported
+    `beam_hypotheses` and `sample_search` graphs (`export/onnx.py`), which
+    `export.runtime.OnnxSeq2Seq.generate_hypotheses` runs after the same
+    `decoding.hypotheses_plan` as `generate_hypotheses`.
+
+    Args:
+        model: a `TransformerModel`.
+        search_name: "beam" or "sample" (greedy search is sampling with
+            `sampling_topk` 1).
+
+    Returns:
+        A function `(encoder_token_ids [B, S] int32, beam_size [] int32,
+        alpha [] float32, max_extra_length [] int32, options) ->
+        (sequences [B, K, L] int32, scores [B, K] float32, log_probs [B, K]
+        float32)`; `options` a dict of tensors named as in
+        `decoding.hypotheses_plan` (`target_prefix` int32 `[B, P]`, P >= 1,
+        pad-filled; beam: `num_hypotheses`; sample: `sample_key`, `seed`,
+        `sampling_topk`, `sampling_topp`, `sampling_temperature`). K is the
+        beam size (1 for sampling); rows are not trimmed.
+    """
+    if search_name not in ("beam", "sample"):
+        raise ValueError(f"search_name={search_name!r} must be 'beam' or 'sample'")
+    limit = getattr(model, "max_sequence_length", None)
+
+    def search(encoder_token_ids, beam_size, alpha, max_extra_length, options):
+        source, max_lengths, length = padded_search_inputs(
+            encoder_token_ids, max_extra_length, limit, options["target_prefix"]
+        )
+        if search_name == "sample":
+            beam_size = 1
+        return loop.run(
+            model, source, max_lengths, alpha, beam_size, length, compiled=True, search_name=search_name,
+            options=options,
+        )
 
     return search
 
@@ -264,10 +422,14 @@ def check_protocol(model):
 
 
 
-def select_driver(model, compile):
-    """The driver for `model`: its own, compiled, hybrid or eager (see `generate`)."""
+def select_driver(model, compile, own_search=True):
+    """The driver for `model`: its own, compiled, hybrid or eager (see `generate`).
+
+    `own_search=False`: never the model's `run_search` (which runs
+    `generate`'s search only).
+    """
     backend = keras.backend.backend()
-    if compile and callable(getattr(model, "run_search", None)):
+    if own_search and compile and callable(getattr(model, "run_search", None)):
         return model_search
     has_variables = isinstance(getattr(model, "variables", None), (list, tuple))
     if compile and backend == "torch" and compiled.TORCH_COMPILE_BACKEND is not None and has_variables:
@@ -280,5 +442,6 @@ def select_driver(model, compile):
 
 
 def model_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
-    """The driver of a model that runs the search itself (`run_search`)."""
-    return model.run_search(encoder_token_ids, max_lengths, alpha, beam_size, length)
+    """The driver of a model that runs the search itself (`run_search`): its best hypotheses, K = 1."""
+    sequences, scores = model.run_search(encoder_token_ids, max_lengths, alpha, beam_size, length)
+    return ops.expand_dims(sequences, 1), ops.expand_dims(scores, 1), None

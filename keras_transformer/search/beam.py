@@ -1,16 +1,31 @@
 """Beam search with the GNMT length penalty, as the paper (section 6.1).
 
 Pure functions of a state (a dict declared by `STATE_SPEC`), driven by
-`search/loop.py`: `init`, `tokens`, `update`, `keep_going`, `result`; and the
+`search/loop.py`: `init`, `tokens`, `update`, `keep_going`, `result`,
+`hypotheses` (the n best); and the
 beam gathers (`gather_beams`, `tile_cache`, `reorder_cache`), vectorised as
 in tensor2tensor's `beam_search.py` and the Flax WMT example's `decode.py`
 (live and finished beams).
-Shape legend: B batch, K beam size, L output buffer length, V vocabulary size.
+Shape legend: B batch, K beam size, P target prefix length, L output buffer
+length, V vocabulary size.
+
+A target prefix needs nothing of its own here: the token rule
+(`log_probs.py`) leaves one finite extension per live beam inside a row's
+prefix, and beam 0, the only live beam at the start, follows it.
 """
 
 from keras import ops
 
-from keras_transformer.search.common import NEG_INF, Field, dim, read_position, start_sequences, write_position
+from keras_transformer.search.common import (
+    NEG_INF,
+    Field,
+    constant_field,
+    dim,
+    read_position,
+    start_sequences,
+    target_prefix,
+    write_position,
+)
 from keras_transformer.search.lengths import length_penalty_factor
 from keras_transformer.search.log_probs import token_log_probs
 
@@ -23,11 +38,18 @@ STATE_SPEC = (
     Field("live_log_probs", "float32", ("B", "K")),  # best first
     Field("finished_sequences", "int32", ("B", "K", "L")),
     Field("finished_scores", "float32", ("B", "K")),  # best first, -inf where none
+    Field("finished_log_probs", "float32", ("B", "K")),  # their log-probabilities
+    Field("target_prefix", "int32", ("B", "P")),  # forced first tokens, pad-filled (constant)
+    Field("num_hypotheses", "int32", ()),  # finished hypotheses a row needs before it stops (constant)
 )
 
 
-def init(model, batch, beam_size, length, index, cache):
-    """The start state and the cache tiled per beam (`[B, ...] -> [B * K, ...]`)."""
+def init(model, batch, beam_size, length, index, cache, options=None):
+    """The start state and the cache tiled per beam (`[B, ...] -> [B * K, ...]`).
+
+    `options`: a dict that may hold `target_prefix` (int32 `[B, P]`) and
+    `num_hypotheses` (int32 scalar in `1..K`, default 1).
+    """
     # All beams start as the same start id; only beam 0 is live, so the first
     # step does not pick K copies of the same extension.
     first = ops.where(ops.equal(ops.arange(beam_size, dtype="int32"), 0), 0.0, NEG_INF)
@@ -37,6 +59,9 @@ def init(model, batch, beam_size, length, index, cache):
         "live_log_probs": ops.broadcast_to(ops.cast(first, "float32"), (batch, beam_size)),  # [B, K]
         "finished_sequences": ops.zeros((batch, beam_size, length), "int32"),  # [B, K, L]
         "finished_scores": ops.full((batch, beam_size), NEG_INF, "float32"),  # [B, K]
+        "finished_log_probs": ops.full((batch, beam_size), NEG_INF, "float32"),  # [B, K]
+        "target_prefix": target_prefix(options, batch),  # [B, P]
+        "num_hypotheses": constant_field(options, "num_hypotheses", 1, "int32"),
     }
     return state, tile_cache(cache, beam_size)
 
@@ -57,7 +82,7 @@ def update(model, state, logits, max_lengths, alpha):
 
     # [B * K, V] -> [B, K, V]
     logits = ops.reshape(ops.convert_to_tensor(logits), (batch, beam_size, vocabulary_size))
-    log_probs = token_log_probs(model, logits, index + 1, max_lengths)
+    log_probs = token_log_probs(model, logits, index + 1, max_lengths, state["target_prefix"])
 
     # The best 2K extensions of the live beams: at most K of them end, so at
     # least K stay live.
@@ -81,30 +106,34 @@ def update(model, state, logits, max_lengths, alpha):
     ended_scores = ops.where(top_ended, ended_scores, NEG_INF)  # [B, 2K]
     all_scores = ops.concatenate([state["finished_scores"], ended_scores], axis=1)  # [B, 3K]
     all_sequences = ops.concatenate([state["finished_sequences"], top_sequences], axis=1)  # [B, 3K, L]
+    all_log_probs = ops.concatenate([state["finished_log_probs"], top_log_probs], axis=1)  # [B, 3K]
     finished_scores, finished_choice = ops.top_k(all_scores, beam_size)  # [B, K]
 
-    state = {
-        "index": index + 1,
-        "live_sequences": live_sequences,
-        "live_log_probs": live_log_probs,
-        "finished_sequences": gather_beams(all_sequences, finished_choice),
-        "finished_scores": finished_scores,
-    }
+    state = dict(
+        state,
+        index=index + 1,
+        live_sequences=live_sequences,
+        live_log_probs=live_log_probs,
+        finished_sequences=gather_beams(all_sequences, finished_choice),
+        finished_scores=finished_scores,
+        finished_log_probs=gather_beams(all_log_probs, finished_choice),
+    )
     return state, parents
 
 
 def keep_going(state, max_lengths, alpha, length):
-    """Scalar bool: the buffer has room and some row's live beam can still beat its best finished one.
+    """Scalar bool: the buffer has room and some row's live beam can still beat its n-th best finished one.
 
-    A live beam's log-probability only decreases, and for alpha >= 0 the
-    penalty is largest at the row's maximum length, so
+    n is `num_hypotheses` (1 for `generate`): a row stops when no live beam
+    can enter its n best. A live beam's log-probability only decreases, and
+    for alpha >= 0 the penalty is largest at the row's maximum length, so
     `live_log_prob / lp(max_length)` bounds its final score.
     """
     # Beams are sorted best first (top_k), so column 0 is each row's best.
     best_live_bound = state["live_log_probs"][:, 0] / length_penalty_factor(max_lengths, alpha)  # [B]
-    best_finished = state["finished_scores"][:, 0]  # [B]
+    nth_finished = ops.take(state["finished_scores"], state["num_hypotheses"] - 1, axis=1)  # [B]
     # -inf >= -inf: a row with neither finished nor live beams has stopped.
-    stopped = ops.greater_equal(best_finished, best_live_bound)
+    stopped = ops.greater_equal(nth_finished, best_live_bound)
     return ops.logical_and(state["index"] < length - 1, ops.logical_not(ops.all(stopped)))
 
 
@@ -113,6 +142,15 @@ def result(state):
     # Every row has a finished hypothesis: the end id is forced at its
     # maximum length.
     return state["finished_sequences"][:, 0], state["finished_scores"][:, 0]
+
+
+def hypotheses(state):
+    """`(sequences [B, K, L], scores [B, K], log_probs [B, K])`: every row's finished hypotheses, best first.
+
+    A row holds at least `num_hypotheses` of them (finite scores) unless
+    fewer than that were ever live (-inf scores, rows not to be read).
+    """
+    return state["finished_sequences"], state["finished_scores"], state["finished_log_probs"]
 
 
 def gather_beams(x, beam_indices):

@@ -52,6 +52,24 @@ def read_position(sequences, position):
     return ops.take(sequences, position, axis=-1)
 
 
+def constant_field(options, name, default, dtype):
+    """`options[name]` (or `default`) as a `dtype` tensor: a search option carried in the state."""
+    value = options.get(name, default) if options else default
+    return ops.cast(ops.convert_to_tensor(value), dtype)
+
+
+def target_prefix(options, batch):
+    """The state's `target_prefix`: int32 `[B, P]` ids the output must start with, pad-filled.
+
+    `options["target_prefix"]`, or one pad column (no prefix) when absent:
+    P >= 1, so reading a prefix column never reads outside the tensor.
+    """
+    prefix = options.get("target_prefix") if options else None
+    if prefix is None:
+        return ops.zeros((batch, 1), "int32")
+    return ops.cast(prefix, "int32")
+
+
 def start_sequences(model, shape):
     """Int32 zeros of `shape` (`[..., L]`) with the start id at position 0."""
     length = shape[-1]

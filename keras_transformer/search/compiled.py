@@ -62,7 +62,8 @@ def compiled_search(model):
     weight updates are seen) and `tf.function(jit_compile=TF_JIT_COMPILE)`
     on TensorFlow (XLA: much faster on CPU than a plain graph, see
     benchmarks/README.md). Returns a driver `(model, encoder_token_ids,
-    max_lengths, alpha, beam_size, length) -> (sequences, scores)`.
+    max_lengths, alpha, beam_size, length, search_name=None, options=None)
+    -> hypotheses` (`loop.run`'s).
     """
     model_ref = weakref.ref(model)  # The cache must not keep the model alive.
     build = _build_jax_search if keras.backend.backend() == "jax" else _build_tensorflow_search
@@ -74,15 +75,21 @@ def _build_jax_search(model_ref):
 
     variables = list(model_ref().variables)
 
-    def stateless_search(values, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    def stateless_search(values, encoder_token_ids, max_lengths, alpha, options, beam_size, length, search_name):
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-            return loop.run(model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True)
+            return loop.run(
+                model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True,
+                search_name=search_name, options=options,
+            )
 
-    jitted = jax.jit(stateless_search, static_argnames=("beam_size", "length"))
+    jitted = jax.jit(stateless_search, static_argnames=("beam_size", "length", "search_name"))
 
-    def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None):
         values = [v.value for v in variables]
-        return jitted(values, encoder_token_ids, max_lengths, alpha, beam_size=beam_size, length=length)
+        return jitted(
+            values, encoder_token_ids, max_lengths, alpha, options or {},
+            beam_size=beam_size, length=length, search_name=search_name,
+        )
 
     return search
 
@@ -91,25 +98,29 @@ def _build_tensorflow_search(model_ref):
     import tensorflow as tf
 
     @tf.function(jit_compile=TF_JIT_COMPILE)
-    def traced(encoder_token_ids, max_lengths, alpha, beam_size, length):
-        return loop.run(model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True)
+    def traced(encoder_token_ids, max_lengths, alpha, options, beam_size, length, search_name):
+        return loop.run(
+            model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True,
+            search_name=search_name, options=options,
+        )
 
-    def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+    def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None):
         # Traced once per (batch, source bucket, beam size, L) by design,
         # and the bucket's concrete function is called directly: calling
         # `traced` itself, TensorFlow would count each new bucket as a
         # retrace and warn "N out of the last N calls ... triggered
         # tf.function retracing" from the fifth on.
-        args = (encoder_token_ids, max_lengths, alpha, beam_size, length)
+        args = (encoder_token_ids, max_lengths, alpha, options or {}, beam_size, length, search_name)
         return traced.get_concrete_function(*args)(*args)
 
     return search
 
 
-def hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+def hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None):
     """`loop.run_hybrid` with the search update compiled (TensorFlow, JAX)."""
     return loop.run_hybrid(
-        model, encoder_token_ids, max_lengths, alpha, beam_size, length, lambda name: _compiled_update(name, model)
+        model, encoder_token_ids, max_lengths, alpha, beam_size, length, lambda name: _compiled_update(name, model),
+        search_name, options,
     )
 
 
@@ -137,13 +148,17 @@ def _compiled_update(search_name, model):
     return _COMPILED_UPDATES[key]
 
 
-def torch_step_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+def torch_step_search(
+    model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None
+):
     """PyTorch: `loop.run_steps` over one compiled step (`_torch_compiled_step`)."""
 
     def compiled_step(search, state, cache):
         return _torch_compiled_step(model, search, state, cache, max_lengths, alpha, length)
 
-    return loop.run_steps(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled_step)
+    return loop.run_steps(
+        model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled_step, search_name, options
+    )
 
 
 def _torch_compiled_step(model, search, state, cache, max_lengths, alpha, length):

@@ -37,15 +37,22 @@ def length_penalty_factor(length, alpha):
     return ops.power((5.0 + length) / 6.0, ops.cast(alpha, "float32"))
 
 
-def search_lengths(encoder_token_ids, max_extra_length, limit):
+def search_lengths(encoder_token_ids, max_extra_length, limit, target_prefix=None):
     """The lengths of a search over int `[B, S]` source ids (B >= 1).
 
     `keras.ops` only: `generate` calls it on concrete ids, `generate_in_graph`
     on symbolic ones, where the results are tensors.
 
+    Args:
+        target_prefix: None or int `[B, P]` ids each output must start
+            with, pad-filled: row b may then generate at least its prefix
+            and the end id (callers refuse prefixes of `limit - 1` tokens or
+            more).
+
     Returns:
         `(max_lengths, length, padded_length)`: int32 `[B]`, the most
-        tokens row b may generate (`n_b + max_extra_length`, at least 1, at
+        tokens row b may generate (`n_b + max_extra_length`, at least 1 and
+        at least its prefix's tokens + 1, at
         most `limit - 1`); the output buffer length L (the start id and the
         longest row, rounded up to `LENGTH_BUCKET`); and the length S_bucket
         to pad the source to (rounded up to `LENGTH_BUCKET`, not beyond
@@ -54,6 +61,9 @@ def search_lengths(encoder_token_ids, max_extra_length, limit):
     source_length = dim(encoder_token_ids, 1)
     source_lengths = ops.sum(ops.cast(ops.not_equal(encoder_token_ids, 0), "int32"), axis=1)  # n_b, [B]
     max_lengths = ops.maximum(source_lengths + max_extra_length, 1)
+    if target_prefix is not None:
+        prefix_lengths = ops.sum(ops.cast(ops.not_equal(target_prefix, 0), "int32"), axis=1)  # [B]
+        max_lengths = ops.maximum(max_lengths, prefix_lengths + 1)
     if limit is not None:
         max_lengths = ops.minimum(max_lengths, int(limit) - 1)
     length = round_up(ops.max(max_lengths) + 1, LENGTH_BUCKET)
@@ -63,14 +73,14 @@ def search_lengths(encoder_token_ids, max_extra_length, limit):
     return ops.cast(max_lengths, "int32"), length, padded_length
 
 
-def padded_search_inputs(encoder_token_ids, max_extra_length, limit):
+def padded_search_inputs(encoder_token_ids, max_extra_length, limit, target_prefix=None):
     """`search_lengths` of symbolic ids, and the ids padded to S_bucket.
 
     Returns:
         `(source [B, S_bucket] int32, max_lengths [B] int32, length)`.
     """
     encoder_token_ids = ops.cast(encoder_token_ids, "int32")
-    max_lengths, length, padded_length = search_lengths(encoder_token_ids, max_extra_length, limit)
+    max_lengths, length, padded_length = search_lengths(encoder_token_ids, max_extra_length, limit, target_prefix)
     source_length = dim(encoder_token_ids, 1)
     source = ops.pad(encoder_token_ids, [[0, 0], [0, padded_length - source_length]])  # [B, S_bucket]
     return source, max_lengths, length

@@ -7,7 +7,11 @@ The rule, applied to the logits of every step:
 2. the pad and start ids are excluded (-inf): the search never generates them;
 3. at a row's maximum length every id but the end id is excluded, and the
    end id gets at least `FORCED_END_LOG_PROB` (a model that gives it
-   probability 0 still ends the row).
+   probability 0 still ends the row);
+4. inside a row's target prefix (`target_prefix`, `[B, P]` ids, pad-filled;
+   a pad id forces nothing) every id but the prefix's is excluded: the
+   forced id keeps its log-probability, so a hypothesis' score is the
+   model's log-probability of the whole output, prefix included.
 
 `token_log_probs` (`keras.ops`) is what greedy and beam search apply
 (`search/greedy.py`, `search/beam.py`); `token_log_probs_numpy` is its twin
@@ -25,7 +29,7 @@ import numpy as np
 FORCED_END_LOG_PROB = -1e9
 
 
-def token_log_probs(model, logits, generated_length, max_lengths):
+def token_log_probs(model, logits, generated_length, max_lengths, target_prefix=None):
     """Log-probabilities of the next token under the search's rule (`keras.ops`).
 
     Args:
@@ -33,6 +37,9 @@ def token_log_probs(model, logits, generated_length, max_lengths):
         logits: `[B, ..., V]`.
         generated_length: int or scalar tensor, |Y| once this token is added.
         max_lengths: int32 `[B]`, each row's maximum |Y|.
+        target_prefix: None, or int32 `[B, P]` (P >= 1): token |Y| of row b
+            must be `target_prefix[b, |Y| - 1]` unless that is the pad id
+            (or |Y| > P).
 
     Returns:
         float32 `[B, ..., V]`, -inf where an id is excluded.
@@ -50,10 +57,19 @@ def token_log_probs(model, logits, generated_length, max_lengths):
     allowed = ops.logical_and(allowed, ops.logical_or(ops.logical_not(at_max), is_end))
     forced = ops.logical_and(at_max, is_end)
     log_probs = ops.where(forced, ops.maximum(log_probs, FORCED_END_LOG_PROB), log_probs)
+    if target_prefix is not None:
+        width = ops.shape(target_prefix)[1]
+        column = ops.convert_to_tensor(generated_length, "int32") - 1
+        prefix_ids = ops.take(target_prefix, ops.minimum(column, width - 1), axis=1)  # [B]
+        in_prefix = ops.logical_and(ops.less(column, width), ops.not_equal(prefix_ids, model.pad_id))  # [B]
+        trailing = (1,) * (len(log_probs.shape) - 1)
+        in_prefix = ops.reshape(in_prefix, (-1,) + trailing)  # [B, 1, ..., 1]
+        is_prefix_id = ops.equal(vocabulary, ops.reshape(prefix_ids, (-1,) + trailing))  # [B, 1, ..., V]
+        allowed = ops.logical_and(allowed, ops.logical_or(ops.logical_not(in_prefix), is_prefix_id))
     return ops.where(allowed, log_probs, float("-inf"))
 
 
-def token_log_probs_numpy(model, logits, generated_length, max_lengths):
+def token_log_probs_numpy(model, logits, generated_length, max_lengths, target_prefix=None):
     """`token_log_probs` in NumPy: the same rule, the same arguments, float32 `[B, ..., V]`."""
     logits = np.asarray(logits, np.float32)
     shifted = logits - logits.max(axis=-1, keepdims=True)
@@ -66,4 +82,12 @@ def token_log_probs_numpy(model, logits, generated_length, max_lengths):
     allowed = allowed & (~at_max | is_end)
     forced = at_max & is_end
     log_probs = np.where(forced, np.maximum(log_probs, np.float32(FORCED_END_LOG_PROB)), log_probs)
+    if target_prefix is not None:
+        target_prefix = np.asarray(target_prefix)
+        column = generated_length - 1
+        prefix_ids = target_prefix[:, min(column, target_prefix.shape[1] - 1)]  # [B]
+        in_prefix = (column < target_prefix.shape[1]) & (prefix_ids != model.pad_id)  # [B]
+        trailing = (1,) * (log_probs.ndim - 1)
+        is_prefix_id = vocabulary == prefix_ids.reshape((-1,) + trailing)  # [B, 1, ..., V]
+        allowed = allowed & (~in_prefix.reshape((-1,) + trailing) | is_prefix_id)
     return np.where(allowed, log_probs, np.float32(-np.inf)).astype(np.float32)

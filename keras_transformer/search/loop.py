@@ -1,6 +1,6 @@
 """The search loop: either search's update around a decoding-protocol model.
 
-A search (`greedy` or `beam`, modules of pure functions) is driven here:
+A search (`greedy`, `beam` or `sample`, modules of pure functions) is driven here:
 `start` encodes the source and builds the state and cache, `step` runs one
 decoder step and one search update, and
 
@@ -16,27 +16,29 @@ The functions that compile and cache these live in `search/compiled.py`.
 import keras
 from keras import ops
 
-from keras_transformer.search import beam, greedy
+from keras_transformer.search import beam, greedy, sample
 from keras_transformer.search.common import ModelConstants, dim, state_keys
 
-SEARCHES = {search.NAME: search for search in (greedy, beam)}
+SEARCHES = {search.NAME: search for search in (greedy, beam, sample)}
 # The state of each search, in the order `search_step` documents it.
 SEARCH_STATE_KEYS = {name: state_keys(search.STATE_SPEC) for name, search in SEARCHES.items()}
 
 
-def start(model, encoder_token_ids, beam_size, length, index, search_name=None):
+def start(model, encoder_token_ids, beam_size, length, index, search_name=None, options=None):
     """Encodes the source; returns `(search, state, cache)`.
 
     The search is greedy for `beam_size == 1` and beam search otherwise,
     unless `search_name` names it ("beam" with a `beam_size` tensor: one
-    exported graph serves every beam size).
+    exported graph serves every beam size; "sample"). `options`: a dict of
+    the search's option tensors (`target_prefix`, `num_hypotheses`, the
+    sampling ones; see each search's `init`), carried in its state.
     """
     encoder_outputs = model.encode(encoder_token_ids)  # [B, S, D]
     cache = model.init_cache(encoder_outputs, encoder_token_ids, length)
     if search_name is None:
         search_name = "greedy" if beam_size == 1 else "beam"
     search = SEARCHES[search_name]
-    state, cache = search.init(model, dim(encoder_token_ids, 0), beam_size, length, index, cache)
+    state, cache = search.init(model, dim(encoder_token_ids, 0), beam_size, length, index, cache, options)
     return search, state, cache
 
 
@@ -49,8 +51,10 @@ def step(model, search, state, cache, max_lengths, alpha):
     return state, cache
 
 
-def run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled, search_name=None):
-    """Runs greedy or beam search; returns `(sequences [B, L], scores [B])`.
+def run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled, search_name=None, options=None):
+    """Runs a search; returns its `hypotheses`: `(sequences [B, K, L], scores [B, K], log_probs [B, K])`.
+
+    K is 1 for greedy search and sampling; hypotheses are best first.
 
     Args:
         encoder_token_ids: int32 `[B, S]`.
@@ -60,10 +64,11 @@ def run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compile
         length: Python int L, the output buffer length (>= max(max_lengths) + 1).
         compiled: use `ops.while_loop` (inside jax.jit / tf.function) rather
             than a Python loop with a Python int index.
-        search_name: "greedy" or "beam", or None to choose by `beam_size`.
+        search_name: "greedy", "beam" or "sample", or None to choose by `beam_size`.
+        options: None or a dict of option tensors (see `start`).
     """
     index = ops.convert_to_tensor(0, "int32") if compiled else 0
-    search, state, cache = start(model, encoder_token_ids, beam_size, length, index, search_name)
+    search, state, cache = start(model, encoder_token_ids, beam_size, length, index, search_name, options)
 
     def cond(loop):
         return search.keep_going(loop["state"], max_lengths, alpha, length)
@@ -80,17 +85,18 @@ def run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compile
         # Runtime) receives plain integers.
         while bool(ops.convert_to_numpy(cond(loop))):
             loop = body(loop)
-    return search.result(loop["state"])
+    return search.hypotheses(loop["state"])
 
 
-def run_eager(model, encoder_token_ids, max_lengths, alpha, beam_size, length):
+def run_eager(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None):
     """`run` in a Python loop (under `torch.no_grad()` on PyTorch)."""
+    arguments = (model, encoder_token_ids, max_lengths, alpha, beam_size, length)
     if keras.backend.backend() == "torch":
         import torch
 
         with torch.no_grad():
-            return run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=False)
-    return run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=False)
+            return run(*arguments, compiled=False, search_name=search_name, options=options)
+    return run(*arguments, compiled=False, search_name=search_name, options=options)
 
 
 def search_step(search_name, model):
@@ -100,7 +106,7 @@ def search_step(search_name, model):
     compiles it (`search/compiled.py`).
 
     Args:
-        search_name: "greedy" or "beam".
+        search_name: "greedy", "beam" or "sample".
         model: read for its ids and vocabulary size only.
 
     Returns:
@@ -124,7 +130,9 @@ def search_step(search_name, model):
     return update
 
 
-def run_hybrid(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled_update):
+def run_hybrid(
+    model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled_update, search_name=None, options=None
+):
     """Python loop around an eager `decode_step` and a compiled search update.
 
     For models whose step cannot be traced: the model runs as it is; the
@@ -135,7 +143,7 @@ def run_hybrid(model, encoder_token_ids, max_lengths, alpha, beam_size, length, 
     Args:
         compiled_update: `search name -> search_step(name, model)` compiled.
     """
-    search, state, cache = start(model, encoder_token_ids, beam_size, length, 0)
+    search, state, cache = start(model, encoder_token_ids, beam_size, length, 0, search_name, options)
     update = compiled_update(search.NAME)
     tokens, index, keep_going = search.tokens(state), 0, True
     while keep_going:
@@ -150,10 +158,12 @@ def run_hybrid(model, encoder_token_ids, max_lengths, alpha, beam_size, length, 
             cache = reordered
         index += 1
         keep_going = bool(ops.convert_to_numpy(keep_going))
-    return search.result(state)
+    return search.hypotheses(state)
 
 
-def run_steps(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled_step):
+def run_steps(
+    model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled_step, search_name=None, options=None
+):
     """PyTorch: a Python loop over one compiled step.
 
     The encoder and the cache run eagerly once; the loop's only host sync
@@ -169,7 +179,7 @@ def run_steps(model, encoder_token_ids, max_lengths, alpha, beam_size, length, c
 
     with torch.no_grad():
         index = ops.convert_to_tensor(0, "int32")
-        search, state, cache = start(model, encoder_token_ids, beam_size, length, index)
+        search, state, cache = start(model, encoder_token_ids, beam_size, length, index, search_name, options)
         # Contiguous, as the step's outputs: torch.compile guards on strides,
         # and the broadcast start state would make it compile twice.
         state, cache = ({name: x.contiguous() for name, x in entries.items()} for entries in (state, cache))
@@ -178,7 +188,7 @@ def run_steps(model, encoder_token_ids, max_lengths, alpha, beam_size, length, c
         keep_going = search.keep_going(state, max_lengths, alpha, length)
         while bool(ops.convert_to_numpy(keep_going)):
             state, cache, keep_going = compiled(values, state, cache, max_lengths, alpha)
-        return search.result(state)
+        return search.hypotheses(state)
 
 
 def initial_search_state(model, encoder_token_ids, beam_size, length):
