@@ -217,8 +217,12 @@ def _validate_search_graphs(run, model, rng, record, exact):
             if not (np.all(actual[:, 0] == model.start_id) and np.all(np.any(actual == model.end_id, axis=1))):
                 raise ValidationError(f"{graph}.onnx returned malformed rows: {actual}")
             continue
+        # Keras' search in a Python loop: the same tokens as the compiled
+        # search (tests/test_generation.py), without compiling a search
+        # graph per export.
         expected, expected_scores = generate(
-            model, ids, beam_size=beam_size, length_penalty=0.6, max_extra_length=max_extra_length, return_scores=True
+            model, ids, beam_size=beam_size, length_penalty=0.6, max_extra_length=max_extra_length,
+            return_scores=True, compile=False,
         )
         record(graph, "sequences", actual, expected)
         record(graph, "scores", scores, expected_scores)
@@ -263,8 +267,8 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact):
             if not (np.all(rows[:, 0] == model.start_id) and np.all(np.any(rows == model.end_id, axis=1))):
                 raise ValidationError(f"{graph}.onnx returned malformed rows ({label}): {rows}")
             continue
-        expected = generate_hypotheses(
-            model, ids, max_extra_length=5, length_penalty=0.6, target_prefix=prefixes, **arguments
+        expected = generate_hypotheses(  # in a Python loop, as above
+            model, ids, max_extra_length=5, length_penalty=0.6, target_prefix=prefixes, compile=False, **arguments
         )
         for name in ("sequences", "scores", "log_probs"):
             record(graph, name, getattr(actual, name), getattr(expected, name))
