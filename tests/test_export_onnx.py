@@ -597,6 +597,10 @@ def test_a_failed_validation_leaves_no_directory(model, tmp_path, monkeypatch):
         assert sorted(p.name for p in directory.iterdir()) == sorted(GRAPH_FILES + ["config.json", "weights.bin"])
         raise ValidationError("simulated mismatch")
 
+    # What is checked is the staging directory's fate, not the conversion: stand-in graphs and weights.
+    monkeypatch.setattr(onnx_export, "_convert", lambda function, signature, opset, path: path.write_bytes(b"graph"))
+    monkeypatch.setattr(onnx_export, "_share_weights",
+                        lambda directory, paths: (directory / "weights.bin").write_bytes(b"weights"))
     monkeypatch.setattr(onnx_export, "validate_onnx", failing_validation)
     with pytest.raises(ValidationError, match="simulated mismatch"):
         onnx_export.export_onnx(model, tmp_path / "new")
