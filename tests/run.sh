@@ -29,7 +29,7 @@ if [[ "$lanes" -lt 2 || "${#backends[@]}" -lt 2 ]]; then
 fi
 
 # The tests that run their own processes (tests/conftest.py: the notebooks,
-# the commands' output) go to the second lane's last backend, so that the
+# the device smoke run) go to the second lane's last backend, so that the
 # lanes take about as long: TensorFlow runs the exports and the backend-
 # independent tests, JAX then PyTorch the rest. A caller's value stands.
 export KT_PROCESS_TESTS_BACKEND=${KT_PROCESS_TESTS_BACKEND:-${backends[-1]}}

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from conftest import BACKEND
 from keras_transformer import cli
 
 # Lines a command must not print by default (each names what it catches).
@@ -102,7 +103,11 @@ def _assert_quiet(result, command):
 
 
 @pytest.mark.slow
-@pytest.mark.own_processes  # the commands run on the TensorFlow backend (export needs it), whatever the suite's
+@pytest.mark.tensorflow_only
+# Its commands run on the TensorFlow backend whatever the suite's; it stays in
+# the TensorFlow run rather than with the notebooks (own_processes), so that
+# tests/run.sh's two lanes take about as long.
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the commands run on the TensorFlow backend (export needs it)")
 def test_commands_print_no_noise_and_train_reports_steps(tmp_path):
     # `python -m keras_transformer.X` runs the package's __init__ first: it must
     # not import TensorFlow, or the commands could not quiet it.
