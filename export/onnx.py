@@ -219,10 +219,9 @@ def _convert(function, input_signature, opset, path):
         # conversion time of a search graph. The passes run in place first;
         # only if one fails is the graph converted again and optimized the
         # careful way (the same result where no pass fails).
+        graph = onnx_graph()
         try:
-            graph = optimizer.optimize_graph(onnx_graph(), catch_errors=False, optimizers=_optimizers())
-        except RuntimeError:
-            raise
+            graph = optimizer.optimize_graph(graph, catch_errors=False, optimizers=_optimizers())
         except Exception:  # a tf2onnx optimizer pass failed on this graph
             logger.debug("tf2onnx optimizer failed in place on %s; optimizing a fresh copy pass by pass", path.name)
             graph = optimizer.optimize_graph(onnx_graph(), catch_errors=True, optimizers=_optimizers())

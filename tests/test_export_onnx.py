@@ -569,6 +569,30 @@ def test_an_unconvertible_op_fails_the_export_and_leaves_nothing(model, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failing_optimizer_pass_is_skipped_on_a_fresh_conversion(model, tmp_path, monkeypatch):
+    """The passes run in place; one that fails makes `_convert` convert again and skip that pass."""
+    import onnxruntime
+
+    real = onnx_export._optimizers()
+    calls = []
+
+    class Failing:
+        graph_been_opt = False
+
+        def optimize(self, graph, iteration):
+            calls.append(iteration)
+            raise ValueError("simulated optimizer failure")
+
+    monkeypatch.setattr(onnx_export, "_optimizers", lambda: {"failing": Failing, **real})
+    function, signature = graphs.graph_functions(model)["encoder"]
+    path = tmp_path / "encoder.onnx"
+    onnx_export._convert(function, signature, onnx_export.DEFAULT_OPSET, path)
+    assert len(calls) >= 2  # in place, then on the fresh copy
+    ids = np.array([[5, 6, 7, model.end_id]], np.int32)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"encoder_token_ids": ids})[0], to_numpy(model.encode(ids)), atol=1e-5)
+
+
 # --------------------------------------------------------------------------- #
 # Overwriting and atomicity
 # --------------------------------------------------------------------------- #
