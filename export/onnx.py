@@ -155,26 +155,10 @@ CUSTOM_OP_HANDLERS = {"XlaDynamicUpdateSlice": (_dynamic_update_slice_handler, [
 
 
 def _optimizers():
-    """tf2onnx's graph optimizers, without the back-to-back Reshape merge.
+    """tf2onnx's optimizers without the pass that miscompiles attention (`model.tf2onnx_optimizers`)."""
+    from keras_transformer.model import tf2onnx_optimizers
 
-    tf2onnx 1.17 miscompiles Keras' attention projections with all its
-    optimizers on: `Dense` on a `[B, T, D]` input is a tensordot (reshape
-    to `[B * T, D]`, MatMul, reshape back to `[B, T, N * H]`) followed by
-    the head split `reshape(x, (B, T, N, H))`. The reshape optimizer turns
-    the head split's computed shape into `[0, 0, N, H]` ("copy dims 0 and 1
-    from the input"), then the back-to-back optimizer merges the two
-    reshapes, so the zeros copy `[B * T, N * H]` from the 2-D MatMul output
-    and the graph fails (or is wrong) for every length but the traced one.
-    Dropping the back-to-back pass (it only merges chains of Cast, Reshape,
-    Transpose, Squeeze/Unsqueeze, which ONNX Runtime's own graph optimizer
-    also fuses when it loads the model) keeps everything else;
-    `export/validate.py` catches this class of error.
-    """
-    from tf2onnx import optimizer
-
-    # `_get_optimizers` is what from_function uses; tf2onnx has no public list.
-    optimizers = optimizer._get_optimizers()
-    return {name: factory for name, factory in optimizers.items() if name != "remove_back_to_back"}
+    return tf2onnx_optimizers()
 
 
 def _convert(function, input_signature, opset, path):

@@ -759,8 +759,8 @@ def _tf2onnx_without_reshape_merge(active=True):
 
     tf2onnx 1.17's "remove_back_to_back" optimizer miscompiles the attention
     head split after a `Dense` on `[B, T, D]`: the graph then runs only at the
-    traced shape (`export/onnx.py`, `_optimizers`, has the details; it drops
-    the same pass). Keras' `export_onnx` passes no optimizer list to
+    traced shape (`tf2onnx_optimizers` has the details; `python -m
+    export.onnx` uses the same list). Keras' `export_onnx` passes no optimizer list to
     `tf2onnx.convert.from_function`, so the list is narrowed here, for the
     duration of the export only.
     """
@@ -771,13 +771,37 @@ def _tf2onnx_without_reshape_merge(active=True):
 
     from tf2onnx import optimizer
 
-    every = optimizer._get_optimizers  # tf2onnx has no public list
-
-    def without_merge():
-        return {name: factory for name, factory in every().items() if name != "remove_back_to_back"}
-
-    with mock.patch.object(optimizer, "_get_optimizers", without_merge):
+    every = optimizer._get_optimizers
+    with mock.patch.object(optimizer, "_get_optimizers", lambda: tf2onnx_optimizers(every)):
         yield
+
+
+def tf2onnx_optimizers(every=None):
+    """tf2onnx's graph optimizers, without the back-to-back Reshape merge.
+
+    tf2onnx 1.17 miscompiles Keras' attention projections with all its
+    optimizers on: `Dense` on a `[B, T, D]` input is a tensordot (reshape
+    to `[B * T, D]`, MatMul, reshape back to `[B, T, N * H]`) followed by
+    the head split `reshape(x, (B, T, N, H))`. The reshape optimizer turns
+    the head split's computed shape into `[0, 0, N, H]` ("copy dims 0 and 1
+    from the input"), then the back-to-back optimizer merges the two
+    reshapes, so the zeros copy `[B * T, N * H]` from the 2-D MatMul output
+    and the graph fails (or is wrong) for every length but the traced one.
+    Dropping the back-to-back pass (it only merges chains of Cast, Reshape,
+    Transpose, Squeeze/Unsqueeze, which ONNX Runtime's own graph optimizer
+    also fuses when it loads the model) keeps everything else;
+    `export/validate.py` catches this class of error. Used by
+    `python -m export.onnx` and by `TransformerModel.export(format="onnx")`.
+
+    Args:
+        every: tf2onnx's `_get_optimizers` (the default: tf2onnx has no
+            public list; `from_function` uses it).
+    """
+    if every is None:
+        from tf2onnx import optimizer
+
+        every = optimizer._get_optimizers
+    return {name: factory for name, factory in every().items() if name != "remove_back_to_back"}
 
 
 def _constructor_args():
