@@ -173,7 +173,9 @@ def _convert(function, input_signature, opset, path):
     import tensorflow as tf
     from tf2onnx import convert, optimizer, tf_loader, tfonnx
 
-    concrete = tf.function(function).get_concrete_function(*input_signature)
+    # No autograph: the functions are keras.ops and explicit tf.cond/while
+    # (its source transformation cost 10-15 s per export process).
+    concrete = tf.function(function, autograph=False).get_concrete_function(*input_signature)
     input_names = [t.name for t in concrete.inputs if t.dtype != tf.resource]
     output_names = [t.name for t in concrete.outputs if t.dtype != tf.resource]
     # Graph inputs and outputs take the names of the TensorSpecs and of the

@@ -140,7 +140,7 @@ def _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_lengt
         ends = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(text)[0], 1], tf.constant(end_id, tf.int32)))
         return tf.concat([pieces, ends], axis=1)
 
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")], autograph=False)
     def translate(text):
         sources = source_ids(text)  # [B, (n)]
         # Empty or whitespace-only texts (nothing but the end id) give "" without running the model.
@@ -165,7 +165,9 @@ def _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_lengt
     for name, graph in contract.SAVED_MODEL.graphs.items():
         if graph in onnx_names:
             function, input_signature = functions[onnx_names[graph]]
-            signatures[name] = tf.function(function, input_signature=input_signature).get_concrete_function()
+            signatures[name] = tf.function(
+                function, input_signature=input_signature, autograph=False
+            ).get_concrete_function()
     sizes = contract.model_fields(model)
     for name, signature in signatures.items():
         check_signature(name, signature, sizes, model.compute_dtype)

@@ -97,7 +97,10 @@ def _build_jax_search(model_ref):
 def _build_tensorflow_search(model_ref):
     import tensorflow as tf
 
-    @tf.function(jit_compile=TF_JIT_COMPILE)
+    # autograph=False: the search is keras.ops (no Python control flow on
+    # tensors), and autograph's source transformation cost about 10 s on the
+    # first trace of each process.
+    @tf.function(jit_compile=TF_JIT_COMPILE, autograph=False)
     def traced(encoder_token_ids, max_lengths, alpha, options, beam_size, length, search_name):
         return loop.run(
             model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True,
@@ -140,7 +143,7 @@ def _compiled_update(search_name, model):
             return jax.jit(update, static_argnames=("length",))
         import tensorflow as tf
 
-        return tf.function(update, jit_compile=TF_JIT_COMPILE)
+        return tf.function(update, jit_compile=TF_JIT_COMPILE, autograph=False)
 
     key = (keras.backend.backend(), search_name, constants.key())
     if key not in _COMPILED_UPDATES:
