@@ -23,7 +23,7 @@ def tiny_model(**overrides):
     keras.utils.set_random_seed(overrides.pop("seed", 1234))
     config = dict(
         vocabulary_size=50, num_layers=2, num_heads=4, hidden_dim=16, intermediate_dim=32,
-        dropout=0.0, max_sequence_length=64,
+        dropout=0.0, max_sequence_length=TINY_EXPORT_MAX_SEQUENCE_LENGTH,
     )
     config.update(overrides)
     return kt.TransformerModel(**config)
@@ -240,6 +240,8 @@ TINY_CORPUS = [
     for o in ("the cat.", "a dog.", "the big fish.", "a red ball.")
 ]
 TINY_VOCABULARY_SIZE = 60
+# The tiny export's max_sequence_length: longer sources are cut (tests/test_export_text_graph.py).
+TINY_EXPORT_MAX_SEQUENCE_LENGTH = 64
 
 
 def tiny_export_model(seed=1234):
@@ -249,7 +251,7 @@ def tiny_export_model(seed=1234):
     keras.utils.set_random_seed(seed)
     return kt.TransformerModel(
         vocabulary_size=TINY_VOCABULARY_SIZE, num_layers=2, num_heads=4, hidden_dim=16, intermediate_dim=32,
-        dropout=0.0, max_sequence_length=64,
+        dropout=0.0, max_sequence_length=TINY_EXPORT_MAX_SEQUENCE_LENGTH,
     )
 
 

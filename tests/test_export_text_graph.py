@@ -1,6 +1,5 @@
 """translate.onnx (export/text_graph.py): text in, text out in one ONNX Runtime call."""
 
-import itertools
 import json
 import shutil
 
@@ -23,40 +22,32 @@ from export import text_graph  # noqa: E402
 from export.validate import ValidationError  # noqa: E402
 from keras_transformer.translator import Translator  # noqa: E402
 
-MAX_SEQUENCE_LENGTH = 16  # Small, so that a sentence gets truncated.
-SUBJECTS = ["the cat", "a dog", "my bird", "the old fish"]
-VERBS = ["sees", "likes", "eats"]
-OBJECTS = ["the cat.", "a dog.", "the big fish.", "a red ball."]
-CORPUS = [f"{s} {v} {o}" for s, v, o in itertools.product(SUBJECTS, VERBS, OBJECTS)]
-CORPUS += ["Die Katze sieht den großen Hund.", "Le chat a été naïf, ça va."]
+from conftest import TINY_EXPORT_MAX_SEQUENCE_LENGTH as MAX_SEQUENCE_LENGTH  # noqa: E402
+
 TEXTS = [
     "the cat sees a dog.",
     "",
     "a red ball.",
     "   ",
-    "Die Katze, ça, naïve, 東京.",  # Non-ASCII; 東京 is not in the vocabulary (<unk>).
+    "Die Katze, ça, naïve, 東京.",  # Non-ASCII, mostly not in the vocabulary (<unk>).
     "my bird eats the big fish.",
     "fish",
 ]
-# More than MAX_SEQUENCE_LENGTH pieces: the Translator keeps the first 15 and the end id.
-LONG = "the old fish likes the big fish and the cat sees a red ball and my bird eats."
+# More than MAX_SEQUENCE_LENGTH pieces: the Translator keeps the first 63 and the end id.
+# Words of the tiny tokenizer's corpus only, so that its first pieces, decoded, encode to the same pieces.
+LONG = " ".join(["the old fish likes the big fish."] * 8) + " my bird eats a red ball."
 
 
 @pytest.fixture(scope="module")
-def preset_dir(tmp_path_factory):
-    keras.utils.set_random_seed(1234)
-    model = kt.TransformerModel(
-        vocabulary_size=64, num_layers=2, num_heads=4, hidden_dim=16, intermediate_dim=32,
-        dropout=0.0, max_sequence_length=MAX_SEQUENCE_LENGTH,
-    )
-    directory = tmp_path_factory.mktemp("preset") / "tiny"
-    model.save_to_preset(directory, tokenizer=kt.train_tokenizer(CORPUS, vocabulary_size=64))
-    return directory
+def preset_dir(tiny_preset_dir):
+    return tiny_preset_dir
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, preset_dir):
-    output = onnx_export.export_onnx(preset_dir, tmp_path_factory.mktemp("onnx") / "model")
+def exported(tiny_onnx_export, tmp_path_factory):
+    """A copy of the suite's tiny export (shared, read only), with translate.onnx written into it."""
+    output = tmp_path_factory.mktemp("onnx") / "model"
+    shutil.copytree(tiny_onnx_export, output)
     text_graph.write_text_graph(output)  # Validated against OnnxTranslator on its own texts.
     return output
 
@@ -145,8 +136,8 @@ def test_long_sources_are_cut_as_the_translator_cuts_them(results, keras_transla
     assert received == expected
     texts = [LONG, "a dog.", LONG + " and more words"]
     assert received == keras_translator.translate(texts, max_extra_length=4)
-    assert "keeping the first 15" in caplog.text  # The Translator warns; the graph cannot.
-    # What follows the first 15 pieces does not change the translation.
+    assert f"keeping the first {MAX_SEQUENCE_LENGTH - 1}" in caplog.text  # The Translator warns; the graph cannot.
+    # What follows the first pieces does not change the translation.
     assert received[0] == received[2] == results["prefix"][0][0]
 
 
