@@ -227,18 +227,28 @@ def _start(method, options, state):
     )
 
 
-def _step(method, state, options):
+def _one_hypothesis(tensor):
+    """A hypotheses output of sampling: one per row, without the axis of size 1 (as `sample_search`)."""
+    return dataclasses.replace(tensor, axes=tuple(axis for axis in tensor.axes if axis != "hypotheses"))
+
+
+def _step(method, state, options, hypotheses=True):
+    outputs = _STEP_OUTPUTS if hypotheses else tuple(_one_hypothesis(tensor) for tensor in _STEP_OUTPUTS)
     return Graph(
         method,
         (*state, *options, *_STEP_CACHE, _MAX_LENGTHS, _scalar("alpha", "float32"), _BUFFER_LENGTH),
-        (*_updated(state), *_updated(_STEP_CACHE[:2]), *_STEP_OUTPUTS),
+        (*_updated(state), *_updated(_STEP_CACHE[:2]), *outputs),
     )
 
 
 BEAM_START = _start("generation.start_graph(model, 'beam')", (_scalar("beam_size"),), _BEAM_STATE)
 BEAM_STEP = _step("generation.step_graph(model, 'beam')", _BEAM_STATE, _BEAM_OPTIONS)
 SAMPLE_START = _start("generation.start_graph(model, 'sample')", (), _SAMPLE_STATE)
-SAMPLE_STEP = _step("generation.step_graph(model, 'sample')", _SAMPLE_STATE, _SAMPLE_OPTIONS)
+# One hypothesis per row: the hypotheses outputs without their axis of size 1, as `sample_search`'s.
+SAMPLE_STEP = _step(
+    "generation.step_graph(model, 'sample'), hypotheses axis dropped", _SAMPLE_STATE, _SAMPLE_OPTIONS,
+    hypotheses=False,
+)
 # The graphs of each search run step by step: (start, step).
 STEP_GRAPHS = {"beam": ("beam_start", "beam_step"), "sample": ("sample_start", "sample_step")}
 # The search run step by step in place of a whole-search graph of `hypotheses_feeds`.

@@ -140,6 +140,7 @@ def _step_function(model, search_name, graph):
     step = step_graph(model, search_name)
     state_names = [field.name for field in SEARCHES[search_name].STATE_SPEC]
     cache_names = contract.INIT_CACHE.output_names()
+    outputs_by_name = {tensor.name: tensor for tensor in graph.outputs}
 
     def body(inputs):
         outputs = step(
@@ -147,7 +148,10 @@ def _step_function(model, search_name, graph):
             inputs["max_lengths"], inputs["alpha"], inputs["buffer_length"],
         )
         named = {f"updated_{name}": value for name, value in {**outputs["state"], **outputs["cache"]}.items()}
-        named.update(zip((f"hypotheses_{name}" for name in _HYPOTHESES_OUTPUTS), outputs["hypotheses"]))
+        for name, value in zip(_HYPOTHESES_OUTPUTS, outputs["hypotheses"]):
+            tensor = outputs_by_name[f"hypotheses_{name}"]
+            # Sampling's step graph drops the hypotheses axis of size 1 (the contract says which).
+            named[f"hypotheses_{name}"] = value if "hypotheses" in tensor.axes else value[:, 0]
         named.update(rows_done=outputs["rows_done"], keep_going=outputs["keep_going"])
         return {name: named[name] for name in graph.output_names()}
 

@@ -46,7 +46,8 @@ def run_steps(step, graph, values):
 
     Returns:
         `(sequences [B, K, L], scores [B, K], log_probs [B, K])` NumPy arrays,
-        each row's hypotheses at its place in the batch.
+        each row's hypotheses at its place in the batch (K = 1 where the
+        graph's outputs have no `hypotheses` axis).
     """
     values = {name: values[name] for name in graph.input_names()}
     batch = len(values["max_lengths"])
@@ -54,6 +55,8 @@ def run_steps(step, graph, values):
     cache_axes = {tensor.name: tensor.axes.index("cache_length") for tensor in graph.inputs
                   if "cache_length" in tensor.axes}
     buffer_length = int(values["buffer_length"])
+    outputs_by_name = {tensor.name: tensor for tensor in graph.outputs}
+    hypotheses_axes = {f"hypotheses_{name}": outputs_by_name[f"hypotheses_{name}"].axes for name in _HYPOTHESES}
     results = None
     while True:
         index = int(values["index"])
@@ -67,7 +70,10 @@ def run_steps(step, graph, values):
         for name, value in outputs.items():
             if name.startswith("updated_"):
                 values[name.removeprefix("updated_")] = value
-        hypotheses = [outputs[f"hypotheses_{name}"] for name in _HYPOTHESES]
+        hypotheses = [
+            outputs[name] if "hypotheses" in axes else np.expand_dims(outputs[name], 1)
+            for name, axes in hypotheses_axes.items()
+        ]
         if results is None:
             results = [np.zeros((batch, *x.shape[1:]), x.dtype) for x in hypotheses]
         keep_going = bool(outputs["keep_going"])
@@ -89,7 +95,7 @@ def run_steps(step, graph, values):
                     values[tensor.name] = values[tensor.name][live_rows]
 
 
-def step_search(run, plan, length_penalty, max_extra_length, initial_cache_length=INITIAL_CACHE_LENGTH):
+def step_search(run, plan, length_penalty, max_extra_length, initial_cache_length=None):
     """Runs a `decoding.hypotheses_plan` with its search's start and step graphs.
 
     Args:
@@ -97,7 +103,8 @@ def step_search(run, plan, length_penalty, max_extra_length, initial_cache_lengt
         plan: a `decoding.HypothesesPlan` (greedy search runs as sampling
             with `sampling_topk` 1, as `contract.hypotheses_feeds` says).
         length_penalty, max_extra_length: as `generate_hypotheses`.
-        initial_cache_length: the self-attention cache's first length.
+        initial_cache_length: the self-attention cache's first length
+            (default `INITIAL_CACHE_LENGTH`).
 
     Returns:
         `(sequences [B, K, L], scores [B, K], log_probs [B, K])`, as the
@@ -106,6 +113,6 @@ def step_search(run, plan, length_penalty, max_extra_length, initial_cache_lengt
     graph, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
     start_name, step_name = contract.STEP_GRAPHS[contract.STEP_SEARCH[graph]]
     start, step = contract.ONNX.graphs[start_name], contract.ONNX.graphs[step_name]
-    values = dict(values, cache_length=initial_cache_length)
+    values = dict(values, cache_length=initial_cache_length or INITIAL_CACHE_LENGTH)
     values.update(run(start_name, {name: values[name] for name in start.input_names()}))
     return run_steps(lambda feeds: run(step_name, feeds), step, values)
