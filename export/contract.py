@@ -243,16 +243,25 @@ def _step(method, state, options, hypotheses=True):
 
 BEAM_START = _start("generation.start_graph(model, 'beam')", (_scalar("beam_size"),), _BEAM_STATE)
 BEAM_STEP = _step("generation.step_graph(model, 'beam')", _BEAM_STATE, _BEAM_OPTIONS)
-SAMPLE_START = _start("generation.start_graph(model, 'sample')", (), _SAMPLE_STATE)
+# Sampling and greedy search share their state's changing fields, so one start graph serves both.
+SAMPLE_START = _start("generation.start_graph(model, 'sample') (and 'greedy')", (), _SAMPLE_STATE)
 # One hypothesis per row: the hypotheses outputs without their axis of size 1, as `sample_search`'s.
 SAMPLE_STEP = _step(
     "generation.step_graph(model, 'sample'), hypotheses axis dropped", _SAMPLE_STATE, _SAMPLE_OPTIONS,
     hypotheses=False,
 )
-# The graphs of each search run step by step: (start, step).
-STEP_GRAPHS = {"beam": ("beam_start", "beam_step"), "sample": ("sample_start", "sample_step")}
-# The search run step by step in place of a whole-search graph of `hypotheses_feeds`.
-STEP_SEARCH = {"beam_hypotheses": "beam", "sample_search": "sample"}
+# Greedy search has its own step graph: as sampling with `sampling_topk` 1 it would sort the
+# vocabulary every step (the same tokens, several times slower).
+GREEDY_STEP = _step(
+    "generation.step_graph(model, 'greedy'), hypotheses axis dropped", _SAMPLE_STATE, (_TARGET_PREFIX,),
+    hypotheses=False,
+)
+# The graphs of each search (`decoding.hypotheses_plan`'s `search_name`) run step by step: (start, step).
+STEP_GRAPHS = {
+    "beam": ("beam_start", "beam_step"), "sample": ("sample_start", "sample_step"),
+    "greedy": ("sample_start", "greedy_step"),
+}
+
 # Text in, text out: SentencePiece around the search (tokenized as `Translator` does).
 TRANSLATE = Graph("Translator.translate, in the graph (beam size set at export)", (_TEXT,), (_TRANSLATION,))
 # translate.onnx (`export/text_graph.py`): the search arguments are optional inputs.
@@ -262,7 +271,7 @@ TEXT_GRAPH = Graph(
 )
 
 # An ONNX export: graph name -> Graph; the file is `{name}.onnx` (config.json `graphs`).
-# 5: the start and step graphs of beam search and sampling (rows leave the batch when done);
+# 5: the start and step graphs of beam search, sampling and greedy search (rows leave the batch when done);
 # 4: the beam_hypotheses and sample_search graphs (n-best, target prefixes, sampling);
 # 3: the whole search as one graph per search (2 had per-step update graphs);
 # 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
@@ -274,6 +283,7 @@ ONNX = Format(
         "greedy_search": GREEDY_SEARCH, "beam_search": BEAM_SEARCH,
         "beam_hypotheses": BEAM_HYPOTHESES, "sample_search": SAMPLE_SEARCH,
         "beam_start": BEAM_START, "beam_step": BEAM_STEP, "sample_start": SAMPLE_START, "sample_step": SAMPLE_STEP,
+        "greedy_step": GREEDY_STEP,
     },
 )
 # A SavedModel export: signature name -> Graph.

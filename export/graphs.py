@@ -83,7 +83,7 @@ def graph_functions(model):
         "beam_hypotheses": beam_hypotheses, "sample_search": sample_search,
     }
     for search_name, (start_name, step_name) in contract.STEP_GRAPHS.items():
-        functions[start_name] = _start_function(model, search_name, contract.ONNX.graphs[start_name])
+        functions.setdefault(start_name, _start_function(model, search_name, contract.ONNX.graphs[start_name]))
         functions[step_name] = _step_function(model, search_name, contract.ONNX.graphs[step_name])
     signatures = {}
     for name, graph in contract.ONNX.graphs.items():

@@ -100,8 +100,8 @@ def step_search(run, plan, length_penalty, max_extra_length, initial_cache_lengt
 
     Args:
         run: `(graph name, {input name: value}) -> {output name: array}`.
-        plan: a `decoding.HypothesesPlan` (greedy search runs as sampling
-            with `sampling_topk` 1, as `contract.hypotheses_feeds` says).
+        plan: a `decoding.HypothesesPlan`; its search's graphs are
+            `contract.STEP_GRAPHS[plan.search_name]`.
         length_penalty, max_extra_length: as `generate_hypotheses`.
         initial_cache_length: the self-attention cache's first length
             (default `INITIAL_CACHE_LENGTH`).
@@ -110,8 +110,8 @@ def step_search(run, plan, length_penalty, max_extra_length, initial_cache_lengt
         `(sequences [B, K, L], scores [B, K], log_probs [B, K])`, as the
         whole-search graph of the plan returns them.
     """
-    graph, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
-    start_name, step_name = contract.STEP_GRAPHS[contract.STEP_SEARCH[graph]]
+    _, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
+    start_name, step_name = contract.STEP_GRAPHS[plan.search_name]
     start, step = contract.ONNX.graphs[start_name], contract.ONNX.graphs[step_name]
     values = dict(values, cache_length=initial_cache_length or INITIAL_CACHE_LENGTH)
     values.update(run(start_name, {name: values[name] for name in start.input_names()}))

@@ -142,7 +142,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
         key = f"{graph}/{name}"
         searches = (
             contract.GREEDY_SEARCH, contract.BEAM_SEARCH, contract.BEAM_HYPOTHESES, contract.SAMPLE_SEARCH,
-            contract.BEAM_STEP, contract.SAMPLE_STEP,
+            contract.BEAM_STEP, contract.SAMPLE_STEP, contract.GREEDY_STEP,
         )
         if contract.ONNX.graphs[graph] in searches:
             difference = _compare_search(graph, name, actual, expected)  # Ids equal, scores within 1e-4.
@@ -238,13 +238,13 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact):
     without a target prefix together; three best of a beam of 4; three
     samples (top-k 5, top-p 0.9, temperature 0.8) and greedy search
     (`sampling_topk` 1). Each plan also runs step by step
-    (`export.steps.step_search`: the `beam_start` / `beam_step` or
-    `sample_start` / `sample_step` graphs, rows leaving the batch, a cache
+    (`export.steps.step_search`: the start and step graphs of
+    `contract.STEP_GRAPHS`, rows leaving the batch, a cache
     of 2 positions grown past several doublings), recorded as the step
     graph. With `exact`, ids equal and scores and log-probabilities within
     1e-4; otherwise well-formed rows.
     """
-    from export.contract import STEP_GRAPHS, STEP_SEARCH, hypotheses_feeds
+    from export.contract import STEP_GRAPHS, hypotheses_feeds
     from export.steps import step_search
     from keras_transformer.decoding import collect_hypotheses, hypotheses_plan, target_prefix_ids
     from keras_transformer.generation import generate_hypotheses
@@ -267,7 +267,7 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact):
         )
         graph, values = hypotheses_feeds(plan, 0.6, 5)
         outputs = run(graph, **values)
-        step_graph = STEP_GRAPHS[STEP_SEARCH[graph]][1]
+        step_graph = STEP_GRAPHS[plan.search_name][1]
         results = {
             graph: (outputs["sequences"], outputs["scores"], outputs["log_probs"]),
             step_graph: step_search(lambda name, feeds: run(name, **feeds), plan, 0.6, 5, initial_cache_length=2),

@@ -198,7 +198,7 @@ def test_rows_that_are_done_leave_the_batch_and_the_cache_grows(model, exported,
     expected, expected_scores = generation.generate(
         model, src, beam_size=beam_size, max_extra_length=12, return_scores=True
     )
-    calls = _recording_steps(onnx_model, "beam_step" if beam_size > 1 else "sample_step", monkeypatch)
+    calls = _recording_steps(onnx_model, "beam_step" if beam_size > 1 else "greedy_step", monkeypatch)
     ids, scores = onnx_model.generate(src, beam_size=beam_size, max_extra_length=12, return_scores=True)
     np.testing.assert_array_equal(ids, expected)
     np.testing.assert_allclose(scores, expected_scores, atol=1e-4, rtol=0)

@@ -426,8 +426,7 @@ def start_graph(model, search_name):
 
     Args:
         model: a `TransformerModel`.
-        search_name: "beam" or "sample" (greedy search is sampling with
-            `sampling_topk` 1).
+        search_name: "greedy", "beam" or "sample".
 
     Returns:
         A function `(encoder_token_ids [B, S] int32, beam_size [] int32,
@@ -436,10 +435,10 @@ def start_graph(model, search_name):
         cache (`[B * K, ...]` entries, self-attention ones of
         `min(cache_length, L)` positions), `max_lengths` int32 `[B]` and
         `buffer_length` (L, int32 scalar). `options` as `hypotheses_graph`'s;
-        sampling ignores `beam_size`.
+        greedy search and sampling ignore `beam_size`.
     """
-    if search_name not in ("beam", "sample"):
-        raise ValueError(f"search_name={search_name!r} must be 'beam' or 'sample'")
+    if search_name not in loop.SEARCHES:
+        raise ValueError(f"search_name={search_name!r} must be one of {sorted(loop.SEARCHES)}")
     limit = getattr(model, "max_sequence_length", None)
     spec = loop.SEARCHES[search_name].STATE_SPEC
 
@@ -447,7 +446,7 @@ def start_graph(model, search_name):
         source, max_lengths, length = padded_search_inputs(
             encoder_token_ids, max_extra_length, limit, options["target_prefix"]
         )
-        if search_name == "sample":
+        if search_name != "beam":
             beam_size = 1
         index = ops.convert_to_tensor(0, "int32")
         cache_length = ops.minimum(ops.cast(cache_length, "int32"), ops.cast(length, "int32"))
@@ -471,7 +470,7 @@ def step_graph(model, search_name):
 
     Args:
         model: a `TransformerModel`.
-        search_name: "beam" or "sample".
+        search_name: "greedy", "beam" or "sample".
 
     Returns:
         A function `(state, cache, max_lengths [B] int32, alpha [] float32,
@@ -482,8 +481,8 @@ def step_graph(model, search_name):
         `state` holds every field of the search's `STATE_SPEC`; `cache` the
         `start_graph` entries, of any self-attention length T > the index.
     """
-    if search_name not in ("beam", "sample"):
-        raise ValueError(f"search_name={search_name!r} must be 'beam' or 'sample'")
+    if search_name not in loop.SEARCHES:
+        raise ValueError(f"search_name={search_name!r} must be one of {sorted(loop.SEARCHES)}")
     search = loop.SEARCHES[search_name]
 
     def search_step(state, cache, max_lengths, alpha, buffer_length):
