@@ -383,8 +383,8 @@ def test_optimized_cache_loads_the_optimised_graph_without_optimising_again(expo
     monkeypatch.setattr(ort, "InferenceSession", recording)
     first = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(first.generate(ids, beam_size=2, max_extra_length=6), expected)
-    cached = first._optimized_path("beam_search")
-    assert cached.is_file() and opened[-1][0] == exported / first.config["graphs"]["beam_search"]
+    cached = first._optimized_path("beam_step")
+    assert cached.is_file() and opened[-1][0] == exported / first.config["graphs"]["beam_step"]
     assert not list(cache.glob(".*"))  # no temporary graph left behind
     second = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(second.generate(ids, beam_size=2, max_extra_length=6), expected)
@@ -393,7 +393,7 @@ def test_optimized_cache_loads_the_optimised_graph_without_optimising_again(expo
     cached.write_bytes(b"not a graph")
     third = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(third.generate(ids, beam_size=2, max_extra_length=6), expected)
-    assert "optimising beam_search again" in caplog.text
+    assert "optimising beam_step again" in caplog.text
     with pytest.raises(ValueError, match="optimized_cache works with the default session options"):
         OnnxSeq2Seq(exported, session_options=ort.SessionOptions(), optimized_cache=cache)
 
