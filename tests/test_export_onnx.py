@@ -587,7 +587,7 @@ def test_a_graph_that_deviates_from_the_contract_is_named(exported, tmp_path):
     message = r"decoder_step\.onnx decoder_token_ids axis 0 \(batch\) is fixed to 2; it must be dynamic"
     with pytest.raises(ValidationError, match=message):
         validate_onnx(copy, small_model())
-    with pytest.raises(ValueError, match="does not match export format 4: " + message):
+    with pytest.raises(ValueError, match="does not match export format 5: " + message):
         OnnxSeq2Seq(copy, providers=["CPUExecutionProvider"])._session("decoder_step")
 
     shutil.copy(exported / "decoder_step.onnx", path)
