@@ -16,7 +16,8 @@ are listed), traced by `export/graphs.py`, which `export/runtime.py` serves:
   `beam_hypotheses.onnx` and `sample_search.onnx`: the same for
   `generate_hypotheses` (n-best, target prefixes, sampling).
 - `beam_start.onnx` / `beam_step.onnx`, `sample_start.onnx` /
-  `sample_step.onnx`: `generation.start_graph` and `step_graph`, the same
+  `sample_step.onnx` and `greedy_step.onnx` (greedy search starts as
+  sampling): `generation.start_graph` and `step_graph`, the same
   searches one step per call, for `export/steps.py`'s driver (rows that are
   done leave the batch; the cache grows with the output).
 
