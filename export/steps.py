@@ -22,14 +22,12 @@ from export import contract
 # The step driver's first self-attention cache length; doubled (up to the
 # output buffer length) whenever the output reaches it.
 INITIAL_CACHE_LENGTH = 16
-# Rows that are done leave the batch once they are more than this fraction of it (`run_steps`).
-MIN_LEAVING = 0.0
 # `OnnxSeq2Seq(driver=...)`: this module's loop, or the whole-search graphs.
 DRIVERS = ("steps", "whole")
 _HYPOTHESES = ("sequences", "scores", "log_probs")
 
 
-def run_steps(step, graph, values, min_leaving=0.0):
+def run_steps(step, graph, values):
     """Runs a search's step graph until every row is done; rows that are done leave the batch.
 
     After each step, the rows that `rows_done` marks (all rows once
@@ -41,17 +39,14 @@ def run_steps(step, graph, values, min_leaving=0.0):
     `cache_length` axis, doubled, at most `buffer_length`). The search's
     logic is the graph's; this loop only moves arrays.
 
-    A row that is done stays done and its hypotheses no longer change
-    (`rows_done`), so with `min_leaving` > 0 done rows may also wait in the
-    batch (computed, not read) until they are at least that fraction of it:
-    fewer copies of the cache, more rows per step.
+    Rows leave as soon as they are done: letting them wait in the batch
+    until a fifth of it is done (fewer copies of the cache, more rows per
+    step) was no faster at batch 16 and 64 (benchmarks/README.md).
 
     Args:
         step: `{input name: array} -> {output name: array}`, one run of `graph`.
         graph: the step graph's `contract.Graph` (`beam_step`, `sample_step`).
         values: `{name: array}`, every input of `graph` (from the start graph).
-        min_leaving: fraction of the batch in `[0, 1]`; rows leave once
-            more than this fraction of the batch is done (0: at once).
 
     Returns:
         `(sequences [B, K, L], scores [B, K], log_probs [B, K])` NumPy arrays,
@@ -92,7 +87,7 @@ def run_steps(step, graph, values, min_leaving=0.0):
                 result[places[done]] = x[done]
         if not keep_going:
             return tuple(results)
-        if done.any() and done.mean() > min_leaving:
+        if done.any():
             live = ~done
             places = places[live]
             beams = values["self_key"].shape[0] // len(live)
@@ -124,4 +119,4 @@ def step_search(run, plan, length_penalty, max_extra_length, initial_cache_lengt
     start, step = contract.ONNX.graphs[start_name], contract.ONNX.graphs[step_name]
     values = dict(values, cache_length=initial_cache_length or INITIAL_CACHE_LENGTH)
     values.update(run(start_name, {name: values[name] for name in start.input_names()}))
-    return run_steps(lambda feeds: run(step_name, feeds), step, values, MIN_LEAVING)
+    return run_steps(lambda feeds: run(step_name, feeds), step, values)
