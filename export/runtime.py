@@ -278,6 +278,9 @@ class OnnxSeq2Seq:
     2
     """
 
+    # The decoding protocol's optional attribute (`TransformerModel`'s): entries beam search leaves in place.
+    beam_invariant_cache_keys = ("cross_key", "cross_value", "encoder_padding_mask")
+
     def __init__(
         self, directory, providers=None, use_io_binding=None, session_options=None, intra_op_threads=None,
         optimized_cache=None, driver="steps",
