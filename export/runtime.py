@@ -262,11 +262,14 @@ class OnnxSeq2Seq:
             providers and the optimisation level, so a new export or
             onnxruntime is optimised afresh; an unreadable copy is optimised
             again with a warning. With the default session options only.
-        driver: "steps" (the default): `generate` and `generate_hypotheses`
-            run the start and step graphs (`run_steps`: rows that are done
-            leave the batch, the cache grows with the output); "whole": the
+        driver: "steps": `generate` and `generate_hypotheses` run the
+            start and step graphs (`export.steps`: rows that are done leave
+            the batch, the cache grows with the output); "whole": the
             whole-search graphs, one call per batch (every row until the
-            longest is done). The same tokens.
+            longest is done). The same tokens. None (the default): "steps"
+            on the CPU; "whole" under CUDA, where the step driver would copy
+            the cache between host and device every step (not measured on a
+            GPU yet).
 
     Attributes: `vocabulary_size`, `pad_id`, `unk_id`, `start_id`, `end_id`,
     `max_sequence_length`, `config` (the directory's `config.json`),
@@ -283,11 +286,10 @@ class OnnxSeq2Seq:
 
     def __init__(
         self, directory, providers=None, use_io_binding=None, session_options=None, intra_op_threads=None,
-        optimized_cache=None, driver="steps",
+        optimized_cache=None, driver=None,
     ):
-        if driver not in DRIVERS:
-            raise ValueError(f"driver={driver!r} must be one of {DRIVERS}")
-        self.driver = driver
+        if driver is not None and driver not in DRIVERS:
+            raise ValueError(f"driver={driver!r} must be one of {DRIVERS} or None")
         self.directory = pathlib.Path(directory)
         if optimized_cache is not None and session_options is not None:
             raise ValueError("optimized_cache works with the default session options; pass intra_op_threads, "
@@ -310,6 +312,7 @@ class OnnxSeq2Seq:
         self.providers = [p[0] if isinstance(p, (tuple, list)) else p for p in self._requested]
         self._device = "cuda" if self.providers[0] == CUDA else "cpu"
         self.use_io_binding = self._device == "cuda" if use_io_binding is None else bool(use_io_binding)
+        self.driver = driver or ("whole" if self._device == "cuda" else "steps")
         self._sessions = {}
         # Graph input name -> (host array, the OrtValue made from it).
         self._device_values = {}

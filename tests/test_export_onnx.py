@@ -248,8 +248,9 @@ def test_rows_leaving_the_batch_give_the_whole_search_hypotheses(model, exported
         np.testing.assert_allclose(found.log_probs, expected.log_probs, atol=1e-4, rtol=0)
 
 
-def test_an_unknown_driver_is_refused(exported):
-    with pytest.raises(ValueError, match=r"driver='loop' must be one of \('steps', 'whole'\)"):
+def test_an_unknown_driver_is_refused_and_the_cpu_steps(exported, onnx_model):
+    assert onnx_model.driver == "steps"
+    with pytest.raises(ValueError, match=r"driver='loop' must be one of \('steps', 'whole'\) or None"):
         OnnxSeq2Seq(exported, driver="loop")
 
 
