@@ -3,8 +3,10 @@
 Five systems translate the same source ids:
 
 - `keras`: `TransformerModel.generate`, the XLA-compiled search on TensorFlow;
-- `ort-float32`, `ort-int8`: `export.runtime.OnnxSeq2Seq.generate`, the whole
-  search as one ONNX graph (`export.onnx`, float32 and int8 weights);
+- `ort-float32`, `ort-int8`: `export.runtime.OnnxSeq2Seq.generate`, the
+  search's exported start and step graphs driven step by step, finished rows
+  leaving the batch (`export/steps.py`; `export.onnx`, float32 and int8
+  weights);
 - `ct2-float32`, `ct2-int8`: CTranslate2's `translate_batch` on the model
   written by `export.ctranslate2` (skipped, with a message, when that module
   or `ctranslate2` is missing).
@@ -782,8 +784,8 @@ def lockstep_over_own_steps(token_counts, batch):
 
     A row of n tokens needs n + 1 steps (the end id last); a batched search
     that keeps every row of the batch until the last one ends runs
-    `rows x (longest + 1)` (Keras' and ONNX Runtime's searches do; CTranslate2
-    drops finished rows). 1.0 at batch 1.
+    `rows x (longest + 1)` (Keras' search does; CTranslate2 and ONNX Runtime's
+    step driver drop finished rows). 1.0 at batch 1.
     """
     own = sum(n + 1 for n in token_counts)
     lockstep = sum(

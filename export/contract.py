@@ -36,7 +36,7 @@ CONFIG_FILE = "config.json"
 # Dynamic axis -> its letter.
 DYNAMIC_AXES = {
     "batch": "B", "source_length": "S", "cache_length": "T_max", "output_length": "T_out",
-    "hypotheses": "N_best", "prefix_length": "P",
+    "hypotheses": "N_best", "prefix_length": "P", "beam": "W", "beam_rows": "B*W",
 }
 # Fixed axis (a config.json key, the size) -> its letter.
 FIXED_AXES = {
@@ -172,6 +172,96 @@ SAMPLE_SEARCH = Graph(
     (_SOURCE_IDS, _TARGET_PREFIX, *_SAMPLING_ARGUMENTS, *_SEARCH_ARGUMENTS[1:]),
     (*_SEARCH_OUTPUTS, Tensor("log_probs", "float32", ("batch",))),
 )
+
+# A search run step by step (`generation.start_graph`, `generation.step_graph`; `export/runtime.py`
+# drives them): the state's fields (`search/beam.py`, `search/sample.py` STATE_SPEC, the same names,
+# dtypes and axes; B batch, K beam, L output_length, P prefix_length) and the cache, `[B * K, ...]`.
+# The search's axis letters -> the contract's axis names.
+STATE_AXES = {"B": "batch", "K": "beam", "L": "output_length", "P": "prefix_length"}
+_INDEX = _scalar("index")
+_BEAM_STATE = (
+    _INDEX,
+    _ids("live_sequences", "batch", "beam", "output_length"),
+    Tensor("live_log_probs", "float32", ("batch", "beam")),
+    _ids("finished_sequences", "batch", "beam", "output_length"),
+    Tensor("finished_scores", "float32", ("batch", "beam")),
+    Tensor("finished_log_probs", "float32", ("batch", "beam")),
+)
+_BEAM_OPTIONS = (_TARGET_PREFIX, _scalar("num_hypotheses"))
+_SAMPLE_STATE = (
+    _INDEX,
+    _ids("sequences", "batch", "output_length"),
+    Tensor("log_probs", "float32", ("batch",)),
+    Tensor("scores", "float32", ("batch",)),
+    Tensor("finished", "bool", ("batch",)),
+)
+_SAMPLE_OPTIONS = (_TARGET_PREFIX, *_SAMPLING_ARGUMENTS)
+
+
+def _rows(tensor):
+    """The cache entry of a search run step by step: one row per beam, `[B * K, ...]`."""
+    return dataclasses.replace(tensor, axes=("beam_rows", *tensor.axes[1:]))
+
+
+_STEP_CACHE = tuple(_rows(tensor) for tensor in (*_SELF_CACHE, *_CROSS_CACHE, _PADDING_MASK))
+_MAX_LENGTHS = _ids("max_lengths", "batch")
+_BUFFER_LENGTH = _scalar("buffer_length")
+_STEP_OUTPUTS = (
+    Tensor("rows_done", "bool", ("batch",)),
+    Tensor("keep_going", "bool"),
+    _ids("hypotheses_sequences", "batch", "hypotheses", "output_length"),
+    Tensor("hypotheses_scores", "float32", ("batch", "hypotheses")),
+    Tensor("hypotheses_log_probs", "float32", ("batch", "hypotheses")),
+)
+
+
+def _updated(tensors):
+    return tuple(dataclasses.replace(tensor, name=f"updated_{tensor.name}") for tensor in tensors)
+
+
+def _start(method, options, state):
+    return Graph(
+        method,
+        (_SOURCE_IDS, _TARGET_PREFIX, *options, _scalar("max_extra_length"), _scalar("cache_length")),
+        (*state, *_STEP_CACHE, _MAX_LENGTHS, _BUFFER_LENGTH),
+    )
+
+
+def _one_hypothesis(tensor):
+    """A hypotheses output of sampling: one per row, without the axis of size 1 (as `sample_search`)."""
+    return dataclasses.replace(tensor, axes=tuple(axis for axis in tensor.axes if axis != "hypotheses"))
+
+
+def _step(method, state, options, hypotheses=True):
+    outputs = _STEP_OUTPUTS if hypotheses else tuple(_one_hypothesis(tensor) for tensor in _STEP_OUTPUTS)
+    return Graph(
+        method,
+        (*state, *options, *_STEP_CACHE, _MAX_LENGTHS, _scalar("alpha", "float32"), _BUFFER_LENGTH),
+        (*_updated(state), *_updated(_STEP_CACHE[:2]), *outputs),
+    )
+
+
+BEAM_START = _start("generation.start_graph(model, 'beam')", (_scalar("beam_size"),), _BEAM_STATE)
+BEAM_STEP = _step("generation.step_graph(model, 'beam')", _BEAM_STATE, _BEAM_OPTIONS)
+# Sampling and greedy search share their state's changing fields, so one start graph serves both.
+SAMPLE_START = _start("generation.start_graph(model, 'sample') (and 'greedy')", (), _SAMPLE_STATE)
+# One hypothesis per row: the hypotheses outputs without their axis of size 1, as `sample_search`'s.
+SAMPLE_STEP = _step(
+    "generation.step_graph(model, 'sample'), hypotheses axis dropped", _SAMPLE_STATE, _SAMPLE_OPTIONS,
+    hypotheses=False,
+)
+# Greedy search has its own step graph: as sampling with `sampling_topk` 1 it would sort the
+# vocabulary every step (the same tokens, several times slower).
+GREEDY_STEP = _step(
+    "generation.step_graph(model, 'greedy'), hypotheses axis dropped", _SAMPLE_STATE, (_TARGET_PREFIX,),
+    hypotheses=False,
+)
+# The graphs of each search (`decoding.hypotheses_plan`'s `search_name`) run step by step: (start, step).
+STEP_GRAPHS = {
+    "beam": ("beam_start", "beam_step"), "sample": ("sample_start", "sample_step"),
+    "greedy": ("sample_start", "greedy_step"),
+}
+
 # Text in, text out: SentencePiece around the search (tokenized as `Translator` does).
 TRANSLATE = Graph("Translator.translate, in the graph (beam size set at export)", (_TEXT,), (_TRANSLATION,))
 # translate.onnx (`export/text_graph.py`): the search arguments are optional inputs.
@@ -181,16 +271,19 @@ TEXT_GRAPH = Graph(
 )
 
 # An ONNX export: graph name -> Graph; the file is `{name}.onnx` (config.json `graphs`).
+# 5: the start and step graphs of beam search, sampling and greedy search (rows leave the batch when done);
 # 4: the beam_hypotheses and sample_search graphs (n-best, target prefixes, sampling);
 # 3: the whole search as one graph per search (2 had per-step update graphs);
 # 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
 ONNX = Format(
     "keras_transformer.onnx",
-    4,
+    5,
     {
         "encoder": ENCODE, "init_cache": INIT_CACHE, "decoder_step": DECODE_STEP,
         "greedy_search": GREEDY_SEARCH, "beam_search": BEAM_SEARCH,
         "beam_hypotheses": BEAM_HYPOTHESES, "sample_search": SAMPLE_SEARCH,
+        "beam_start": BEAM_START, "beam_step": BEAM_STEP, "sample_start": SAMPLE_START, "sample_step": SAMPLE_STEP,
+        "greedy_step": GREEDY_STEP,
     },
 )
 # A SavedModel export: signature name -> Graph.

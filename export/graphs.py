@@ -12,7 +12,8 @@ TensorFlow backend.
 import inspect
 
 from export import contract
-from keras_transformer.generation import hypotheses_graph, search_graph
+from keras_transformer.generation import hypotheses_graph, search_graph, start_graph, step_graph
+from keras_transformer.search.loop import SEARCHES
 
 _HYPOTHESES_OUTPUTS = ("sequences", "scores", "log_probs")
 
@@ -81,6 +82,9 @@ def graph_functions(model):
         "greedy_search": greedy_search, "beam_search": beam_search,
         "beam_hypotheses": beam_hypotheses, "sample_search": sample_search,
     }
+    for search_name, (start_name, step_name) in contract.STEP_GRAPHS.items():
+        functions.setdefault(start_name, _start_function(model, search_name, contract.ONNX.graphs[start_name]))
+        functions[step_name] = _step_function(model, search_name, contract.ONNX.graphs[step_name])
     signatures = {}
     for name, graph in contract.ONNX.graphs.items():
         function = functions[name]
@@ -90,3 +94,65 @@ def graph_functions(model):
                                  f"the contract says {graph.input_names()}")
         signatures[name] = (function, input_signature(graph, model))
     return signatures
+
+
+def _by_name(graph, body):
+    """A function of the graph's inputs by position (named as the contract's) calling `body({name: tensor})`."""
+
+    def function(*tensors):
+        return body(dict(zip(graph.input_names(), tensors)))
+
+    function.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY) for name in graph.input_names()]
+    )
+    return function
+
+
+def check_state_tensors(search_name, graph):
+    """Checks that a step graph's state inputs are the search's `STATE_SPEC` (names, dtypes, axes)."""
+    tensors = {tensor.name: tensor for tensor in graph.inputs}
+    for field in SEARCHES[search_name].STATE_SPEC:
+        tensor = tensors.get(field.name)
+        axes = tuple(contract.STATE_AXES[axis] for axis in field.axes)
+        if tensor is None or tensor.dtype != field.dtype or tensor.axes != axes:
+            raise AssertionError(
+                f"{search_name}'s state field {field} is {tensor} in the contract; expected {field.dtype} {axes}"
+            )
+
+
+def _start_function(model, search_name, graph):
+    """`generation.start_graph` with the contract's inputs and outputs."""
+    start = start_graph(model, search_name)
+
+    def body(inputs):
+        outputs = start(
+            inputs["encoder_token_ids"], inputs.get("beam_size", 1), inputs["max_extra_length"],
+            inputs["cache_length"], {"target_prefix": inputs["target_prefix"]},
+        )
+        return {name: outputs[name] for name in graph.output_names()}
+
+    return _by_name(graph, body)
+
+
+def _step_function(model, search_name, graph):
+    """`generation.step_graph` with the contract's inputs and outputs (`updated_*`, `hypotheses_*`)."""
+    check_state_tensors(search_name, graph)
+    step = step_graph(model, search_name)
+    state_names = [field.name for field in SEARCHES[search_name].STATE_SPEC]
+    cache_names = contract.INIT_CACHE.output_names()
+    outputs_by_name = {tensor.name: tensor for tensor in graph.outputs}
+
+    def body(inputs):
+        outputs = step(
+            {name: inputs[name] for name in state_names}, {name: inputs[name] for name in cache_names},
+            inputs["max_lengths"], inputs["alpha"], inputs["buffer_length"],
+        )
+        named = {f"updated_{name}": value for name, value in {**outputs["state"], **outputs["cache"]}.items()}
+        for name, value in zip(_HYPOTHESES_OUTPUTS, outputs["hypotheses"]):
+            tensor = outputs_by_name[f"hypotheses_{name}"]
+            # Sampling's step graph drops the hypotheses axis of size 1 (the contract says which).
+            named[f"hypotheses_{name}"] = value if "hypotheses" in tensor.axes else value[:, 0]
+        named.update(rows_done=outputs["rows_done"], keep_going=outputs["keep_going"])
+        return {name: named[name] for name in graph.output_names()}
+
+    return _by_name(graph, body)

@@ -1,6 +1,6 @@
 """Export a TransformerModel to ONNX: `python -m export.onnx`.
 
-Five graphs (`export.contract.ONNX`, where their tensors, dtypes and axes
+The graphs of `export.contract.ONNX` (where their tensors, dtypes and axes
 are listed), traced by `export/graphs.py`, which `export/runtime.py` serves:
 
 - `encoder.onnx`, `init_cache.onnx` and `decoder_step.onnx`: the methods of
@@ -13,6 +13,13 @@ are listed), traced by `export/graphs.py`, which `export/runtime.py` serves:
   the search state and the caches as loop-carried values. One
   `session.run` translates a batch, with the search's own code (the tokens
   are Keras'); the beam size is an input, so one graph serves every beam.
+  `beam_hypotheses.onnx` and `sample_search.onnx`: the same for
+  `generate_hypotheses` (n-best, target prefixes, sampling).
+- `beam_start.onnx` / `beam_step.onnx`, `sample_start.onnx` /
+  `sample_step.onnx` and `greedy_step.onnx` (greedy search starts as
+  sampling): `generation.start_graph` and `step_graph`, the same
+  searches one step per call, for `export/steps.py`'s driver (rows that are
+  done leave the batch; the cache grows with the output).
 
 After conversion each graph is made leaner (`_convert`): values the Loop
 only carries along (the weights) become outer-scope initializers, Keras'

@@ -8,13 +8,19 @@ package (`keras_transformer.decoding`, `.tokenizer`, `.marian_tokenizer`,
 importing them fails). `pip install "keras-aiayn[serve]"` installs just that
 (`[serve-gpu]` for CUDA).
 
-`OnnxSeq2Seq.generate` translates a batch with one ONNX Runtime call: the
-exported `greedy_search` / `beam_search` graph holds the encoder, the cache
-and an ONNX `Loop` over the decoder step and the search update, converted
-from the Keras search itself (`keras_transformer.generation.search_graph`),
-so it gives the tokens of `TransformerModel.generate`. `encode`,
-`init_cache` and `decode_step` run the protocol graphs for callers with a
-search of their own. `OnnxTranslator` adds the tokenizer stored in the
+`OnnxSeq2Seq.generate` and `generate_hypotheses` run the Keras search
+itself, converted: the exported `<search>_start` graph (lengths, encoder,
+cache, the search's `init`) once, then the `<search>_step` graph (decoder
+step, search update, `rows_done`, `hypotheses`) per step from a Python loop
+(`export.steps`) that takes the rows that are done out of the batch, handing
+out their hypotheses, and grows the self-attention cache with the output
+(as CTranslate2 does): a batch costs the steps of its rows, not of its
+longest row times its size. The same tokens as `TransformerModel.generate`.
+The whole-search graphs (`greedy_search`, `beam_search`, ...: an ONNX `Loop`
+over every row until the longest is done) remain for runtimes without
+Python (`translate.onnx`) and `driver="whole"`. `encode`, `init_cache` and
+`decode_step` run the protocol graphs for callers with a search of their
+own. `OnnxTranslator` adds the tokenizer stored in the
 directory (ours, or an imported Marian checkpoint's): text in, text out.
 
 Example:
@@ -52,6 +58,7 @@ import numpy as np
 
 from export import contract
 from export.contract import CONFIG_FILE, ValidationError
+from export.steps import DRIVERS, step_search
 from export.validate import check_graph_signature
 from keras_transformer.decoding import (
     check_hypotheses_args,
@@ -74,8 +81,6 @@ CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 # The decoding cache: init_cache's outputs, decoder_step's inputs by the same names.
 CACHE_KEYS = tuple(contract.INIT_CACHE.output_names())
-
-
 def read_config(directory):
     """The `config.json` of an exported directory, after checking that every file is there.
 
@@ -257,6 +262,14 @@ class OnnxSeq2Seq:
             providers and the optimisation level, so a new export or
             onnxruntime is optimised afresh; an unreadable copy is optimised
             again with a warning. With the default session options only.
+        driver: "steps": `generate` and `generate_hypotheses` run the
+            start and step graphs (`export.steps`: rows that are done leave
+            the batch, the cache grows with the output); "whole": the
+            whole-search graphs, one call per batch (every row until the
+            longest is done). The same tokens. None (the default): "steps"
+            on the CPU; "whole" under CUDA, where the step driver would copy
+            the cache between host and device every step (not measured on a
+            GPU yet).
 
     Attributes: `vocabulary_size`, `pad_id`, `unk_id`, `start_id`, `end_id`,
     `max_sequence_length`, `config` (the directory's `config.json`),
@@ -268,10 +281,15 @@ class OnnxSeq2Seq:
     2
     """
 
+    # The decoding protocol's optional attribute (`TransformerModel`'s): entries beam search leaves in place.
+    beam_invariant_cache_keys = ("cross_key", "cross_value", "encoder_padding_mask")
+
     def __init__(
         self, directory, providers=None, use_io_binding=None, session_options=None, intra_op_threads=None,
-        optimized_cache=None,
+        optimized_cache=None, driver=None,
     ):
+        if driver is not None and driver not in DRIVERS:
+            raise ValueError(f"driver={driver!r} must be one of {DRIVERS} or None")
         self.directory = pathlib.Path(directory)
         if optimized_cache is not None and session_options is not None:
             raise ValueError("optimized_cache works with the default session options; pass intra_op_threads, "
@@ -294,6 +312,7 @@ class OnnxSeq2Seq:
         self.providers = [p[0] if isinstance(p, (tuple, list)) else p for p in self._requested]
         self._device = "cuda" if self.providers[0] == CUDA else "cpu"
         self.use_io_binding = self._device == "cuda" if use_io_binding is None else bool(use_io_binding)
+        self.driver = driver or ("whole" if self._device == "cuda" else "steps")
         self._sessions = {}
         # Graph input name -> (host array, the OrtValue made from it).
         self._device_values = {}
@@ -514,11 +533,14 @@ class OnnxSeq2Seq:
     def generate(
         self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False
     ):
-        """Greedy (`beam_size=1`) or beam search, one ONNX Runtime call per batch.
+        """Greedy (`beam_size=1`) or beam search.
 
         The search of `TransformerModel.generate` (GNMT length penalty, at
-        most source length + `max_extra_length` tokens per row), exported as
-        one graph: the same tokens.
+        most source length + `max_extra_length` tokens per row), exported:
+        the same tokens. With the default driver, beam search runs the
+        `beam_start` / `beam_step` graphs and greedy search the sampling
+        ones with `sampling_topk` 1 (`export.steps`); with `driver="whole"`,
+        the `beam_search` / `greedy_search` graph in one call.
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s;
@@ -530,14 +552,28 @@ class OnnxSeq2Seq:
         if ids.shape[0] == 0:
             empty = np.zeros((0, 0), np.int32)
             return (empty, np.zeros((0,), np.float32)) if return_scores else empty
-        values = {"encoder_token_ids": np.ascontiguousarray(ids), "alpha": length_penalty,
-                  "max_extra_length": max_extra_length}
-        graph = "greedy_search"
-        if beam_size > 1:
-            graph, values["beam_size"] = "beam_search", beam_size
-        outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
-        sequences, scores = finish_rows(outputs["sequences"], self.end_id, self.pad_id), outputs["scores"]
+        if self.driver == "steps":
+            plan = hypotheses_plan(ids, None, beam_size, 1, 1, 1.0, 1.0, 0)
+            sequences, scores, _ = self._step_search(plan, length_penalty, max_extra_length)
+            sequences, scores = sequences[:, 0], scores[:, 0]
+        else:
+            values = {"encoder_token_ids": np.ascontiguousarray(ids), "alpha": length_penalty,
+                      "max_extra_length": max_extra_length}
+            graph = "greedy_search"
+            if beam_size > 1:
+                graph, values["beam_size"] = "beam_search", beam_size
+            outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
+            sequences, scores = outputs["sequences"], outputs["scores"]
+        sequences = finish_rows(sequences, self.end_id, self.pad_id)
         return (sequences, scores) if return_scores else sequences
+
+    def _step_search(self, plan, length_penalty, max_extra_length):
+        """Runs a `decoding.hypotheses_plan` step by step (`export.steps.step_search`)."""
+
+        def run(graph, values):
+            return contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
+
+        return step_search(run, plan, length_penalty, max_extra_length)
 
     def generate_hypotheses(
         self,
@@ -552,13 +588,15 @@ class OnnxSeq2Seq:
         sampling_temperature=1.0,
         seed=0,
     ):
-        """`keras_transformer.generation.generate_hypotheses` in one ONNX Runtime call per batch.
+        """`keras_transformer.generation.generate_hypotheses` on ONNX Runtime.
 
         The same plan (`decoding.hypotheses_plan`), checks and results,
-        run by the exported `beam_hypotheses` graph (beam search) or
-        `sample_search` graph (sampling, and greedy search as
-        `sampling_topk` 1): the same tokens, scores and log-probabilities
-        (within float32 rounding), the same samples for the same seed.
+        run by the exported beam search (`beam_start` / `beam_step`) or
+        sampling (`sample_start` / `sample_step`, greedy search as
+        `sampling_topk` 1) step by step (`export.steps`), or with
+        `driver="whole"` by the `beam_hypotheses` / `sample_search` graph in
+        one call: the same tokens, scores and log-probabilities (within
+        float32 rounding), the same samples for the same seed.
 
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
@@ -573,11 +611,13 @@ class OnnxSeq2Seq:
         plan = hypotheses_plan(
             ids, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed
         )
-        graph, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
-        outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
-        return collect_hypotheses(
-            plan, outputs["sequences"], outputs["scores"], outputs["log_probs"], num_hypotheses, self
-        )
+        if self.driver == "steps":
+            sequences, scores, log_probs = self._step_search(plan, length_penalty, max_extra_length)
+        else:
+            graph, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
+            outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
+            sequences, scores, log_probs = outputs["sequences"], outputs["scores"], outputs["log_probs"]
+        return collect_hypotheses(plan, sequences, scores, log_probs, num_hypotheses, self)
 
 
 class OnnxTranslator(Translator):

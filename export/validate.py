@@ -140,7 +140,10 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
 
     def record(graph, name, actual, expected):
         key = f"{graph}/{name}"
-        searches = (contract.GREEDY_SEARCH, contract.BEAM_SEARCH, contract.BEAM_HYPOTHESES, contract.SAMPLE_SEARCH)
+        searches = (
+            contract.GREEDY_SEARCH, contract.BEAM_SEARCH, contract.BEAM_HYPOTHESES, contract.SAMPLE_SEARCH,
+            contract.BEAM_STEP, contract.SAMPLE_STEP, contract.GREEDY_STEP,
+        )
         if contract.ONNX.graphs[graph] in searches:
             difference = _compare_search(graph, name, actual, expected)  # Ids equal, scores within 1e-4.
         else:
@@ -234,10 +237,15 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact):
     Both sides run the same plan (`decoding.hypotheses_plan`); rows with and
     without a target prefix together; three best of a beam of 4; three
     samples (top-k 5, top-p 0.9, temperature 0.8) and greedy search
-    (`sampling_topk` 1). With `exact`, ids equal and scores and
-    log-probabilities within 1e-4; otherwise well-formed rows.
+    (`sampling_topk` 1). Each plan also runs step by step
+    (`export.steps.step_search`: the start and step graphs of
+    `contract.STEP_GRAPHS`, rows leaving the batch, a cache
+    of 2 positions grown past several doublings), recorded as the step
+    graph. With `exact`, ids equal and scores and log-probabilities within
+    1e-4; otherwise well-formed rows.
     """
-    from export.contract import hypotheses_feeds
+    from export.contract import STEP_GRAPHS, hypotheses_feeds
+    from export.steps import step_search
     from keras_transformer.decoding import collect_hypotheses, hypotheses_plan, target_prefix_ids
     from keras_transformer.generation import generate_hypotheses
 
@@ -259,19 +267,26 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact):
         )
         graph, values = hypotheses_feeds(plan, 0.6, 5)
         outputs = run(graph, **values)
-        actual = collect_hypotheses(
-            plan, outputs["sequences"], outputs["scores"], outputs["log_probs"], arguments["num_hypotheses"], model
-        )
-        if not exact:
-            rows = actual.sequences.reshape((-1, actual.sequences.shape[-1]))
-            if not (np.all(rows[:, 0] == model.start_id) and np.all(np.any(rows == model.end_id, axis=1))):
-                raise ValidationError(f"{graph}.onnx returned malformed rows ({label}): {rows}")
-            continue
-        expected = generate_hypotheses(  # in a Python loop, as above
-            model, ids, max_extra_length=5, length_penalty=0.6, target_prefix=prefixes, compile=False, **arguments
-        )
-        for name in ("sequences", "scores", "log_probs"):
-            record(graph, name, getattr(actual, name), getattr(expected, name))
+        step_graph = STEP_GRAPHS[plan.search_name][1]
+        results = {
+            graph: (outputs["sequences"], outputs["scores"], outputs["log_probs"]),
+            step_graph: step_search(lambda name, feeds: run(name, **feeds), plan, 0.6, 5, initial_cache_length=2),
+        }
+        expected = None
+        for name, result in results.items():
+            actual = collect_hypotheses(plan, *result, arguments["num_hypotheses"], model)
+            if not exact:
+                rows = actual.sequences.reshape((-1, actual.sequences.shape[-1]))
+                if not (np.all(rows[:, 0] == model.start_id) and np.all(np.any(rows == model.end_id, axis=1))):
+                    raise ValidationError(f"{name}.onnx returned malformed rows ({label}): {rows}")
+                continue
+            if expected is None:
+                expected = generate_hypotheses(  # in a Python loop, as above
+                    model, ids, max_extra_length=5, length_penalty=0.6, target_prefix=prefixes, compile=False,
+                    **arguments,
+                )
+            for output in ("sequences", "scores", "log_probs"):
+                record(name, output, getattr(actual, output), getattr(expected, output))
 
 
 def _compare_search(graph, name, actual, expected, atol=1e-4):

@@ -21,6 +21,8 @@ from keras_transformer.search.api import (  # noqa: F401
     generate_in_graph,
     hypotheses_graph,
     search_graph,
+    start_graph,
+    step_graph,
 )
 from keras_transformer.decoding import Hypotheses  # noqa: F401
 from keras_transformer.search.beam import gather_beams, reorder_cache, tile_cache  # noqa: F401

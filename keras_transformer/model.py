@@ -471,6 +471,10 @@ class TransformerModel(keras.Model):
     # ------------------------------------------------------------------ #
     # Incremental decoding
     # ------------------------------------------------------------------ #
+    # The cache entries that are functions of the source only: the same for
+    # every beam of a row, so beam search never reorders them (decoding protocol).
+    beam_invariant_cache_keys = ("cross_key", "cross_value", "encoder_padding_mask")
+
     def init_cache(self, encoder_outputs, encoder_token_ids, max_length):
         """The decoding cache for `max_length` target positions.
 

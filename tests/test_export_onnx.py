@@ -79,7 +79,7 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir):
     )
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
-    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 4)
+    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 5)
     assert config["opset"] == onnx_export.DEFAULT_OPSET == 17
     assert config["quantization"] is None
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
@@ -143,10 +143,11 @@ def test_encoder_init_cache_and_decoder_steps_match_keras(model, onnx_model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("beam_size", [1, 3, 4])
-def test_generate_gives_the_same_tokens_as_keras_in_one_call(model, onnx_model, beam_size, monkeypatch):
-    """The whole search is one ONNX Runtime call (one beam_search graph for every beam size)."""
+def test_generate_gives_the_same_tokens_as_keras_in_one_call(model, exported, beam_size, monkeypatch):
+    """driver="whole": the whole search is one ONNX Runtime call (one beam_search graph for every beam size)."""
     from keras_transformer import generation
 
+    onnx_model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], driver="whole")
     src = sources(np.random.default_rng(3), [7, 2, 11, 5])
     expected, expected_scores = generation.generate(
         model, src, beam_size=beam_size, max_extra_length=6, return_scores=True
@@ -166,6 +167,91 @@ def test_generate_gives_the_same_tokens_as_keras_in_one_call(model, onnx_model, 
     assert ids.dtype == np.int32
     np.testing.assert_array_equal(ids, expected)
     np.testing.assert_allclose(scores, expected_scores, atol=1e-4, rtol=0)
+
+
+def _recording_steps(onnx_model, step_graph, monkeypatch):
+    """Records (rows, self-attention cache length) of every call of `step_graph`."""
+    session = onnx_model._session(step_graph)
+    calls = []
+
+    class Recording:
+        def run(self, names, feeds, *args, **kwargs):
+            calls.append((len(feeds["max_lengths"]), feeds["self_key"].shape[0], feeds["self_key"].shape[3]))
+            return session.run(names, feeds, *args, **kwargs)
+
+    monkeypatch.setitem(onnx_model._sessions, step_graph, Recording())
+    return calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_rows_that_are_done_leave_the_batch_and_the_cache_grows(model, exported, beam_size, monkeypatch):
+    """The step driver: rows of very different lengths leave as they are done, the cache doubles from 2
+    positions to the buffer, and the tokens and scores are Keras' and the whole-search graph's."""
+    from export import steps
+    from keras_transformer import generation
+
+    monkeypatch.setattr(steps, "INITIAL_CACHE_LENGTH", 2)
+    onnx_model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
+    whole = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], driver="whole")
+    src = sources(np.random.default_rng(8), [2, 30, 5, 17, 3, 9])
+    expected, expected_scores = generation.generate(
+        model, src, beam_size=beam_size, max_extra_length=12, return_scores=True
+    )
+    calls = _recording_steps(onnx_model, "beam_step" if beam_size > 1 else "greedy_step", monkeypatch)
+    ids, scores = onnx_model.generate(src, beam_size=beam_size, max_extra_length=12, return_scores=True)
+    np.testing.assert_array_equal(ids, expected)
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-4, rtol=0)
+    whole_ids, whole_scores = whole.generate(src, beam_size=beam_size, max_extra_length=12, return_scores=True)
+    np.testing.assert_array_equal(ids, whole_ids)
+    np.testing.assert_allclose(scores, whole_scores, atol=1e-5, rtol=0)
+    rows = [batch for batch, _, _ in calls]
+    # Rows leave as they are done (never come back); the longest source's row runs to the end.
+    assert rows[0] == len(src) and rows[-1] < len(src) and rows == sorted(rows, reverse=True)
+    assert all(cache_rows == batch * beam_size for batch, cache_rows, _ in calls)
+    # The buffer of the longest row (30 + 12 tokens and the start id, rounded up to 8) is 48 positions.
+    lengths = [length for _, _, length in calls]
+    assert sorted(set(lengths)) == [2, 4, 8, 16, 32, 48] and lengths == sorted(lengths)
+    # The cache grows only when the step's index reaches it: the index is the call's number.
+    assert all(index < length for index, length in enumerate(lengths))
+    assert len(calls) < 48
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        dict(beam_size=4, num_hypotheses=3, target_prefix=[[7, 8], None, [11], None, None, [5, 6, 7]]),
+        dict(beam_size=1, num_hypotheses=3, sampling_topk=10, sampling_temperature=0.8, seed=2,
+             target_prefix=[None, [9], None, None, None, None]),
+    ],
+    ids=["n-best-prefix", "samples-prefix"],
+)
+def test_rows_leaving_the_batch_give_the_whole_search_hypotheses(model, exported, arguments, monkeypatch):
+    """n-best with prefixes and seeded samples: the step driver's hypotheses equal the whole-search graph's and
+    Keras'."""
+    from export import steps
+    from keras_transformer.generation import generate_hypotheses
+
+    monkeypatch.setattr(steps, "INITIAL_CACHE_LENGTH", 4)
+    onnx_model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
+    whole = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], driver="whole")
+    src = sources(np.random.default_rng(9), [3, 25, 6, 2, 14, 8])
+    step_graph = "beam_step" if arguments["beam_size"] > 1 else "sample_step"
+    calls = _recording_steps(onnx_model, step_graph, monkeypatch)
+    found = onnx_model.generate_hypotheses(src, max_extra_length=8, **arguments)
+    assert calls[-1][0] < calls[0][0]
+    for expected in (whole.generate_hypotheses(src, max_extra_length=8, **arguments),
+                     generate_hypotheses(model, src, max_extra_length=8, **arguments)):
+        np.testing.assert_array_equal(found.sequences, expected.sequences)
+        np.testing.assert_allclose(found.scores, expected.scores, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(found.log_probs, expected.log_probs, atol=1e-4, rtol=0)
+
+
+def test_an_unknown_driver_is_refused_and_the_cpu_steps(exported, onnx_model):
+    assert onnx_model.driver == "steps"
+    with pytest.raises(ValueError, match=r"driver='loop' must be one of \('steps', 'whole'\) or None"):
+        OnnxSeq2Seq(exported, driver="loop")
 
 
 def test_generate_handles_an_empty_batch_and_bad_arguments(onnx_model):
@@ -298,8 +384,8 @@ def test_optimized_cache_loads_the_optimised_graph_without_optimising_again(expo
     monkeypatch.setattr(ort, "InferenceSession", recording)
     first = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(first.generate(ids, beam_size=2, max_extra_length=6), expected)
-    cached = first._optimized_path("beam_search")
-    assert cached.is_file() and opened[-1][0] == exported / first.config["graphs"]["beam_search"]
+    cached = first._optimized_path("beam_step")
+    assert cached.is_file() and opened[-1][0] == exported / first.config["graphs"]["beam_step"]
     assert not list(cache.glob(".*"))  # no temporary graph left behind
     second = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(second.generate(ids, beam_size=2, max_extra_length=6), expected)
@@ -308,7 +394,7 @@ def test_optimized_cache_loads_the_optimised_graph_without_optimising_again(expo
     cached.write_bytes(b"not a graph")
     third = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(third.generate(ids, beam_size=2, max_extra_length=6), expected)
-    assert "optimising beam_search again" in caplog.text
+    assert "optimising beam_step again" in caplog.text
     with pytest.raises(ValueError, match="optimized_cache works with the default session options"):
         OnnxSeq2Seq(exported, session_options=ort.SessionOptions(), optimized_cache=cache)
 
@@ -359,12 +445,12 @@ def test_scoring_the_greedy_graphs_output_gives_its_own_log_probability(onnx_mod
 # --------------------------------------------------------------------------- #
 # n-best, target prefixes and sampling: the same numbers as Keras
 # --------------------------------------------------------------------------- #
-def test_an_export_of_format_3_is_refused_with_export_again(exported, tmp_path):
+def test_an_export_of_format_4_is_refused_with_export_again(exported, tmp_path):
     copy = copy_of(exported, tmp_path)
     config = json.loads((copy / "config.json").read_text())
-    config["format_version"] = 3
+    config["format_version"] = 4
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="version 3; this version of export.runtime reads .* version 4. Export the"):
+    with pytest.raises(ValueError, match="version 4; this version of export.runtime reads .* version 5. Export the"):
         OnnxTranslator(copy)
 
 
@@ -502,7 +588,7 @@ def test_a_graph_that_deviates_from_the_contract_is_named(exported, tmp_path):
     message = r"decoder_step\.onnx decoder_token_ids axis 0 \(batch\) is fixed to 2; it must be dynamic"
     with pytest.raises(ValidationError, match=message):
         validate_onnx(copy, small_model())
-    with pytest.raises(ValueError, match="does not match export format 4: " + message):
+    with pytest.raises(ValueError, match="does not match export format 5: " + message):
         OnnxSeq2Seq(copy, providers=["CPUExecutionProvider"])._session("decoder_step")
 
     shutil.copy(exported / "decoder_step.onnx", path)
@@ -675,7 +761,7 @@ def test_another_format_version_is_rejected(exported, tmp_path):
     config["format_version"] = 99
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="version 99; this version of export.runtime reads 'keras_transformer.onnx' "
-                       "version 4. Export the model again"):
+                       "version 5. Export the model again"):
         OnnxSeq2Seq(copy)
 
 

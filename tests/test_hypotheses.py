@@ -346,3 +346,68 @@ def test_translate_cli_samples_and_refuses_a_bad_option_in_one_line(translator, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sampling_temperature=0.0 must be a finite number > 0" in err
     assert not (tmp_path / "out.txt").exists()
+
+
+# ---------------------------------------------------------------------- #
+# rows_done: a row that is done can leave the batch (export/steps.py)
+# ---------------------------------------------------------------------- #
+@pytest.mark.parametrize("search_name, beam_size, num_hypotheses", [("greedy", 1, 1), ("beam", 4, 1), ("beam", 3, 2)])
+def test_a_row_that_is_done_keeps_its_hypotheses_until_the_search_ends(model, search_name, beam_size, num_hypotheses):
+    """Once `rows_done` says so, a row stays done and its first `num_hypotheses` hypotheses never change, while
+    the batch's other rows go on (what lets a driver take the row out of the batch)."""
+    from keras import ops
+
+    from keras_transformer.search import loop
+    from keras_transformer.search.lengths import search_lengths
+
+    ids = sources(np.random.default_rng(11), [2, 12, 4, 7, 3])
+    max_lengths, length, _ = search_lengths(ids, 6, model.max_sequence_length)
+    length = int(to_numpy(length))
+    options = {"num_hypotheses": ops.convert_to_tensor(num_hypotheses, "int32")} if search_name == "beam" else None
+    search, state, cache = loop.start(model, ids, beam_size, length, 0, search_name, options)
+    alpha = ops.convert_to_tensor(0.6, "float32")
+    first_done = {}  # row -> its hypotheses when it was first done
+    steps = 0
+    while bool(to_numpy(search.keep_going(state, max_lengths, alpha, length))):
+        state, cache = loop.step(model, search, state, cache, max_lengths, alpha)
+        steps += 1
+        done = to_numpy(search.rows_done(state, max_lengths, alpha))
+        hypotheses = [to_numpy(x)[:, :num_hypotheses] for x in search.hypotheses(state)]
+        for row in range(len(ids)):
+            if row in first_done:
+                assert done[row], (row, steps)
+                for before, now in zip(first_done[row], hypotheses):
+                    np.testing.assert_array_equal(now[row], before)
+            elif done[row]:
+                first_done[row] = [x[row].copy() for x in hypotheses]
+    # Rows were done at different steps, before the search ended.
+    assert len(first_done) == len(ids) or steps == length - 1
+    assert len(first_done) >= 2
+
+
+def test_beam_rows_done_on_ties_and_rows_without_any_beam():
+    """A row is done when its n-th finished score reaches the best live bound (ties included) or when it has
+    neither finished nor live beams (-inf >= -inf)."""
+    from keras import ops
+
+    from keras_transformer.search import beam
+
+    lp = np.float32(to_numpy(length_penalty_factor(5, 0.6)))
+    neg_inf = float("-inf")
+    state = {
+        "live_log_probs": np.array([[-2.0, -3.0], [-2.0, -3.0], [neg_inf, neg_inf], [-1.0, -4.0]], np.float32),
+        "finished_scores": np.array(
+            [[np.float32(-2.0) / lp, -9.0], [-1.0, np.float32(-2.1) / lp], [neg_inf, neg_inf], [-0.5, neg_inf]],
+            np.float32,
+        ),
+        "num_hypotheses": np.int32(2),
+    }
+    state = {name: ops.convert_to_tensor(value) for name, value in state.items()}
+    max_lengths = ops.convert_to_tensor(np.full((4,), 5, np.int32))
+    done = to_numpy(beam.rows_done(state, max_lengths, ops.convert_to_tensor(0.6)))
+    # Row 0: 2nd best -9 < bound -2/lp; row 1: -2.1/lp < -2/lp; row 2: no beams; row 3: no 2nd finished.
+    np.testing.assert_array_equal(done, [False, False, True, False])
+    state["num_hypotheses"] = ops.convert_to_tensor(np.int32(1))
+    done = to_numpy(beam.rows_done(state, max_lengths, ops.convert_to_tensor(0.6)))
+    # Row 0: the best finished ties the bound; row 3: -0.5 >= -1/lp.
+    np.testing.assert_array_equal(done, [True, True, True, True])

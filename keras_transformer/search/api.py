@@ -14,6 +14,9 @@ The decoding protocol (duck typing; nothing else of the model is used):
   reorders every entry with one `ops.take(x, indices, axis=0)` and never
   looks inside); `max_length` is a Python int (a scalar int32 tensor under
   `generate_in_graph`, which traces the search for a SavedModel);
+- optionally `beam_invariant_cache_keys`: the cache entries that depend on
+  the source only (tiled per beam, never written by `decode_step`), which
+  beam search then leaves in place instead of reordering;
 - `decode_step(token_ids [B] int32, index, cache) -> (logits [B, V], cache)`:
   feeds the token at position `index` (0 for the start id) and returns the
   logits of position `index + 1`. `index` is a Python int, except inside
@@ -409,6 +412,90 @@ def hypotheses_graph(model, search_name):
         )
 
     return search
+
+
+def start_graph(model, search_name):
+    """The start of a search run step by step, as one function of tensors, to export as one graph.
+
+    For the ONNX Runtime step driver (`export/runtime.py`), which runs this
+    once and then `step_graph` per step, dropping rows that are done from the
+    batch and growing the self-attention cache as the output grows: the
+    lengths and source padding of `generate`, the encoder, `init_cache` for
+    `cache_length` positions (at most the buffer length) and the search's
+    `init` (`search/loop.py`'s `start`).
+
+    Args:
+        model: a `TransformerModel`.
+        search_name: "greedy", "beam" or "sample".
+
+    Returns:
+        A function `(encoder_token_ids [B, S] int32, beam_size [] int32,
+        max_extra_length [] int32, cache_length [] int32, options) -> dict`:
+        the search state's fields that change (`Field.constant` False), the
+        cache (`[B * K, ...]` entries, self-attention ones of
+        `min(cache_length, L)` positions), `max_lengths` int32 `[B]` and
+        `buffer_length` (L, int32 scalar). `options` as `hypotheses_graph`'s;
+        greedy search and sampling ignore `beam_size`.
+    """
+    if search_name not in loop.SEARCHES:
+        raise ValueError(f"search_name={search_name!r} must be one of {sorted(loop.SEARCHES)}")
+    limit = getattr(model, "max_sequence_length", None)
+    spec = loop.SEARCHES[search_name].STATE_SPEC
+
+    def search_start(encoder_token_ids, beam_size, max_extra_length, cache_length, options):
+        source, max_lengths, length = padded_search_inputs(
+            encoder_token_ids, max_extra_length, limit, options["target_prefix"]
+        )
+        if search_name != "beam":
+            beam_size = 1
+        index = ops.convert_to_tensor(0, "int32")
+        cache_length = ops.minimum(ops.cast(cache_length, "int32"), ops.cast(length, "int32"))
+        _, state, cache = loop.start(
+            model, source, beam_size, length, index, search_name, options, cache_length=cache_length
+        )
+        outputs = {field.name: state[field.name] for field in spec if not field.constant}
+        return dict(outputs, **cache, max_lengths=max_lengths, buffer_length=ops.cast(length, "int32"))
+
+    return search_start
+
+
+def step_graph(model, search_name):
+    """One step of a search as one function of tensors, to export as one graph.
+
+    `search/loop.py`'s `step` (the decoder step, the search's update and,
+    for beam search, the reordering of the cache entries that differ between
+    beams), then the search's `rows_done`, `keep_going` and `hypotheses` of
+    the new state: a driver hands out the hypotheses of the rows that are
+    done (they no longer change) and keeps stepping the others.
+
+    Args:
+        model: a `TransformerModel`.
+        search_name: "greedy", "beam" or "sample".
+
+    Returns:
+        A function `(state, cache, max_lengths [B] int32, alpha [] float32,
+        buffer_length [] int32) -> dict` of `state` (the new state's fields
+        that change, `Field.constant` False), `cache`, `rows_done` (bool
+        `[B]`), `keep_going` (bool scalar) and `hypotheses` (`(sequences
+        [B, K, L], scores [B, K], log_probs [B, K])`, K 1 for sampling).
+        `state` holds every field of the search's `STATE_SPEC`; `cache` the
+        `start_graph` entries, of any self-attention length T > the index.
+    """
+    if search_name not in loop.SEARCHES:
+        raise ValueError(f"search_name={search_name!r} must be one of {sorted(loop.SEARCHES)}")
+    search = loop.SEARCHES[search_name]
+
+    def search_step(state, cache, max_lengths, alpha, buffer_length):
+        state, cache = loop.step(model, search, state, cache, max_lengths, alpha)
+        return {
+            "state": {field.name: state[field.name] for field in search.STATE_SPEC if not field.constant},
+            "cache": cache,
+            "rows_done": search.rows_done(state, max_lengths, alpha),
+            "keep_going": search.keep_going(state, max_lengths, alpha, buffer_length),
+            "hypotheses": search.hypotheses(state),
+        }
+
+    return search_step
 
 
 def check_protocol(model):

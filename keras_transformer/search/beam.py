@@ -1,8 +1,8 @@
 """Beam search with the GNMT length penalty, as the paper (section 6.1).
 
 Pure functions of a state (a dict declared by `STATE_SPEC`), driven by
-`search/loop.py`: `init`, `tokens`, `update`, `keep_going`, `result`,
-`hypotheses` (the n best); and the
+`search/loop.py`: `init`, `tokens`, `update`, `rows_done`, `keep_going`,
+`result`, `hypotheses` (the n best); and the
 beam gathers (`gather_beams`, `tile_cache`, `reorder_cache`), vectorised as
 in tensor2tensor's `beam_search.py` and the Flax WMT example's `decode.py`
 (live and finished beams).
@@ -39,8 +39,8 @@ STATE_SPEC = (
     Field("finished_sequences", "int32", ("B", "K", "L")),
     Field("finished_scores", "float32", ("B", "K")),  # best first, -inf where none
     Field("finished_log_probs", "float32", ("B", "K")),  # their log-probabilities
-    Field("target_prefix", "int32", ("B", "P")),  # forced first tokens, pad-filled (constant)
-    Field("num_hypotheses", "int32", ()),  # finished hypotheses a row needs before it stops (constant)
+    Field("target_prefix", "int32", ("B", "P"), constant=True),  # forced first tokens, pad-filled
+    Field("num_hypotheses", "int32", (), constant=True),  # finished hypotheses a row needs before it stops
 )
 
 
@@ -121,20 +121,29 @@ def update(model, state, logits, max_lengths, alpha):
     return state, parents
 
 
-def keep_going(state, max_lengths, alpha, length):
-    """Scalar bool: the buffer has room and some row's live beam can still beat its n-th best finished one.
+def rows_done(state, max_lengths, alpha):
+    """Bool `[B]`: the rows whose readable hypotheses can no longer change.
 
-    n is `num_hypotheses` (1 for `generate`): a row stops when no live beam
-    can enter its n best. A live beam's log-probability only decreases, and
-    for alpha >= 0 the penalty is largest at the row's maximum length, so
-    `live_log_prob / lp(max_length)` bounds its final score.
+    n is `num_hypotheses` (1 for `generate`): a row is done when no live
+    beam can enter its n best finished hypotheses. A live beam's
+    log-probability only decreases, and for alpha >= 0 the penalty is
+    largest at the row's maximum length, so `live_log_prob / lp(max_length)`
+    bounds its final score. A row that is done stays done, and its first n
+    finished hypotheses stay as they are: a later ended extension scores at
+    most the bound, and on a tie `top_k` keeps the earlier (finished) one
+    first. A row with neither finished nor live beams (-inf >= -inf) is done.
     """
     # Beams are sorted best first (top_k), so column 0 is each row's best.
     best_live_bound = state["live_log_probs"][:, 0] / length_penalty_factor(max_lengths, alpha)  # [B]
     nth_finished = ops.take(state["finished_scores"], state["num_hypotheses"] - 1, axis=1)  # [B]
-    # -inf >= -inf: a row with neither finished nor live beams has stopped.
-    stopped = ops.greater_equal(nth_finished, best_live_bound)
-    return ops.logical_and(state["index"] < length - 1, ops.logical_not(ops.all(stopped)))
+    return ops.greater_equal(nth_finished, best_live_bound)
+
+
+def keep_going(state, max_lengths, alpha, length):
+    """Scalar bool: the buffer has room and some row is not done (`rows_done`)."""
+    return ops.logical_and(
+        state["index"] < length - 1, ops.logical_not(ops.all(rows_done(state, max_lengths, alpha)))
+    )
 
 
 def result(state):
@@ -184,13 +193,18 @@ def tile_cache(cache, beam_size):
     return {name: ops.take(value, indices, axis=0) for name, value in cache.items()}
 
 
-def reorder_cache(cache, beam_indices):
+def reorder_cache(cache, beam_indices, invariant=()):
     """Gives each new beam its parent's cache: `[B * K, ...] -> [B * K, ...]`.
 
     Args:
         cache: dict of `[B * K, ...]` entries.
         beam_indices: int `[B, K]`, the parent beam (in `0..K-1`) of each
             new beam.
+        invariant: names of entries equal for every beam of a row (tiled by
+            `tile_cache`, never written per beam): returned as they are, as
+            a parent is always a beam of the same row.
     """
     indices = ops.reshape(_flat_beam_indices(beam_indices, dim(beam_indices, 1)), (-1,))  # [B * K]
-    return {name: ops.take(value, indices, axis=0) for name, value in cache.items()}
+    return {
+        name: value if name in invariant else ops.take(value, indices, axis=0) for name, value in cache.items()
+    }

@@ -11,11 +11,16 @@ NEG_INF = float("-inf")
 
 
 class Field(NamedTuple):
-    """One entry of a search state: its key, dtype and named axes."""
+    """One entry of a search state: its key, dtype and named axes.
+
+    `constant`: an option the search only reads (set by `init`, never by
+    `update`); a step-by-step driver feeds it and gets it back unchanged.
+    """
 
     name: str
     dtype: str
     axes: tuple
+    constant: bool = False
 
 
 def state_keys(spec):

@@ -1,8 +1,8 @@
 """Greedy search: the most probable token at every step, until the end id.
 
 Pure functions of a state (a dict declared by `STATE_SPEC`), driven by
-`search/loop.py`: `init`, `tokens`, `update`, `keep_going`, `result`,
-`hypotheses`. `extend` (append one chosen token per row) is shared with
+`search/loop.py`: `init`, `tokens`, `update`, `rows_done`, `keep_going`,
+`result`, `hypotheses`. `extend` (append one chosen token per row) is shared with
 sampling (`search/sample.py`), which chooses the token differently.
 Shape legend: B batch, P target prefix length, L output buffer length,
 V vocabulary size.
@@ -29,7 +29,7 @@ STATE_SPEC = (
     Field("log_probs", "float32", ("B",)),  # sum so far
     Field("scores", "float32", ("B",)),  # set when a row ends
     Field("finished", "bool", ("B",)),
-    Field("target_prefix", "int32", ("B", "P")),  # forced first tokens, pad-filled (constant)
+    Field("target_prefix", "int32", ("B", "P"), constant=True),  # forced first tokens, pad-filled
 )
 
 
@@ -88,9 +88,16 @@ def extend(model, state, next_tokens, next_log_probs, alpha):
     )
 
 
+def rows_done(state, max_lengths, alpha):
+    """Bool `[B]`: the rows that have ended; their hypothesis no longer changes."""
+    return state["finished"]
+
+
 def keep_going(state, max_lengths, alpha, length):
-    """Scalar bool: some row has not ended and the buffer has room."""
-    return ops.logical_and(state["index"] < length - 1, ops.logical_not(ops.all(state["finished"])))
+    """Scalar bool: some row is not done (`rows_done`) and the buffer has room."""
+    return ops.logical_and(
+        state["index"] < length - 1, ops.logical_not(ops.all(rows_done(state, max_lengths, alpha)))
+    )
 
 
 def result(state):

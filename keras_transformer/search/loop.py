@@ -24,7 +24,7 @@ SEARCHES = {search.NAME: search for search in (greedy, beam, sample)}
 SEARCH_STATE_KEYS = {name: state_keys(search.STATE_SPEC) for name, search in SEARCHES.items()}
 
 
-def start(model, encoder_token_ids, beam_size, length, index, search_name=None, options=None):
+def start(model, encoder_token_ids, beam_size, length, index, search_name=None, options=None, cache_length=None):
     """Encodes the source; returns `(search, state, cache)`.
 
     The search is greedy for `beam_size == 1` and beam search otherwise,
@@ -32,9 +32,11 @@ def start(model, encoder_token_ids, beam_size, length, index, search_name=None, 
     exported graph serves every beam size; "sample"). `options`: a dict of
     the search's option tensors (`target_prefix`, `num_hypotheses`, the
     sampling ones; see each search's `init`), carried in its state.
+    `cache_length`: the self-attention cache's positions T (default `length`,
+    the whole buffer); a driver that grows the cache starts smaller.
     """
     encoder_outputs = model.encode(encoder_token_ids)  # [B, S, D]
-    cache = model.init_cache(encoder_outputs, encoder_token_ids, length)
+    cache = model.init_cache(encoder_outputs, encoder_token_ids, length if cache_length is None else cache_length)
     if search_name is None:
         search_name = "greedy" if beam_size == 1 else "beam"
     search = SEARCHES[search_name]
@@ -47,8 +49,18 @@ def step(model, search, state, cache, max_lengths, alpha):
     logits, cache = model.decode_step(search.tokens(state), state["index"], cache)
     state, parents = search.update(model, state, logits, max_lengths, alpha)
     if parents is not None:
-        cache = beam.reorder_cache(cache, parents)
+        cache = beam.reorder_cache(cache, parents, beam_invariant_keys(model))
     return state, cache
+
+
+def beam_invariant_keys(model):
+    """The cache entries that are the same for every beam of a row (`beam_invariant_cache_keys`).
+
+    Optional in the decoding protocol: the cross-attention keys and values
+    and the padding mask are functions of the source only, so beam search
+    never reorders them (tiled once, they stay equal across a row's beams).
+    """
+    return tuple(getattr(model, "beam_invariant_cache_keys", ()))
 
 
 def run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled, search_name=None, options=None):
@@ -149,13 +161,15 @@ def run_hybrid(
     while keep_going:
         logits, cache = model.decode_step(tokens, index, cache)
         state = dict(state, index=ops.convert_to_tensor(index, "int32"))
-        # Greedy search reorders nothing: the cache stays out of the call.
-        reordered = cache if search.REORDERS_CACHE else {}
+        # Greedy search reorders nothing: the cache stays out of the call;
+        # beam search reorders the entries that differ between beams.
+        reordered = {} if not search.REORDERS_CACHE else {
+            name: value for name, value in cache.items() if name not in beam_invariant_keys(model)
+        }
         state, reordered, tokens, keep_going = update(
             state, ops.convert_to_tensor(logits), max_lengths, alpha, length, reordered
         )
-        if search.REORDERS_CACHE:
-            cache = reordered
+        cache = dict(cache, **reordered)
         index += 1
         keep_going = bool(ops.convert_to_numpy(keep_going))
     return search.hypotheses(state)

@@ -34,11 +34,11 @@ from keras_transformer.search.common import NEG_INF, Field, constant_field
 NAME = "sample"
 REORDERS_CACHE = False
 STATE_SPEC = greedy.STATE_SPEC + (
-    Field("sample_key", "int32", ("B",)),  # each row's key in [0, MODULUS): source and sample number (constant)
-    Field("seed", "int32", ()),
-    Field("sampling_topk", "int32", ()),  # 0: every id
-    Field("sampling_topp", "float32", ()),  # in (0, 1]
-    Field("sampling_temperature", "float32", ()),  # > 0
+    Field("sample_key", "int32", ("B",), constant=True),  # each row's key in [0, MODULUS): source and sample number
+    Field("seed", "int32", (), constant=True),
+    Field("sampling_topk", "int32", (), constant=True),  # 0: every id
+    Field("sampling_topp", "float32", (), constant=True),  # in (0, 1]
+    Field("sampling_temperature", "float32", (), constant=True),  # > 0
 )
 # The modulus of the hash (the Park-Miller prime 2^31 - 1): every value of the hash is in [0, MODULUS).
 MODULUS = 2147483647
@@ -46,6 +46,7 @@ MODULUS = 2147483647
 MAX_SEED = MODULUS - 1
 
 tokens = greedy.tokens
+rows_done = greedy.rows_done
 keep_going = greedy.keep_going
 result = greedy.result
 hypotheses = greedy.hypotheses
