@@ -121,6 +121,7 @@ print(tokenizer.decode([[index[piece] for piece in results[0].hypotheses[0]]]))
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -706,6 +707,30 @@ def validate_ctranslate2(
     """
     if isinstance(sentences, bool) or not isinstance(sentences, int) or sentences < 1:
         raise ValueError(f"sentences={sentences!r} must be an integer >= 1")
+    with torch_threads_kept():
+        return _validate(directory, model, sentences, beam_size, length_penalty, atol)
+
+
+@contextlib.contextmanager
+def torch_threads_kept():
+    """Restores PyTorch's thread count after CTranslate2 has run in this process.
+
+    A CTranslate2 `Translator` sets the OpenMP thread count of the whole
+    process (its `intra_threads`), which PyTorch reads as its own: after an
+    export's validation (one thread), PyTorch trained on one thread instead
+    of two on this machine, with other numbers.
+    """
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    try:
+        yield
+    finally:
+        if before is not None and torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _validate(directory, model, sentences, beam_size, length_penalty, atol):
+    """`validate_ctranslate2`'s work, its arguments checked."""
     ctranslate2 = _import_ctranslate2()
     directory = pathlib.Path(directory)
     tokens = vocabulary(model)

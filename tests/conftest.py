@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -32,6 +33,28 @@ def tiny_model(**overrides):
 def random_ids(rng, batch, length, vocabulary_size=50, low=4):
     """Ids in [low, vocabulary_size), i.e. no special ids."""
     return rng.integers(low, vocabulary_size, size=(batch, length)).astype("int32")
+
+
+# PyTorch's thread count when a test first saw PyTorch imported.
+_TORCH_THREADS = []
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Each test leaves PyTorch's thread count as the suite found it.
+
+    CTranslate2 (a `Translator`, even in a module fixture's setup) sets the
+    process's OpenMP thread count, which PyTorch reads as its own: the
+    CTranslate2 tests once left the PyTorch run's later training on one
+    thread, with other numbers.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and not _TORCH_THREADS:
+        _TORCH_THREADS.append(torch.get_num_threads())
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and _TORCH_THREADS and torch.get_num_threads() != _TORCH_THREADS[0]:
+        torch.set_num_threads(_TORCH_THREADS[0])
 
 
 @pytest.fixture

@@ -88,6 +88,18 @@ def translator(exported):
     return ctranslate2.Translator(str(exported), device="cpu", intra_threads=1, inter_threads=1)
 
 
+def test_validation_leaves_pytorchs_threads_alone(exported, model):
+    """A CTranslate2 Translator sets the process's OpenMP thread count; PyTorch's is restored after the validation."""
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ct2_export.validate_ctranslate2(exported, model, sentences=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_directory_files_and_metadata(exported, model):
     names = sorted(path.name for path in exported.iterdir())
     assert names == sorted(["model.bin", "config.json", "shared_vocabulary.json", "tokenizer.model",

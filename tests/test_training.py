@@ -25,7 +25,7 @@ def reversal_pairs(rng, n, vocabulary_size=20):
 
 @pytest.mark.slow
 def test_learns_to_reverse_sequences():
-    """A small model learns a synthetic reversal task to >= 98% token accuracy."""
+    """A small model learns a synthetic reversal task to >= 99% token accuracy."""
     rng = np.random.default_rng(0)
     keras.utils.set_random_seed(0)
     train = data.make_dataset(*reversal_pairs(rng, 3000), tokens_per_batch=640, seed=0, repeat=True)
@@ -34,12 +34,12 @@ def test_learns_to_reverse_sequences():
                                 intermediate_dim=128, dropout=0.0, max_sequence_length=16)
     # At the full rate the accuracy after 1,600 updates swings between 98.3% and 99.8% from one
     # epoch to the next on this tiny task (measured on TensorFlow); half the rate converges (99.9-100%
-    # on all three backends in most runs, but 98.7% once on PyTorch, whose CPU training is not
-    # bit-reproducible across runs). A model that does not learn stays far below 98% (chance is 1/17).
+    # on all three backends), so the test no longer sits on the edge of its threshold. (PyTorch on one
+    # thread gives 98.7%: conftest restores its thread count after each test, see _torch_threads_restored.)
     training.compile_model(model, warmup_steps=100, learning_rate_scale=0.5, label_smoothing=0.0)
     model.fit(train, epochs=16, steps_per_epoch=100, verbose=0)
     results = model.evaluate(valid, verbose=0, return_dict=True)
-    assert results["masked_accuracy"] >= 0.98, results
+    assert results["masked_accuracy"] >= 0.99, results
 
 
 def test_masked_accuracy_ignores_padding():
