@@ -81,6 +81,8 @@ CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 # The decoding cache: init_cache's outputs, decoder_step's inputs by the same names.
 CACHE_KEYS = tuple(contract.INIT_CACHE.output_names())
+
+
 def read_config(directory):
     """The `config.json` of an exported directory, after checking that every file is there.
 
@@ -538,8 +540,8 @@ class OnnxSeq2Seq:
         The search of `TransformerModel.generate` (GNMT length penalty, at
         most source length + `max_extra_length` tokens per row), exported:
         the same tokens. With the default driver, beam search runs the
-        `beam_start` / `beam_step` graphs and greedy search the sampling
-        ones with `sampling_topk` 1 (`export.steps`); with `driver="whole"`,
+        `beam_start` / `beam_step` graphs and greedy search `sample_start`
+        / `greedy_step` (`export.steps`); with `driver="whole"`,
         the `beam_search` / `greedy_search` graph in one call.
 
         Returns:
@@ -592,8 +594,8 @@ class OnnxSeq2Seq:
 
         The same plan (`decoding.hypotheses_plan`), checks and results,
         run by the exported beam search (`beam_start` / `beam_step`) or
-        sampling (`sample_start` / `sample_step`, greedy search as
-        `sampling_topk` 1) step by step (`export.steps`), or with
+        sampling (`sample_start` / `sample_step`; greedy search
+        `sample_start` / `greedy_step`) step by step (`export.steps`), or with
         `driver="whole"` by the `beam_hypotheses` / `sample_search` graph in
         one call: the same tokens, scores and log-probabilities (within
         float32 rounding), the same samples for the same seed.

@@ -357,8 +357,7 @@ def search_graph(model, search_name):
         int32, scores [B] float32)`, rows not trimmed (see
         `decoding.finish_rows`); greedy search ignores `beam_size`.
     """
-    if search_name not in loop.SEARCHES:
-        raise ValueError(f"search_name={search_name!r} must be one of {sorted(loop.SEARCHES)}")
+    check_search_name(search_name)
     limit = getattr(model, "max_sequence_length", None)
 
     def search(encoder_token_ids, beam_size, alpha, max_extra_length):
@@ -437,8 +436,7 @@ def start_graph(model, search_name):
         `buffer_length` (L, int32 scalar). `options` as `hypotheses_graph`'s;
         greedy search and sampling ignore `beam_size`.
     """
-    if search_name not in loop.SEARCHES:
-        raise ValueError(f"search_name={search_name!r} must be one of {sorted(loop.SEARCHES)}")
+    check_search_name(search_name)
     limit = getattr(model, "max_sequence_length", None)
     spec = loop.SEARCHES[search_name].STATE_SPEC
 
@@ -481,8 +479,7 @@ def step_graph(model, search_name):
         `state` holds every field of the search's `STATE_SPEC`; `cache` the
         `start_graph` entries, of any self-attention length T > the index.
     """
-    if search_name not in loop.SEARCHES:
-        raise ValueError(f"search_name={search_name!r} must be one of {sorted(loop.SEARCHES)}")
+    check_search_name(search_name)
     search = loop.SEARCHES[search_name]
 
     def search_step(state, cache, max_lengths, alpha, buffer_length):
@@ -496,6 +493,12 @@ def step_graph(model, search_name):
         }
 
     return search_step
+
+
+def check_search_name(search_name):
+    """Refuses a search name that is not one of `search/loop.py`'s searches."""
+    if search_name not in loop.SEARCHES:
+        raise ValueError(f"search_name={search_name!r} must be one of {sorted(loop.SEARCHES)}")
 
 
 def check_protocol(model):
