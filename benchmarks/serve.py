@@ -4,9 +4,9 @@ Five systems translate the same source ids:
 
 - `keras`: `TransformerModel.generate`, the XLA-compiled search on TensorFlow;
 - `ort-float32`, `ort-int8`: `export.runtime.OnnxSeq2Seq.generate`, the
-  search's exported start and step graphs driven step by step, finished rows
-  leaving the batch (`export/steps.py`; `export.onnx`, float32 and int8
-  weights);
+  search's exported start and update graphs around the fused decoder step,
+  driven step by step, finished rows leaving the batch (`export/steps.py`;
+  `export.onnx`, float32 and int8 weights);
 - `ct2-float32`, `ct2-int8`: CTranslate2's `translate_batch` on the model
   written by `export.ctranslate2` (skipped, with a message, when that module
   or `ctranslate2` is missing).
@@ -44,8 +44,9 @@ process start to the first translation on stdout, and the process's peak
 resident memory (`ru_maxrss` from `os.wait4`). And the installed size of each
 path's Python distributions (their RECORD files, dependencies included).
 
-`--profile` adds ONNX Runtime's profiler on `beam_search.onnx` (float32,
-beam 4, batch 1 and 16, one thread): time per op type, top first.
+`--profile` adds ONNX Runtime's profiler on the server's search (the step
+driver's graphs, float32, beam 4, batch 1 and 16, one thread): time per
+graph, the driver's own time, time per graph and op type, top first.
 
 The model: a preset directory (a trained `runs/small`), or a built-in preset
 name, which gets random weights (`--seed`) and a tokenizer trained on the
@@ -318,17 +319,18 @@ def _translate_pass(system, batches, beam_size, max_extra_length):
 
 
 def profile_search(directory, sources_by_batch, beam_size, max_extra_length, threads, prefix, calls=2):
-    """ONNX Runtime's profile of `beam_search.onnx`: microseconds per op type, per batch size.
+    """ONNX Runtime's profile of the server's search (`OnnxSeq2Seq.generate`, the step driver), per batch size.
 
-    Nodes inside the search's `Loop` are profiled one by one; the `Loop`
-    node's own time includes theirs, so it is reported apart (`loop_us`) and
-    left out of the shares.
+    Every session of the search (the start graph, the fused decoder step,
+    the update graph) profiles its nodes; the report gives the time per
+    graph (`graphs_us`, ONNX Runtime's `model_run`), the rest of the wall
+    time (`python_us`: the driver's loop, feeds and copies) and the summed
+    node time per `graph/op type`, top first.
     """
     import onnxruntime as ort
 
-    from export.runtime import CPU, read_config
+    from export.runtime import CPU, OnnxSeq2Seq
 
-    path = pathlib.Path(directory) / read_config(directory)["graphs"]["beam_search"]
     report = {}
     for batch, sources in sources_by_batch.items():
         options = ort.SessionOptions()
@@ -337,44 +339,36 @@ def profile_search(directory, sources_by_batch, beam_size, max_extra_length, thr
         options.intra_op_num_threads = threads
         options.enable_profiling = True
         options.profile_file_prefix = f"{prefix}_b{batch}"
-        session = ort.InferenceSession(str(path), options, providers=[CPU])
-        feeds = {
-            "encoder_token_ids": id_batch(sources, _end_id(directory)),
-            "alpha": np.array(LENGTH_PENALTY, np.float32),
-            "max_extra_length": np.array(max_extra_length, np.int32),
-            "beam_size": np.array(beam_size, np.int32),
-        }
+        model = OnnxSeq2Seq(directory, providers=[CPU], session_options=options)
+        ids = id_batch(sources, _end_id(directory))
         start = time.perf_counter()
         for _ in range(calls):
-            session.run(None, feeds)
+            model.generate(ids, beam_size=beam_size, length_penalty=LENGTH_PENALTY, max_extra_length=max_extra_length)
         wall = (time.perf_counter() - start) / calls
-        trace = pathlib.Path(session.end_profiling())
-        events = json.loads(trace.read_text())
-        by_op, count, loop_us, run_us = {}, {}, 0, 0
-        for event in events:
-            args = event.get("args", {})
-            if event.get("cat") == "Session" and event.get("name") == "model_run":
-                run_us += event.get("dur", 0)
-            if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
-                continue
-            op = args.get("op_name", "?")
-            if op == "Loop":
-                loop_us += event["dur"]
-                continue
-            by_op[op] = by_op.get(op, 0) + event["dur"]
-            count[op] = count.get(op, 0) + 1
+        by_op, count, graphs_us, traces = {}, {}, {}, []
+        for graph, session in model._sessions.items():
+            trace = pathlib.Path(session.end_profiling())
+            traces.append(str(trace))
+            for event in json.loads(trace.read_text()):
+                if event.get("cat") == "Session" and event.get("name") == "model_run":
+                    graphs_us[graph] = graphs_us.get(graph, 0) + event.get("dur", 0)
+                if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
+                    continue
+                op = f"{graph}/{event.get('args', {}).get('op_name', '?')}"
+                by_op[op] = by_op.get(op, 0) + event["dur"]
+                count[op] = count.get(op, 0) + 1
         total = sum(by_op.values()) or 1
         report[str(batch)] = {
             "calls": calls,
             "seconds_per_call": wall,
-            "model_run_us": run_us,
-            "loop_us": loop_us,
+            "graphs_us": graphs_us,
+            "python_us": max(wall * calls * 1e6 - sum(graphs_us.values()), 0),
             "node_us": total,
             "ops": [
                 {"op": op, "us": us, "share": us / total, "nodes_run": count[op]}
                 for op, us in sorted(by_op.items(), key=lambda item: -item[1])
             ],
-            "trace": str(trace),
+            "traces": traces,
         }
     return report
 
@@ -1225,7 +1219,7 @@ def profile_in_worker(directories, sources, batch_sizes, max_extra_length, work)
     if "ort-float32" not in directories:
         logger.warning("--profile needs the ort-float32 export")
         return None
-    logger.info("Profiling beam_search.onnx")
+    logger.info("Profiling the step driver")
     worker = Worker("ort-float32-profile", "ort-float32", directories["ort-float32"], 1, max_extra_length,
                     work / "worker-ort-float32-profile.log")
     try:
@@ -1407,14 +1401,16 @@ def print_report(results):
     for name, size in results["installed"].items():
         print(f"  {PATHS[name]}: {size['mb']:,.0f} MB ({len(size['distributions'])} distributions)")
     if results["profile"]:
-        print("\nONNX Runtime profile of beam_search.onnx (float32, beam 4, 1 thread), top op types by summed node time"
-              " (profiling slows every node: read the shares, not the times):")
+        print("\nONNX Runtime profile of the step driver (float32, beam 4, 1 thread): time per graph, the driver's"
+              " own time, top graph/op types by summed node time (profiling slows every node: read the shares):")
         for batch, report in results["profile"].items():
-            print(f"  batch {batch}: {report['seconds_per_call'] * 1e3:.1f} ms per call "
-                  f"(node time {report['node_us'] / 1e3 / report['calls']:.1f} ms per call)")
+            calls = report["calls"]
+            graphs = ", ".join(f"{graph} {us / 1e3 / calls:.1f}" for graph, us in report["graphs_us"].items())
+            print(f"  batch {batch}: {report['seconds_per_call'] * 1e3:.1f} ms per call; graphs (ms/call): {graphs};"
+                  f" driver {report['python_us'] / 1e3 / calls:.1f} ms/call")
             for op in report["ops"][:12]:
-                print(f"    {op['op']:28s} {op['share']:6.1%}  {op['us'] / 1e3 / report['calls']:8.2f} ms/call"
-                      f"  {op['nodes_run'] // report['calls']:6d} node runs/call")
+                print(f"    {op['op']:48s} {op['share']:6.1%}  {op['us'] / 1e3 / calls:8.2f} ms/call"
+                      f"  {op['nodes_run'] // calls:6d} node runs/call")
     print("\nGoals (issue 12, 1 thread, this run):")
     for goal in results["goals"]:
         print(f"  [{'met' if goal['met'] else 'NOT met'}] {goal['goal']}: {goal['value']:.2f} "

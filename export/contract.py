@@ -86,6 +86,17 @@ class Graph:
     def output_names(self):
         return [tensor.name for tensor in self.outputs]
 
+    def expand(self, num_layers):
+        """This graph with each tensor named with `LAYER` repeated per layer (`self_key_0`, ...)."""
+
+        def tensors(group):
+            return tuple(
+                dataclasses.replace(tensor, name=tensor.name.format(layer=i))
+                for tensor in group for i in (range(num_layers) if LAYER in tensor.name else (None,))
+            )
+
+        return dataclasses.replace(self, inputs=tensors(self.inputs), outputs=tensors(self.outputs))
+
 
 @dataclasses.dataclass(frozen=True)
 class Format:
@@ -203,10 +214,11 @@ def _rows(tensor):
     return dataclasses.replace(tensor, axes=("beam_rows", *tensor.axes[1:]))
 
 
-_STEP_CACHE = tuple(_rows(tensor) for tensor in (*_SELF_CACHE, *_CROSS_CACHE, _PADDING_MASK))
+_SOURCE_CACHE = (*_CROSS_CACHE, _PADDING_MASK)
 _MAX_LENGTHS = _ids("max_lengths", "batch")
 _BUFFER_LENGTH = _scalar("buffer_length")
-_STEP_OUTPUTS = (
+_NEXT_IDS = _ids("decoder_token_ids", "beam_rows")
+_UPDATE_OUTPUTS = (
     Tensor("rows_done", "bool", ("batch",)),
     Tensor("keep_going", "bool"),
     _ids("hypotheses_sequences", "batch", "hypotheses", "output_length"),
@@ -222,8 +234,8 @@ def _updated(tensors):
 def _start(method, options, state):
     return Graph(
         method,
-        (_SOURCE_IDS, _TARGET_PREFIX, *options, _scalar("max_extra_length"), _scalar("cache_length")),
-        (*state, *_STEP_CACHE, _MAX_LENGTHS, _BUFFER_LENGTH),
+        (_SOURCE_IDS, _TARGET_PREFIX, *options, _scalar("max_extra_length")),
+        (*state, _NEXT_IDS, *_SOURCE_CACHE, _MAX_LENGTHS, _BUFFER_LENGTH),
     )
 
 
@@ -232,35 +244,62 @@ def _one_hypothesis(tensor):
     return dataclasses.replace(tensor, axes=tuple(axis for axis in tensor.axes if axis != "hypotheses"))
 
 
-def _step(method, state, options, hypotheses=True):
-    outputs = _STEP_OUTPUTS if hypotheses else tuple(_one_hypothesis(tensor) for tensor in _STEP_OUTPUTS)
+def _update(method, state, options, hypotheses=True, parents=False):
+    outputs = _UPDATE_OUTPUTS if hypotheses else tuple(_one_hypothesis(tensor) for tensor in _UPDATE_OUTPUTS)
     return Graph(
         method,
-        (*state, *options, *_STEP_CACHE, _MAX_LENGTHS, _scalar("alpha", "float32"), _BUFFER_LENGTH),
-        (*_updated(state), *_updated(_STEP_CACHE[:2]), *outputs),
+        (*state, *options, Tensor("logits", "float32", ("beam_rows", "vocabulary_size")), _MAX_LENGTHS,
+         _scalar("alpha", "float32"), _BUFFER_LENGTH),
+        (*_updated(state), _NEXT_IDS, *((_ids("parents", "batch", "beam"),) if parents else ()), *outputs),
     )
 
 
 BEAM_START = _start("generation.start_graph(model, 'beam')", (_scalar("beam_size"),), _BEAM_STATE)
-BEAM_STEP = _step("generation.step_graph(model, 'beam')", _BEAM_STATE, _BEAM_OPTIONS)
+BEAM_UPDATE = _update("generation.update_graph(model, 'beam')", _BEAM_STATE, _BEAM_OPTIONS, parents=True)
 # Sampling and greedy search share their state's changing fields, so one start graph serves both.
 SAMPLE_START = _start("generation.start_graph(model, 'sample') (and 'greedy')", (), _SAMPLE_STATE)
 # One hypothesis per row: the hypotheses outputs without their axis of size 1, as `sample_search`'s.
-SAMPLE_STEP = _step(
-    "generation.step_graph(model, 'sample'), hypotheses axis dropped", _SAMPLE_STATE, _SAMPLE_OPTIONS,
+SAMPLE_UPDATE = _update(
+    "generation.update_graph(model, 'sample'), hypotheses axis dropped", _SAMPLE_STATE, _SAMPLE_OPTIONS,
     hypotheses=False,
 )
-# Greedy search has its own step graph: as sampling with `sampling_topk` 1 it would sort the
+# Greedy search has its own update graph: as sampling with `sampling_topk` 1 it would sort the
 # vocabulary every step (the same tokens, several times slower).
-GREEDY_STEP = _step(
-    "generation.step_graph(model, 'greedy'), hypotheses axis dropped", _SAMPLE_STATE, (_TARGET_PREFIX,),
+GREEDY_UPDATE = _update(
+    "generation.update_graph(model, 'greedy'), hypotheses axis dropped", _SAMPLE_STATE, (_TARGET_PREFIX,),
     hypotheses=False,
 )
-# The graphs of each search (`decoding.hypotheses_plan`'s `search_name`) run step by step: (start, step).
+# A tensor per decoder layer: `{layer}` in its name (`Graph.expand`).
+LAYER = "{layer}"
+# The decoder step built for ONNX Runtime (`export/fused_step.py`): the self-attention cache is one
+# buffer per layer, keys and values, that `present_*` shares with its input (written at `index`,
+# read through `cache_indirection` [B, K, T], the beam each position is read from); the
+# cross-attention cache once per source. Exported for the models it covers (post-LN float32).
+_LAYER_SELF_CACHE = tuple(
+    Tensor(f"self_{kind}_{LAYER}", COMPUTE, ("beam_rows", "num_heads", "cache_length", size))
+    for kind, size in (("key", "head_key_dim"), ("value", "head_value_dim"))
+)
+FUSED_DECODER_STEP = Graph(
+    "export.fused_step.build_fused_step (from the model's weights)",
+    (
+        _NEXT_IDS, _scalar("index"), _ids("cache_indirection", "batch", "beam", "cache_length"),
+        _ids("encoder_padding_mask", "batch", "source_length"), *_LAYER_SELF_CACHE,
+        *(Tensor(f"cross_{kind}_{LAYER}", COMPUTE, ("batch", "num_heads", "source_length", size))
+          for kind, size in (("key", "head_key_dim"), ("value", "head_value_dim"))),
+    ),
+    (
+        Tensor("logits", "float32", ("beam_rows", "vocabulary_size")),
+        *(dataclasses.replace(tensor, name=f"present_{tensor.name}") for tensor in _LAYER_SELF_CACHE),
+    ),
+)
+# The graphs of each search (`decoding.hypotheses_plan`'s `search_name`) run step by step with
+# `fused_decoder_step` (`export/steps.py`): (start, update).
 STEP_GRAPHS = {
-    "beam": ("beam_start", "beam_step"), "sample": ("sample_start", "sample_step"),
-    "greedy": ("sample_start", "greedy_step"),
+    "beam": ("beam_start", "beam_update"), "sample": ("sample_start", "sample_update"),
+    "greedy": ("sample_start", "greedy_update"),
 }
+# The graphs of the step driver, exported when the model has a fused decoder step.
+STEP_DRIVER_GRAPHS = ("fused_decoder_step", *sorted({name for pair in STEP_GRAPHS.values() for name in pair}))
 
 # Text in, text out: SentencePiece around the search (tokenized as `Translator` does).
 TRANSLATE = Graph("Translator.translate, in the graph (beam size set at export)", (_TEXT,), (_TRANSLATION,))
@@ -271,19 +310,21 @@ TEXT_GRAPH = Graph(
 )
 
 # An ONNX export: graph name -> Graph; the file is `{name}.onnx` (config.json `graphs`).
+# 6: the fused decoder step (a cache updated in place, cross-attention once per source) and each
+#    search's update graph replace the step graphs; the start graphs give the source's cache;
 # 5: the start and step graphs of beam search, sampling and greedy search (rows leave the batch when done);
 # 4: the beam_hypotheses and sample_search graphs (n-best, target prefixes, sampling);
 # 3: the whole search as one graph per search (2 had per-step update graphs);
 # 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
 ONNX = Format(
     "keras_transformer.onnx",
-    5,
+    6,
     {
         "encoder": ENCODE, "init_cache": INIT_CACHE, "decoder_step": DECODE_STEP,
         "greedy_search": GREEDY_SEARCH, "beam_search": BEAM_SEARCH,
         "beam_hypotheses": BEAM_HYPOTHESES, "sample_search": SAMPLE_SEARCH,
-        "beam_start": BEAM_START, "beam_step": BEAM_STEP, "sample_start": SAMPLE_START, "sample_step": SAMPLE_STEP,
-        "greedy_step": GREEDY_STEP,
+        "beam_start": BEAM_START, "beam_update": BEAM_UPDATE, "sample_start": SAMPLE_START,
+        "sample_update": SAMPLE_UPDATE, "greedy_update": GREEDY_UPDATE, "fused_decoder_step": FUSED_DECODER_STEP,
     },
 )
 # A SavedModel export: signature name -> Graph.

@@ -12,7 +12,7 @@ TensorFlow backend.
 import inspect
 
 from export import contract
-from keras_transformer.generation import hypotheses_graph, search_graph, start_graph, step_graph
+from keras_transformer.generation import hypotheses_graph, search_graph, start_graph, update_graph
 from keras_transformer.search.loop import SEARCHES
 
 _HYPOTHESES_OUTPUTS = ("sequences", "scores", "log_probs")
@@ -29,11 +29,13 @@ def input_signature(graph, model):
     ]
 
 
-def graph_functions(model):
-    """`{ONNX graph name: (function, input signature)}` for every graph of `contract.ONNX`.
+def graph_functions(model, names=None):
+    """`{ONNX graph name: (function, input signature)}` for the graphs `names` of `contract.ONNX`.
 
     Each function takes the graph's inputs (by position, in the contract's
-    order) and returns a dict of its outputs by name.
+    order) and returns a dict of its outputs by name. `names`: default,
+    every graph converted from TensorFlow (all but `fused_decoder_step`,
+    which `export/fused_step.py` builds).
     """
 
     def encoder(encoder_token_ids):
@@ -82,12 +84,12 @@ def graph_functions(model):
         "greedy_search": greedy_search, "beam_search": beam_search,
         "beam_hypotheses": beam_hypotheses, "sample_search": sample_search,
     }
-    for search_name, (start_name, step_name) in contract.STEP_GRAPHS.items():
+    for search_name, (start_name, update_name) in contract.STEP_GRAPHS.items():
         functions.setdefault(start_name, _start_function(model, search_name, contract.ONNX.graphs[start_name]))
-        functions[step_name] = _step_function(model, search_name, contract.ONNX.graphs[step_name])
+        functions[update_name] = _update_function(model, search_name, contract.ONNX.graphs[update_name])
     signatures = {}
-    for name, graph in contract.ONNX.graphs.items():
-        function = functions[name]
+    for name in functions if names is None else names:
+        function, graph = functions[name], contract.ONNX.graphs[name]
         # Traced by position: the parameters must be the contract's inputs, in its order.
         if list(inspect.signature(function).parameters) != graph.input_names():
             raise AssertionError(f"{name} takes {list(inspect.signature(function).parameters)}; "
@@ -109,7 +111,7 @@ def _by_name(graph, body):
 
 
 def check_state_tensors(search_name, graph):
-    """Checks that a step graph's state inputs are the search's `STATE_SPEC` (names, dtypes, axes)."""
+    """Checks that an update graph's state inputs are the search's `STATE_SPEC` (names, dtypes, axes)."""
     tensors = {tensor.name: tensor for tensor in graph.inputs}
     for field in SEARCHES[search_name].STATE_SPEC:
         tensor = tensors.get(field.name)
@@ -127,32 +129,32 @@ def _start_function(model, search_name, graph):
     def body(inputs):
         outputs = start(
             inputs["encoder_token_ids"], inputs.get("beam_size", 1), inputs["max_extra_length"],
-            inputs["cache_length"], {"target_prefix": inputs["target_prefix"]},
+            {"target_prefix": inputs["target_prefix"]},
         )
         return {name: outputs[name] for name in graph.output_names()}
 
     return _by_name(graph, body)
 
 
-def _step_function(model, search_name, graph):
-    """`generation.step_graph` with the contract's inputs and outputs (`updated_*`, `hypotheses_*`)."""
+def _update_function(model, search_name, graph):
+    """`generation.update_graph` with the contract's inputs and outputs (`updated_*`, `hypotheses_*`)."""
     check_state_tensors(search_name, graph)
-    step = step_graph(model, search_name)
+    update = update_graph(model, search_name)
     state_names = [field.name for field in SEARCHES[search_name].STATE_SPEC]
-    cache_names = contract.INIT_CACHE.output_names()
     outputs_by_name = {tensor.name: tensor for tensor in graph.outputs}
 
     def body(inputs):
-        outputs = step(
-            {name: inputs[name] for name in state_names}, {name: inputs[name] for name in cache_names},
-            inputs["max_lengths"], inputs["alpha"], inputs["buffer_length"],
+        outputs = update(
+            {name: inputs[name] for name in state_names}, inputs["logits"], inputs["max_lengths"], inputs["alpha"],
+            inputs["buffer_length"],
         )
-        named = {f"updated_{name}": value for name, value in {**outputs["state"], **outputs["cache"]}.items()}
+        named = {f"updated_{name}": value for name, value in outputs["state"].items()}
         for name, value in zip(_HYPOTHESES_OUTPUTS, outputs["hypotheses"]):
             tensor = outputs_by_name[f"hypotheses_{name}"]
-            # Sampling's step graph drops the hypotheses axis of size 1 (the contract says which).
+            # Sampling's update graph drops the hypotheses axis of size 1 (the contract says which).
             named[f"hypotheses_{name}"] = value if "hypotheses" in tensor.axes else value[:, 0]
-        named.update(rows_done=outputs["rows_done"], keep_going=outputs["keep_going"])
+        named.update({name: outputs[name] for name in ("decoder_token_ids", "rows_done", "keep_going", "parents")
+                      if name in outputs})
         return {name: named[name] for name in graph.output_names()}
 
     return _by_name(graph, body)

@@ -15,11 +15,17 @@ are listed), traced by `export/graphs.py`, which `export/runtime.py` serves:
   are Keras'); the beam size is an input, so one graph serves every beam.
   `beam_hypotheses.onnx` and `sample_search.onnx`: the same for
   `generate_hypotheses` (n-best, target prefixes, sampling).
-- `beam_start.onnx` / `beam_step.onnx`, `sample_start.onnx` /
-  `sample_step.onnx` and `greedy_step.onnx` (greedy search starts as
-  sampling): `generation.start_graph` and `step_graph`, the same
-  searches one step per call, for `export/steps.py`'s driver (rows that are
-  done leave the batch; the cache grows with the output).
+- `fused_decoder_step.onnx`: the decoder step built for ONNX Runtime from
+  the model's weights (`export/fused_step.py`: fused contrib ops, the
+  self-attention cache written in place, the cross-attention cache once per
+  source; int8 with `--quantize int8`), checked against `decode_step` at
+  validation. With `beam_start.onnx` / `beam_update.onnx`,
+  `sample_start.onnx` / `sample_update.onnx` and `greedy_update.onnx`
+  (greedy search starts as sampling): `generation.start_graph` and
+  `update_graph`, the same searches one update per call, for
+  `export/steps.py`'s driver (rows that are done leave the batch; the cache
+  grows with the output). Only for the models the fused step covers
+  (post-LN, float32; others keep the whole-search graphs, with a warning).
 
 After conversion each graph is made leaner (`_convert`): values the Loop
 only carries along (the weights) become outer-scope initializers, Keras'
@@ -68,6 +74,7 @@ if __name__ == "__main__":  # a command: quiet the frameworks before anything im
 import numpy as np  # noqa: E402
 
 from export import contract  # noqa: E402
+from export.fused_step import NotFusable, build_fused_step, fused_step_weights  # noqa: E402
 from export.graphs import graph_functions  # noqa: E402
 from export.validate import QUANTIZATIONS, validate_onnx  # noqa: E402
 from keras_transformer.utils import atomic_directory  # noqa: E402
@@ -671,15 +678,27 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
         raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
 
     model = _load_model(preset)
-    files = {name: f"{name}.onnx" for name in contract.ONNX.graphs}
+    try:
+        fused = build_fused_step(fused_step_weights(model), quantize=quantize, opset=opset)
+    except NotFusable as error:
+        # The step driver needs the fused step; without it the server runs the whole-search graphs.
+        logger.warning("No step driver graphs: %s", error)
+        fused = None
+    names = [name for name in contract.ONNX.graphs if fused is not None or name not in contract.STEP_DRIVER_GRAPHS]
+    files = {name: f"{name}.onnx" for name in names}
     with atomic_directory(output) as staging:
-        for name, (function, signature) in graph_functions(model).items():
+        converted = [name for name in names if name != "fused_decoder_step"]
+        for name, (function, signature) in graph_functions(model, converted).items():
             path = staging / files[name]
             logger.info("Converting %s (opset %d)", path.name, opset)
             _convert(function, signature, opset, path)
             if quantize == "int8":
                 logger.info("Quantizing %s to int8", path.name)
                 _quantize_int8(path)
+        if fused is not None:
+            import onnx
+
+            onnx.save(fused, str(staging / files["fused_decoder_step"]))
         _share_weights(staging, [staging / file for file in files.values()])
         config = _config(model, files, opset, quantize)
         contract.write_config(staging, config)

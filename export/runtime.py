@@ -10,12 +10,14 @@ importing them fails). `pip install "keras-aiayn[serve]"` installs just that
 
 `OnnxSeq2Seq.generate` and `generate_hypotheses` run the Keras search
 itself, converted: the exported `<search>_start` graph (lengths, encoder,
-cache, the search's `init`) once, then the `<search>_step` graph (decoder
-step, search update, `rows_done`, `hypotheses`) per step from a Python loop
-(`export.steps`) that takes the rows that are done out of the batch, handing
-out their hypotheses, and grows the self-attention cache with the output
-(as CTranslate2 does): a batch costs the steps of its rows, not of its
-longest row times its size. The same tokens as `TransformerModel.generate`.
+the source's cache, the search's `init`) once, then per step the fused
+decoder step (`export/fused_step.py`: contrib ops, the cache written in
+place) and the `<search>_update` graph (search update, `rows_done`,
+`hypotheses`) from a Python loop (`export.steps`) that takes the rows that
+are done out of the batch, handing out their hypotheses, and grows the
+self-attention cache with the output (as CTranslate2 does): a batch costs
+the steps of its rows, not of its longest row times its size. The same
+tokens as `TransformerModel.generate`.
 The whole-search graphs (`greedy_search`, `beam_search`, ...: an ONNX `Loop`
 over every row until the longest is done) remain for runtimes without
 Python (`translate.onnx`) and `driver="whole"`. `encode`, `init_cache` and
@@ -121,9 +123,13 @@ def read_config(directory):
     if missing:
         raise ValueError(f"{config_path} lacks {missing} (the sizes of the graphs' tensors); export the model again")
     graphs = config.get("graphs")
-    if not isinstance(graphs, dict) or set(contract.ONNX.graphs) - set(graphs):
-        raise ValueError(f"{config_path} must name the graphs {sorted(contract.ONNX.graphs)}; export the model again")
-    for graph in contract.ONNX.graphs:
+    # The step driver's graphs are there for the models the fused step covers: all of them or none.
+    required = [name for name in contract.ONNX.graphs if name not in contract.STEP_DRIVER_GRAPHS]
+    if isinstance(graphs, dict) and set(graphs) & set(contract.STEP_DRIVER_GRAPHS):
+        required = list(contract.ONNX.graphs)
+    if not isinstance(graphs, dict) or set(required) - set(graphs):
+        raise ValueError(f"{config_path} must name the graphs {sorted(required)}; export the model again")
+    for graph in required:
         path = directory / graphs[graph]
         if path.parent != directory or not path.is_file():
             raise FileNotFoundError(f"{directory} is missing {graphs[graph]} (the {graph} graph)")
@@ -265,13 +271,15 @@ class OnnxSeq2Seq:
             onnxruntime is optimised afresh; an unreadable copy is optimised
             again with a warning. With the default session options only.
         driver: "steps": `generate` and `generate_hypotheses` run the
-            start and step graphs (`export.steps`: rows that are done leave
-            the batch, the cache grows with the output); "whole": the
-            whole-search graphs, one call per batch (every row until the
-            longest is done). The same tokens. None (the default): "steps"
-            on the CPU; "whole" under CUDA, where the step driver would copy
-            the cache between host and device every step (not measured on a
-            GPU yet).
+            start graph, the fused decoder step and the update graph
+            (`export.steps`: rows that are done leave the batch, the cache
+            grows with the output); "whole": the whole-search graphs, one
+            call per batch (every row until the longest is done). The same
+            tokens. None (the default): "steps" on the CPU when the export
+            has the fused step (models it covers: `export/fused_step.py`);
+            otherwise, and under CUDA (where the driver's host buffers
+            would cross to the device every step; not measured on a GPU
+            yet), "whole".
 
     Attributes: `vocabulary_size`, `pad_id`, `unk_id`, `start_id`, `end_id`,
     `max_sequence_length`, `config` (the directory's `config.json`),
@@ -314,7 +322,13 @@ class OnnxSeq2Seq:
         self.providers = [p[0] if isinstance(p, (tuple, list)) else p for p in self._requested]
         self._device = "cuda" if self.providers[0] == CUDA else "cpu"
         self.use_io_binding = self._device == "cuda" if use_io_binding is None else bool(use_io_binding)
-        self.driver = driver or ("whole" if self._device == "cuda" else "steps")
+        has_steps = "fused_decoder_step" in config.get("graphs", {})
+        if driver == "steps" and not has_steps:
+            raise ValueError(
+                f"{self.directory} has no fused decoder step (its model is not one the fused step covers: "
+                "export/fused_step.py), so it cannot run driver='steps'; use driver='whole' or None"
+            )
+        self.driver = driver or ("steps" if has_steps and self._device == "cpu" else "whole")
         self._sessions = {}
         # Graph input name -> (host array, the OrtValue made from it).
         self._device_values = {}
@@ -540,9 +554,10 @@ class OnnxSeq2Seq:
         The search of `TransformerModel.generate` (GNMT length penalty, at
         most source length + `max_extra_length` tokens per row), exported:
         the same tokens. With the default driver, beam search runs the
-        `beam_start` / `beam_step` graphs and greedy search `sample_start`
-        / `greedy_step` (`export.steps`); with `driver="whole"`,
-        the `beam_search` / `greedy_search` graph in one call.
+        `beam_start` / `beam_update` graphs and greedy search `sample_start`
+        / `greedy_update` around the fused decoder step (`export.steps`);
+        with `driver="whole"`, the `beam_search` / `greedy_search` graph in
+        one call.
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s;
@@ -575,7 +590,7 @@ class OnnxSeq2Seq:
         def run(graph, values):
             return contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
 
-        return step_search(run, plan, length_penalty, max_extra_length)
+        return step_search(run, self._session("fused_decoder_step"), plan, length_penalty, max_extra_length)
 
     def generate_hypotheses(
         self,
@@ -593,9 +608,10 @@ class OnnxSeq2Seq:
         """`keras_transformer.generation.generate_hypotheses` on ONNX Runtime.
 
         The same plan (`decoding.hypotheses_plan`), checks and results,
-        run by the exported beam search (`beam_start` / `beam_step`) or
-        sampling (`sample_start` / `sample_step`; greedy search
-        `sample_start` / `greedy_step`) step by step (`export.steps`), or with
+        run by the exported beam search (`beam_start` / `beam_update`) or
+        sampling (`sample_start` / `sample_update`; greedy search
+        `sample_start` / `greedy_update`) around the fused decoder step
+        (`export.steps`), or with
         `driver="whole"` by the `beam_hypotheses` / `sample_search` graph in
         one call: the same tokens, scores and log-probabilities (within
         float32 rounding), the same samples for the same seed.

@@ -1,79 +1,170 @@
-"""The step driver: a search's exported start and step graphs run from a Python loop.
+"""The step driver: a search's start graph, then the fused decoder step and its update graph per step.
 
-`step_search` runs a `decoding.hypotheses_plan` with the search's
-`<search>_start` graph (lengths, encoder, cache, the search's `init`) once and
-its `<search>_step` graph (decoder step, search update, `rows_done`,
-`keep_going`, `hypotheses`) per step (`run_steps`). Rows that are done leave
-the batch and the self-attention cache grows with the output, as
-CTranslate2 does: a batch costs the steps of its own rows, not its longest
-row's steps times its size. The search's logic is the graphs' (the Keras
-search, converted); this loop only moves arrays, by the contract's axis
-names.
+`step_search` runs a `decoding.hypotheses_plan`: the search's
+`<search>_start` graph (lengths, encoder, the source's cross-attention
+cache, the search's `init`) once, then per step the fused decoder step
+(`export/fused_step.py`, through `FusedDecoder`) and the search's
+`<search>_update` graph (its update, the next ids, each new beam's parent,
+`rows_done`, `keep_going`, `hypotheses`). Rows that are done leave the batch
+and the self-attention cache grows with the output, as CTranslate2 does: a
+batch costs the steps of its own rows, not its longest row's steps times
+its size. The search's logic is the graphs' (the Keras search, converted);
+this module only moves arrays, by the contract's axis names.
 
-Framework-free (NumPy and `export.contract`): the ONNX Runtime server
-(`export/runtime.py`) and the export's validation (`export/validate.py`)
-run it.
+The self-attention cache is never copied per step: the fused step writes
+each step's keys and values in place (its `present_*` outputs are bound to
+its `self_*` inputs' buffers with I/O binding), and beam search moves the
+small `cache_indirection` table (`fused_step.update_indirection`) instead of
+the cache. The buffers are copied only when rows leave or the cache grows.
+
+Framework-free (NumPy, onnxruntime and `export.contract`): the ONNX Runtime
+server (`export/runtime.py`) and the export's validation
+(`export/validate.py`) run it.
 """
 
 import numpy as np
 
 from export import contract
+from export.fused_step import update_indirection
 
-# The step driver's first self-attention cache length; doubled (up to the
-# output buffer length) whenever the output reaches it.
+# The self-attention cache's first length; doubled (up to the output buffer
+# length) whenever the output reaches it.
 INITIAL_CACHE_LENGTH = 16
 # `OnnxSeq2Seq(driver=...)`: this module's loop, or the whole-search graphs.
 DRIVERS = ("steps", "whole")
 _HYPOTHESES = ("sequences", "scores", "log_probs")
 
 
-def run_steps(step, graph, values):
-    """Runs a search's step graph until every row is done; rows that are done leave the batch.
+class FusedDecoder:
+    """Runs the fused decoder step over its own buffers, bound once (ONNX Runtime I/O binding).
+
+    Args:
+        session: an `onnxruntime.InferenceSession` of `fused_decoder_step`.
+        start: the start graph's outputs (`cross_key`, `cross_value` `[B,
+            L, N, S, H]`, `encoder_padding_mask` `[B, S]`, `buffer_length`).
+        beam_size: K (1 for greedy search and sampling).
+        initial_length: the self-attention cache's first length.
+    """
+
+    def __init__(self, session, start, beam_size, initial_length=None):
+        self.session, self.beam_size = session, int(beam_size)
+        self.buffer_length = int(start["buffer_length"])
+        cross_key, cross_value = start["cross_key"], start["cross_value"]
+        self.num_layers = cross_key.shape[1]
+        self.source = {"encoder_padding_mask": np.ascontiguousarray(start["encoder_padding_mask"], np.int32)}
+        for i in range(self.num_layers):
+            self.source[f"cross_key_{i}"] = np.ascontiguousarray(cross_key[:, i])
+            self.source[f"cross_value_{i}"] = np.ascontiguousarray(cross_value[:, i])
+        batch, _, heads, _, head_dim = cross_key.shape
+        rows, length = batch * self.beam_size, min(initial_length or INITIAL_CACHE_LENGTH, self.buffer_length)
+        self.cache = {
+            f"self_{kind}_{i}": np.zeros((rows, heads, length, head_dim), np.float32)
+            for i in range(self.num_layers) for kind in ("key", "value")
+        }
+        self.indirection = np.zeros((batch, self.beam_size, length), np.int32)
+        self.filled = 0  # positions of the cache written so far
+        self._bind()
+
+    def _bind(self):
+        import onnxruntime as ort
+
+        self.binding = self.session.io_binding()
+        # The OrtValues share the arrays' memory (CPU); kept here so that both stay alive.
+        self._values = {}
+        for name, array in {**self.source, **self.cache, "cache_indirection": self.indirection}.items():
+            self._values[name] = value = ort.OrtValue.ortvalue_from_numpy(array)
+            self.binding.bind_ortvalue_input(name, value)
+            if name in self.cache:
+                self.binding.bind_ortvalue_output(f"present_{name}", value)  # written in place
+        rows = next(iter(self.cache.values())).shape[0]
+        vocabulary = self.session.get_outputs()[0].shape[1]
+        self.logits = np.zeros((rows, vocabulary), np.float32)
+        self._values["logits"] = value = ort.OrtValue.ortvalue_from_numpy(self.logits)
+        self.binding.bind_ortvalue_output("logits", value)
+
+    def _resize(self, rows=None, sources=None, length=None):
+        """New buffers: the given beam rows and sources only (bool masks), `length` positions; rebinds.
+
+        Only the positions written so far are copied: the fused step reads
+        positions below its index only, and writes the index before it reads it.
+        """
+        filled = self.filled
+        kept_rows = slice(None) if rows is None else np.flatnonzero(rows)
+        for name, array in self.cache.items():
+            count = array.shape[0] if rows is None else len(kept_rows)
+            new = np.empty((count, array.shape[1], length or array.shape[2], array.shape[3]), np.float32)
+            new[:, :, :filled] = array[kept_rows, :, :filled]
+            self.cache[name] = new
+        indirection = self.indirection if sources is None else self.indirection[sources]
+        if length and length != indirection.shape[2]:
+            indirection = np.pad(indirection, ((0, 0), (0, 0), (0, length - indirection.shape[2])))
+        self.indirection = np.ascontiguousarray(indirection)
+        if sources is not None:
+            self.source = {name: np.ascontiguousarray(array[sources]) for name, array in self.source.items()}
+        self._bind()
+
+    def step(self, token_ids, index):
+        """The logits `[B*K, V]` of position `index + 1` (a buffer overwritten by the next step)."""
+        length = self.indirection.shape[2]
+        if index >= length:
+            self._resize(length=min(max(2 * length, index + 1), self.buffer_length))
+        self.binding.bind_cpu_input("decoder_token_ids", np.ascontiguousarray(token_ids, np.int32))
+        self.binding.bind_cpu_input("index", np.array(index, np.int32))
+        self.session.run_with_iobinding(self.binding)
+        self.filled = index + 1
+        return self.logits
+
+    def reorder(self, parents, index):
+        """Beam search picked `parents` `[B, K]` after the step at `index`."""
+        self.indirection[...] = update_indirection(self.indirection, parents, index)
+
+    def keep(self, live):
+        """Keeps the sources `live` (bool `[B]`) and their beams."""
+        self._resize(rows=np.repeat(live, self.beam_size), sources=live)
+
+
+def run_steps(update, graph, decoder, values):
+    """Runs the decoder and the search's update graph until every row is done; done rows leave.
 
     After each step, the rows that `rows_done` marks (all rows once
     `keep_going` is false) hand out their hypotheses, which no longer
     change, and every input with a batch axis (the contract's axis names:
-    `batch`, one row per source; `beam_rows`, rows `b * K ... b * K + K - 1`
-    of the cache) keeps the other rows only. Before a step at index i, a
-    self-attention cache of i positions or fewer is grown (zeros on its
-    `cache_length` axis, doubled, at most `buffer_length`). The search's
-    logic is the graph's; this loop only moves arrays.
+    `batch`, one row per source; `beam_rows`, rows `b * K ... b * K + K - 1`)
+    keeps the other rows only, as does the decoder (`FusedDecoder.keep`).
+    The search's logic is the graph's; this loop only moves arrays.
 
     Rows leave as soon as they are done: letting them wait in the batch
     until a fifth of it is done (fewer copies of the cache, more rows per
     step) was no faster at batch 16 and 64 (benchmarks/README.md).
 
     Args:
-        step: `{input name: array} -> {output name: array}`, one run of `graph`.
-        graph: the step graph's `contract.Graph` (`beam_step`, `sample_step`).
-        values: `{name: array}`, every input of `graph` (from the start graph).
+        update: `{input name: array} -> {output name: array}`, one run of `graph`.
+        graph: the search's update graph's `contract.Graph` (`beam_update`, ...).
+        decoder: a `FusedDecoder`.
+        values: `{name: array}`: every input of `graph` but `logits`, and
+            `decoder_token_ids` (the start graph's).
 
     Returns:
         `(sequences [B, K, L], scores [B, K], log_probs [B, K])` NumPy arrays,
         each row's hypotheses at its place in the batch (K = 1 where the
         graph's outputs have no `hypotheses` axis).
     """
-    values = {name: values[name] for name in graph.input_names()}
+    token_ids = values["decoder_token_ids"]
+    values = {name: values[name] for name in graph.input_names() if name != "logits"}
     batch = len(values["max_lengths"])
     places = np.arange(batch)  # each live row's place in the batch
-    cache_axes = {tensor.name: tensor.axes.index("cache_length") for tensor in graph.inputs
-                  if "cache_length" in tensor.axes}
-    buffer_length = int(values["buffer_length"])
     outputs_by_name = {tensor.name: tensor for tensor in graph.outputs}
     hypotheses_axes = {f"hypotheses_{name}": outputs_by_name[f"hypotheses_{name}"].axes for name in _HYPOTHESES}
     results = None
     while True:
         index = int(values["index"])
-        for name, axis in cache_axes.items():
-            length = values[name].shape[axis]
-            if index >= length:
-                padding = [(0, 0)] * values[name].ndim
-                padding[axis] = (0, min(max(2 * length, index + 1), buffer_length) - length)
-                values[name] = np.pad(values[name], padding)
-        outputs = step(values)
+        outputs = update(dict(values, logits=decoder.step(token_ids, index)))
         for name, value in outputs.items():
             if name.startswith("updated_"):
                 values[name.removeprefix("updated_")] = value
+        token_ids = outputs["decoder_token_ids"]
+        if "parents" in outputs:
+            decoder.reorder(outputs["parents"], index)
         hypotheses = [
             outputs[name] if "hypotheses" in axes else np.expand_dims(outputs[name], 1)
             for name, axes in hypotheses_axes.items()
@@ -90,20 +181,22 @@ def run_steps(step, graph, values):
         if done.any():
             live = ~done
             places = places[live]
-            beams = values["self_key"].shape[0] // len(live)
-            live_rows = np.repeat(live, beams)
+            live_rows = np.repeat(live, decoder.beam_size)
+            token_ids = token_ids[live_rows]
             for tensor in graph.inputs:
-                if tensor.axes[:1] == ("batch",):
+                if tensor.name in values and tensor.axes[:1] == ("batch",):
                     values[tensor.name] = values[tensor.name][live]
-                elif tensor.axes[:1] == ("beam_rows",):
+                elif tensor.name in values and tensor.axes[:1] == ("beam_rows",):
                     values[tensor.name] = values[tensor.name][live_rows]
+            decoder.keep(live)
 
 
-def step_search(run, plan, length_penalty, max_extra_length, initial_cache_length=None):
-    """Runs a `decoding.hypotheses_plan` with its search's start and step graphs.
+def step_search(run, decoder_session, plan, length_penalty, max_extra_length, initial_cache_length=None):
+    """Runs a `decoding.hypotheses_plan` with its search's start and update graphs and the fused step.
 
     Args:
         run: `(graph name, {input name: value}) -> {output name: array}`.
+        decoder_session: the `fused_decoder_step` graph's ONNX Runtime session.
         plan: a `decoding.HypothesesPlan`; its search's graphs are
             `contract.STEP_GRAPHS[plan.search_name]`.
         length_penalty, max_extra_length: as `generate_hypotheses`.
@@ -115,8 +208,8 @@ def step_search(run, plan, length_penalty, max_extra_length, initial_cache_lengt
         whole-search graph of the plan returns them.
     """
     _, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
-    start_name, step_name = contract.STEP_GRAPHS[plan.search_name]
-    start, step = contract.ONNX.graphs[start_name], contract.ONNX.graphs[step_name]
-    values = dict(values, cache_length=initial_cache_length or INITIAL_CACHE_LENGTH)
+    start_name, update_name = contract.STEP_GRAPHS[plan.search_name]
+    start, update = contract.ONNX.graphs[start_name], contract.ONNX.graphs[update_name]
     values.update(run(start_name, {name: values[name] for name in start.input_names()}))
-    return run_steps(lambda feeds: run(step_name, feeds), step, values)
+    decoder = FusedDecoder(decoder_session, values, plan.beam_size, initial_cache_length)
+    return run_steps(lambda feeds: run(update_name, feeds), update, decoder, values)

@@ -53,7 +53,8 @@ def check_graph_signature(session, graph, config):
     for kind, values in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
         actual = [(value.name, _ONNX_DTYPES.get(value.type, value.type), value.shape) for value in values]
         contract.check_tensors(
-            f"{graph}.onnx", contract.ONNX.graphs[graph], kind, actual, config, config["cache_dtype"]
+            f"{graph}.onnx", contract.ONNX.graphs[graph].expand(int(config["num_decoder_layers"])), kind, actual,
+            config, config["cache_dtype"],
         )
 
 
@@ -127,7 +128,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     if config.get("quantization"):
         atol = None
     sessions = {}
-    for graph in contract.ONNX.graphs:
+    for graph in config["graphs"]:
         session = _session(directory / config["graphs"][graph])
         check_graph_signature(session, graph, config)
         sessions[graph] = session
@@ -142,7 +143,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
         key = f"{graph}/{name}"
         searches = (
             contract.GREEDY_SEARCH, contract.BEAM_SEARCH, contract.BEAM_HYPOTHESES, contract.SAMPLE_SEARCH,
-            contract.BEAM_STEP, contract.SAMPLE_STEP, contract.GREEDY_STEP,
+            contract.BEAM_UPDATE, contract.SAMPLE_UPDATE, contract.GREEDY_UPDATE,
         )
         if contract.ONNX.graphs[graph] in searches:
             difference = _compare_search(graph, name, actual, expected)  # Ids equal, scores within 1e-4.
@@ -180,7 +181,10 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
             )
             tokens = rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, size=(batch,)).astype(np.int32)
     _validate_search_graphs(run, model, rng, record, exact=atol is not None)
-    _validate_hypotheses_graphs(run, model, rng, record, exact=atol is not None)
+    decoder_session = sessions.get("fused_decoder_step")
+    if decoder_session is not None:
+        _validate_fused_step(decoder_session, model, rng, record)
+    _validate_hypotheses_graphs(run, model, rng, record, exact=atol is not None, decoder_session=decoder_session)
     per_graph = {}
     for key, difference in differences.items():
         graph = key.split("/")[0]
@@ -231,17 +235,45 @@ def _validate_search_graphs(run, model, rng, record, exact):
         record(graph, "scores", scores, expected_scores)
 
 
-def _validate_hypotheses_graphs(run, model, rng, record, exact):
+def _validate_fused_step(session, model, rng, record, batch=3, beam_size=3, source_length=7, steps=6):
+    """`fused_decoder_step` against `TransformerModel.decode_step`, logits per step.
+
+    Beam rows reordered at random after every step (the Keras cache by a
+    gather, the fused step by its `cache_indirection`), a source with
+    padding, a cache that grows from 2 positions (`export.steps.FusedDecoder`).
+    """
+    from export.steps import FusedDecoder
+
+    ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
+    cache = model.init_cache(model.encode(ids), ids, steps)
+    start = {name: np.asarray(cache[name]) for name in ("cross_key", "cross_value", "encoder_padding_mask")}
+    decoder = FusedDecoder(session, dict(start, buffer_length=steps), beam_size, initial_length=2)
+    rows = np.repeat(np.arange(batch), beam_size)
+    keras_cache = {name: np.asarray(value)[rows] for name, value in cache.items()}
+    for step in range(steps):
+        tokens = rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, size=(batch * beam_size,)).astype(np.int32)
+        expected, keras_cache = model.decode_step(tokens, step, keras_cache)
+        record("fused_decoder_step", "logits", decoder.step(tokens, step), np.asarray(expected))
+        parents = rng.integers(0, beam_size, size=(batch, beam_size))
+        flat = (parents + np.arange(batch)[:, None] * beam_size).reshape(-1)
+        keras_cache = {
+            name: np.asarray(value)[flat] if name in ("self_key", "self_value") else value
+            for name, value in keras_cache.items()
+        }
+        decoder.reorder(parents, step)
+
+
+def _validate_hypotheses_graphs(run, model, rng, record, exact, decoder_session=None):
     """`beam_hypotheses` and `sample_search` against `generation.generate_hypotheses`.
 
     Both sides run the same plan (`decoding.hypotheses_plan`); rows with and
     without a target prefix together; three best of a beam of 4; three
     samples (top-k 5, top-p 0.9, temperature 0.8) and greedy search
-    (`sampling_topk` 1). Each plan also runs step by step
-    (`export.steps.step_search`: the start and step graphs of
-    `contract.STEP_GRAPHS`, rows leaving the batch, a cache
-    of 2 positions grown past several doublings), recorded as the step
-    graph. With `exact`, ids equal and scores and log-probabilities within
+    (`sampling_topk` 1). With `decoder_session`, each plan also runs step
+    by step (`export.steps.step_search`: the start and update graphs of
+    `contract.STEP_GRAPHS` around the fused decoder step, rows leaving the
+    batch, a cache of 2 positions grown past several doublings), recorded
+    as the update graph. With `exact`, ids equal and scores and log-probabilities within
     1e-4; otherwise well-formed rows.
     """
     from export.contract import STEP_GRAPHS, hypotheses_feeds
@@ -267,11 +299,11 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact):
         )
         graph, values = hypotheses_feeds(plan, 0.6, 5)
         outputs = run(graph, **values)
-        step_graph = STEP_GRAPHS[plan.search_name][1]
-        results = {
-            graph: (outputs["sequences"], outputs["scores"], outputs["log_probs"]),
-            step_graph: step_search(lambda name, feeds: run(name, **feeds), plan, 0.6, 5, initial_cache_length=2),
-        }
+        results = {graph: (outputs["sequences"], outputs["scores"], outputs["log_probs"])}
+        if decoder_session is not None:
+            results[STEP_GRAPHS[plan.search_name][1]] = step_search(
+                lambda name, feeds: run(name, **feeds), decoder_session, plan, 0.6, 5, initial_cache_length=2
+            )
         expected = None
         for name, result in results.items():
             actual = collect_hypotheses(plan, *result, arguments["num_hypotheses"], model)

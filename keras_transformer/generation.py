@@ -22,7 +22,7 @@ from keras_transformer.search.api import (  # noqa: F401
     hypotheses_graph,
     search_graph,
     start_graph,
-    step_graph,
+    update_graph,
 )
 from keras_transformer.decoding import Hypotheses  # noqa: F401
 from keras_transformer.search.beam import gather_beams, reorder_cache, tile_cache  # noqa: F401

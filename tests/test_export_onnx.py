@@ -79,7 +79,7 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir):
     )
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
-    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 5)
+    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 6)
     assert config["opset"] == onnx_export.DEFAULT_OPSET == 17
     assert config["quantization"] is None
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
@@ -98,6 +98,7 @@ def test_graphs_are_the_contract_table(exported):
     config = read_config(exported)
     assert config["graphs"] == {name: f"{name}.onnx" for name in contract.ONNX.graphs}
     for name, graph in contract.ONNX.graphs.items():
+        graph = graph.expand(config["num_decoder_layers"])  # fused_decoder_step: tensors per layer
         proto = onnx.load(str(exported / config["graphs"][name]), load_external_data=False)
         assert proto.opset_import[0].version == 17
         for values, tensors in ((proto.graph.input, graph.inputs), (proto.graph.output, graph.outputs)):
@@ -169,17 +170,21 @@ def test_generate_gives_the_same_tokens_as_keras_in_one_call(model, exported, be
     np.testing.assert_allclose(scores, expected_scores, atol=1e-4, rtol=0)
 
 
-def _recording_steps(onnx_model, step_graph, monkeypatch):
-    """Records (rows, self-attention cache length) of every call of `step_graph`."""
-    session = onnx_model._session(step_graph)
+def _recording_steps(monkeypatch):
+    """Records (sources, cache rows, self-attention cache length) of every fused decoder step."""
+    from export import steps
+
     calls = []
+    step = steps.FusedDecoder.step
 
-    class Recording:
-        def run(self, names, feeds, *args, **kwargs):
-            calls.append((len(feeds["max_lengths"]), feeds["self_key"].shape[0], feeds["self_key"].shape[3]))
-            return session.run(names, feeds, *args, **kwargs)
+    def recording(self, token_ids, index):
+        logits = step(self, token_ids, index)
+        cache = self.cache["self_key_0"]
+        calls.append((self.indirection.shape[0], cache.shape[0], cache.shape[2]))
+        assert len(token_ids) == cache.shape[0] == logits.shape[0]
+        return logits
 
-    monkeypatch.setitem(onnx_model._sessions, step_graph, Recording())
+    monkeypatch.setattr(steps.FusedDecoder, "step", recording)
     return calls
 
 
@@ -198,7 +203,7 @@ def test_rows_that_are_done_leave_the_batch_and_the_cache_grows(model, exported,
     expected, expected_scores = generation.generate(
         model, src, beam_size=beam_size, max_extra_length=12, return_scores=True
     )
-    calls = _recording_steps(onnx_model, "beam_step" if beam_size > 1 else "greedy_step", monkeypatch)
+    calls = _recording_steps(monkeypatch)
     ids, scores = onnx_model.generate(src, beam_size=beam_size, max_extra_length=12, return_scores=True)
     np.testing.assert_array_equal(ids, expected)
     np.testing.assert_allclose(scores, expected_scores, atol=1e-4, rtol=0)
@@ -237,8 +242,7 @@ def test_rows_leaving_the_batch_give_the_whole_search_hypotheses(model, exported
     onnx_model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
     whole = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], driver="whole")
     src = sources(np.random.default_rng(9), [3, 25, 6, 2, 14, 8])
-    step_graph = "beam_step" if arguments["beam_size"] > 1 else "sample_step"
-    calls = _recording_steps(onnx_model, step_graph, monkeypatch)
+    calls = _recording_steps(monkeypatch)
     found = onnx_model.generate_hypotheses(src, max_extra_length=8, **arguments)
     assert calls[-1][0] < calls[0][0]
     for expected in (whole.generate_hypotheses(src, max_extra_length=8, **arguments),
@@ -252,6 +256,34 @@ def test_an_unknown_driver_is_refused_and_the_cpu_steps(exported, onnx_model):
     assert onnx_model.driver == "steps"
     with pytest.raises(ValueError, match=r"driver='loop' must be one of \('steps', 'whole'\) or None"):
         OnnxSeq2Seq(exported, driver="loop")
+
+
+def test_models_the_fused_step_does_not_cover_are_named_and_served_by_the_whole_search(exported, tmp_path):
+    """No fused step (pre-LN, a window, ...): the export has no step driver graphs and the server runs the
+    whole-search graphs; asking for the step driver says why it cannot."""
+    from export.fused_step import NotFusable, fused_step_weights
+    from keras_transformer.model import TransformerModel
+
+    model = TransformerModel(
+        vocabulary_size=60, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16, normalize_first=True,
+        attention_window=3,
+    )
+    with pytest.raises(NotFusable, match=r"post-LN float32 models only; this one has pre-LN .*attention_window=3"):
+        fused_step_weights(model)
+    copy = copy_of(exported, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    for name in contract.STEP_DRIVER_GRAPHS:
+        (copy / config["graphs"].pop(name)).unlink()
+    (copy / "config.json").write_text(json.dumps(config))
+    whole = OnnxSeq2Seq(copy, providers=["CPUExecutionProvider"])
+    assert whole.driver == "whole"
+    src = sources(np.random.default_rng(4), [5, 2])
+    np.testing.assert_array_equal(
+        whole.generate(src, beam_size=3, max_extra_length=4),
+        OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"]).generate(src, beam_size=3, max_extra_length=4),
+    )
+    with pytest.raises(ValueError, match=r"has no fused decoder step .* use driver='whole' or None"):
+        OnnxSeq2Seq(copy, driver="steps")
 
 
 def test_generate_handles_an_empty_batch_and_bad_arguments(onnx_model):
@@ -384,8 +416,8 @@ def test_optimized_cache_loads_the_optimised_graph_without_optimising_again(expo
     monkeypatch.setattr(ort, "InferenceSession", recording)
     first = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(first.generate(ids, beam_size=2, max_extra_length=6), expected)
-    cached = first._optimized_path("beam_step")
-    assert cached.is_file() and opened[-1][0] == exported / first.config["graphs"]["beam_step"]
+    cached = first._optimized_path("beam_update")
+    assert cached.is_file() and opened[-1][0] == exported / first.config["graphs"]["beam_update"]
     assert not list(cache.glob(".*"))  # no temporary graph left behind
     second = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(second.generate(ids, beam_size=2, max_extra_length=6), expected)
@@ -394,7 +426,7 @@ def test_optimized_cache_loads_the_optimised_graph_without_optimising_again(expo
     cached.write_bytes(b"not a graph")
     third = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(third.generate(ids, beam_size=2, max_extra_length=6), expected)
-    assert "optimising beam_step again" in caplog.text
+    assert "optimising beam_update again" in caplog.text
     with pytest.raises(ValueError, match="optimized_cache works with the default session options"):
         OnnxSeq2Seq(exported, session_options=ort.SessionOptions(), optimized_cache=cache)
 
@@ -445,12 +477,12 @@ def test_scoring_the_greedy_graphs_output_gives_its_own_log_probability(onnx_mod
 # --------------------------------------------------------------------------- #
 # n-best, target prefixes and sampling: the same numbers as Keras
 # --------------------------------------------------------------------------- #
-def test_an_export_of_format_4_is_refused_with_export_again(exported, tmp_path):
+def test_an_export_of_format_5_is_refused_with_export_again(exported, tmp_path):
     copy = copy_of(exported, tmp_path)
     config = json.loads((copy / "config.json").read_text())
-    config["format_version"] = 4
+    config["format_version"] = 5
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="version 4; this version of export.runtime reads .* version 5. Export the"):
+    with pytest.raises(ValueError, match="version 5; this version of export.runtime reads .* version 6. Export the"):
         OnnxTranslator(copy)
 
 
@@ -588,7 +620,7 @@ def test_a_graph_that_deviates_from_the_contract_is_named(exported, tmp_path):
     message = r"decoder_step\.onnx decoder_token_ids axis 0 \(batch\) is fixed to 2; it must be dynamic"
     with pytest.raises(ValidationError, match=message):
         validate_onnx(copy, small_model())
-    with pytest.raises(ValueError, match="does not match export format 5: " + message):
+    with pytest.raises(ValueError, match=f"does not match export format {contract.ONNX.version}: " + message):
         OnnxSeq2Seq(copy, providers=["CPUExecutionProvider"])._session("decoder_step")
 
     shutil.copy(exported / "decoder_step.onnx", path)
@@ -761,7 +793,7 @@ def test_another_format_version_is_rejected(exported, tmp_path):
     config["format_version"] = 99
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="version 99; this version of export.runtime reads 'keras_transformer.onnx' "
-                       "version 5. Export the model again"):
+                       f"version {contract.ONNX.version}. Export the model again"):
         OnnxSeq2Seq(copy)
 
 

@@ -60,6 +60,7 @@ from keras_transformer.decoding import (
     target_prefix_ids,
 )
 from keras_transformer.search import compiled, loop
+from keras_transformer.search.common import ModelConstants, dim
 from keras_transformer.search.lengths import padded_search_inputs, search_lengths
 
 PROTOCOL_ATTRIBUTES = ("vocabulary_size", "pad_id", "start_id", "end_id", "encode", "init_cache", "decode_step")
@@ -416,12 +417,13 @@ def hypotheses_graph(model, search_name):
 def start_graph(model, search_name):
     """The start of a search run step by step, as one function of tensors, to export as one graph.
 
-    For the ONNX Runtime step driver (`export/runtime.py`), which runs this
-    once and then `step_graph` per step, dropping rows that are done from the
-    batch and growing the self-attention cache as the output grows: the
-    lengths and source padding of `generate`, the encoder, `init_cache` for
-    `cache_length` positions (at most the buffer length) and the search's
-    `init` (`search/loop.py`'s `start`).
+    For the ONNX Runtime step driver (`export/steps.py`), which runs this
+    once and then the fused decoder step and `update_graph` per step,
+    dropping rows that are done from the batch: the lengths and source
+    padding of `generate`, the encoder, the source's part of the cache
+    (`init_cache`'s cross-attention keys and values and padding mask, once
+    per source: the driver's decoder step reads them for every beam of a
+    row) and the search's `init`.
 
     Args:
         model: a `TransformerModel`.
@@ -429,70 +431,79 @@ def start_graph(model, search_name):
 
     Returns:
         A function `(encoder_token_ids [B, S] int32, beam_size [] int32,
-        max_extra_length [] int32, cache_length [] int32, options) -> dict`:
-        the search state's fields that change (`Field.constant` False), the
-        cache (`[B * K, ...]` entries, self-attention ones of
-        `min(cache_length, L)` positions), `max_lengths` int32 `[B]` and
-        `buffer_length` (L, int32 scalar). `options` as `hypotheses_graph`'s;
-        greedy search and sampling ignore `beam_size`.
+        max_extra_length [] int32, options) -> dict`: the search state's
+        fields that change (`Field.constant` False), `decoder_token_ids`
+        (`[B * K]`, the ids to feed at index 0), the cache entries
+        `beam_invariant_cache_keys` (`[B, ...]`), `max_lengths` int32 `[B]`
+        and `buffer_length` (L, int32 scalar). `options` as
+        `hypotheses_graph`'s; greedy search and sampling ignore `beam_size`.
     """
     check_search_name(search_name)
     limit = getattr(model, "max_sequence_length", None)
-    spec = loop.SEARCHES[search_name].STATE_SPEC
+    search = loop.SEARCHES[search_name]
 
-    def search_start(encoder_token_ids, beam_size, max_extra_length, cache_length, options):
+    def search_start(encoder_token_ids, beam_size, max_extra_length, options):
         source, max_lengths, length = padded_search_inputs(
             encoder_token_ids, max_extra_length, limit, options["target_prefix"]
         )
         if search_name != "beam":
             beam_size = 1
         index = ops.convert_to_tensor(0, "int32")
-        cache_length = ops.minimum(ops.cast(cache_length, "int32"), ops.cast(length, "int32"))
-        _, state, cache = loop.start(
-            model, source, beam_size, length, index, search_name, options, cache_length=cache_length
+        cache = model.init_cache(model.encode(source), source, 1)
+        source_cache = {name: cache[name] for name in loop.beam_invariant_keys(model)}
+        state, _ = search.init(model, dim(source, 0), beam_size, length, index, {}, options)
+        outputs = {field.name: state[field.name] for field in search.STATE_SPEC if not field.constant}
+        return dict(
+            outputs, **source_cache, decoder_token_ids=search.tokens(state), max_lengths=max_lengths,
+            buffer_length=ops.cast(length, "int32"),
         )
-        outputs = {field.name: state[field.name] for field in spec if not field.constant}
-        return dict(outputs, **cache, max_lengths=max_lengths, buffer_length=ops.cast(length, "int32"))
 
     return search_start
 
 
-def step_graph(model, search_name):
-    """One step of a search as one function of tensors, to export as one graph.
+def update_graph(model, search_name):
+    """A search's work between two decoder steps, as one function of tensors, to export as one graph.
 
-    `search/loop.py`'s `step` (the decoder step, the search's update and,
-    for beam search, the reordering of the cache entries that differ between
-    beams), then the search's `rows_done`, `keep_going` and `hypotheses` of
-    the new state: a driver hands out the hypotheses of the rows that are
-    done (they no longer change) and keeps stepping the others.
+    For the ONNX Runtime step driver (`export/steps.py`), which runs the
+    decoder step itself (`export/fused_step.py`): the search's `update` of
+    the step's logits, the ids to feed next, and the search's `rows_done`,
+    `keep_going` and `hypotheses` of the new state: a driver hands out the
+    hypotheses of the rows that are done (they no longer change) and keeps
+    stepping the others. Beam search also returns each new beam's parent,
+    by which the driver reorders its cache.
 
     Args:
-        model: a `TransformerModel`.
+        model: a `TransformerModel` (read for its ids and vocabulary size).
         search_name: "greedy", "beam" or "sample".
 
     Returns:
-        A function `(state, cache, max_lengths [B] int32, alpha [] float32,
-        buffer_length [] int32) -> dict` of `state` (the new state's fields
-        that change, `Field.constant` False), `cache`, `rows_done` (bool
+        A function `(state, logits [B * K, V] float32, max_lengths [B]
+        int32, alpha [] float32, buffer_length [] int32) -> dict` of `state`
+        (the new state's fields that change, `Field.constant` False),
+        `decoder_token_ids` (`[B * K]`), `parents` (beam search: int32
+        `[B, K]`, the beam each new beam continues), `rows_done` (bool
         `[B]`), `keep_going` (bool scalar) and `hypotheses` (`(sequences
         [B, K, L], scores [B, K], log_probs [B, K])`, K 1 for sampling).
-        `state` holds every field of the search's `STATE_SPEC`; `cache` the
-        `start_graph` entries, of any self-attention length T > the index.
+        `state` holds every field of the search's `STATE_SPEC`.
     """
     check_search_name(search_name)
     search = loop.SEARCHES[search_name]
+    constants = ModelConstants(model)
 
-    def search_step(state, cache, max_lengths, alpha, buffer_length):
-        state, cache = loop.step(model, search, state, cache, max_lengths, alpha)
-        return {
+    def search_update(state, logits, max_lengths, alpha, buffer_length):
+        state, parents = search.update(constants, state, logits, max_lengths, alpha)
+        outputs = {
             "state": {field.name: state[field.name] for field in search.STATE_SPEC if not field.constant},
-            "cache": cache,
+            "decoder_token_ids": search.tokens(state),
             "rows_done": search.rows_done(state, max_lengths, alpha),
             "keep_going": search.keep_going(state, max_lengths, alpha, buffer_length),
             "hypotheses": search.hypotheses(state),
         }
+        if parents is not None:
+            outputs["parents"] = ops.cast(parents, "int32")
+        return outputs
 
-    return search_step
+    return search_update
 
 
 def check_search_name(search_name):

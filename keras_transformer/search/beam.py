@@ -188,6 +188,8 @@ def tile_cache(cache, beam_size):
     Row b of the input becomes rows `b * K ... b * K + K - 1`; one
     `ops.take(x, indices, axis=0)` per entry.
     """
+    if not cache:
+        return {}
     batch = dim(next(iter(cache.values())), 0)
     indices = ops.repeat(ops.arange(batch, dtype="int32"), beam_size)  # [B * K]
     return {name: ops.take(value, indices, axis=0) for name, value in cache.items()}

@@ -1,0 +1,284 @@
+"""The decoder step built for ONNX Runtime: fused contrib ops and a cache updated in place.
+
+`fused_step_weights(model)` reads a Keras `TransformerModel`'s decoder weights
+(NumPy); `build_fused_step(weights)` emits the decoder step as an ONNX graph
+with `onnx.helper`, as onnxruntime-genai's model builder does, instead of
+converting the Keras step with tf2onnx (about a thousand small nodes per
+step: shape arithmetic, the cache re-stacked and copied). Per decoder layer
+(post-LN, the paper's section 5.4):
+
+    q, k, v = Split(x W_qkv + b_qkv)
+    x = SkipLayerNorm(DecoderMaskedMultiHeadAttention(q, k, v, past) W_o, x, b_o)
+    x = SkipLayerNorm(MultiHeadAttention(x W_q + b_q, cross keys, values) W_o, x, b_o)
+    x = SkipLayerNorm(act(x W_1 + b_1) W_2, x, b_2)
+
+- The self-attention cache is one `[B*K, N, T, H]` buffer per layer for
+  keys and one for values; `DecoderMaskedMultiHeadAttention` writes the
+  step's keys and values at `index` in place (`past_present_share_buffer`:
+  the caller binds each `present_*` output to its `past_*` input's buffer).
+  Beam search never reorders it: `cache_indirection` `[B, K, T]` says from
+  which beam of its row each position is read (`update_indirection`).
+- The cross-attention keys and values are the source's, `[B, N, S, H]`,
+  once per source, not per beam: the K beams of a row are the K queries
+  of one `MultiHeadAttention` over them.
+
+The graph is checked against the Keras step when it is exported
+(`export/validate.py`): tokens equal on the bundled sentences. Models this
+graph does not cover (pre-LN, a restricted attention window, key and value
+sizes that differ, another activation, a compute dtype other than float32)
+are refused by `fused_step_weights` with the reason; their export has no
+step driver graphs and the server runs the whole-search graphs.
+
+Framework-free (NumPy and `onnx`): the ONNX exporter builds it, the lean
+server (`export/runtime.py`) only runs it.
+"""
+
+import math
+
+import numpy as np
+
+from export import contract
+
+# The contrib ops' domain.
+MS_DOMAIN = "com.microsoft"
+ACTIVATIONS = ("relu", "silu", "gelu")
+
+
+class NotFusable(ValueError):
+    """The model has a feature the fused step does not implement (the message says which)."""
+
+
+def fused_step_weights(model):
+    """The decoder's weights as NumPy arrays for `build_fused_step`, or raises `NotFusable`.
+
+    Args:
+        model: a built `TransformerModel`.
+
+    Returns:
+        dict: `embedding [V, D]`, `positions [P, D]` (the sinusoid table or
+        the learned embeddings), `logits_bias [V]` or None, `num_heads`,
+        `head_dim`, `epsilon`, `activation`, and `layers`: one dict per
+        decoder layer (`self_qkv [D, 3D]`, `self_qkv_bias`, `self_out`,
+        `self_out_bias`, `self_norm` (gamma, beta), `cross_query`,
+        `cross_query_bias`, `cross_out`, `cross_out_bias`, `cross_norm`,
+        `ffn_in`, `ffn_in_bias`, `ffn_out`, `ffn_out_bias`, `ffn_norm`).
+    """
+    import keras
+
+    from keras_transformer.layers.position import sinusoidal_table
+
+    reasons = []
+    if model.normalize_first:
+        reasons.append("pre-LN (normalize_first=True)")
+    if model.attention_window is not None:
+        reasons.append(f"attention_window={model.attention_window}")
+    if model.head_key_dim != model.head_value_dim:
+        reasons.append(f"key_dim {model.head_key_dim} != value_dim {model.head_value_dim}")
+    activation = model.activation if isinstance(model.activation, str) else getattr(model.activation, "__name__", "")
+    if activation not in ACTIVATIONS:
+        reasons.append(f"activation={model.activation!r}")
+    if model.compute_dtype != "float32":
+        reasons.append(f"compute dtype {model.compute_dtype}")
+    if reasons:
+        raise NotFusable("the fused decoder step covers post-LN float32 models only; this one has " + ", ".join(reasons))
+
+    def array(variable):
+        return np.asarray(keras.ops.convert_to_numpy(variable), np.float32)
+
+    def norm(layer):
+        return array(layer.gamma), array(layer.beta)
+
+    if model.position_encoding.startswith("sinusoidal"):
+        layout = "halves" if model.position_encoding == "sinusoidal_halves" else "interleaved"
+        positions = np.asarray(
+            keras.ops.convert_to_numpy(
+                sinusoidal_table(keras.ops.arange(model.max_sequence_length), model.hidden_dim, "float32", layout)
+            ),
+            np.float32,
+        )
+    else:
+        positions = array(model.decoder_position.position_embeddings)
+    layers = []
+    for layer in model.decoder_layers:
+        self_attention, cross_attention = layer.self_attention, layer.cross_attention
+        dense = (self_attention.query_dense, self_attention.key_dense, self_attention.value_dense)
+        layers.append({
+            "self_qkv": np.concatenate([array(d.kernel) for d in dense], axis=1),
+            "self_qkv_bias": np.concatenate([array(d.bias) for d in dense]),
+            "self_out": array(self_attention.output_dense.kernel),
+            "self_out_bias": array(self_attention.output_dense.bias),
+            "self_norm": norm(layer.self_attention_norm),
+            "cross_query": array(cross_attention.query_dense.kernel),
+            "cross_query_bias": array(cross_attention.query_dense.bias),
+            "cross_out": array(cross_attention.output_dense.kernel),
+            "cross_out_bias": array(cross_attention.output_dense.bias),
+            "cross_norm": norm(layer.cross_attention_norm),
+            "ffn_in": array(layer.feedforward_intermediate.kernel),
+            "ffn_in_bias": array(layer.feedforward_intermediate.bias),
+            "ffn_out": array(layer.feedforward_output.kernel),
+            "ffn_out_bias": array(layer.feedforward_output.bias),
+            "ffn_norm": norm(layer.feedforward_norm),
+        })
+    return {
+        "embedding": array(model.token_embedding.embeddings),
+        "positions": positions,
+        "logits_bias": array(model.logits_bias_weight) if model.logits_bias else None,
+        "num_heads": int(model.num_heads),
+        "head_dim": int(model.head_key_dim),
+        "epsilon": float(model.layer_norm_epsilon),
+        "activation": activation,
+        "layers": layers,
+    }
+
+
+def build_fused_step(weights, quantize=None, opset=17):
+    """The decoder step as an `onnx.ModelProto` (see the module docstring).
+
+    `quantize="int8"`: every matrix product (the projections, the FFN and
+    the output layer) is ONNX Runtime's `DynamicQuantizeMatMul` with int8
+    weights and one scale per output column (symmetric), its input
+    quantized at run time; the embedding lookup stays float32. `opset`:
+    the standard domain's (the export's).
+
+    Its inputs and outputs are `contract.FUSED_DECODER_STEP`'s: the ids
+    `[B*K]` at position `index`, `cache_indirection` `[B, K, T]`,
+    `encoder_padding_mask` (int32, 1 for real source tokens), per layer i
+    `self_key_i` / `self_value_i` `[B*K, N, T, H]` and `cross_key_i` /
+    `cross_value_i` `[B, N, S, H]`; `logits` `[B*K, V]` (position index + 1)
+    and `present_self_*_i` (the `self_*_i` buffers, written at `index`).
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    layers = weights["layers"]
+    heads, head_dim = weights["num_heads"], weights["head_dim"]
+    hidden = weights["embedding"].shape[1]
+    nodes, initializers, names = [], [], set()
+    counter = iter(range(1 << 30))
+
+    def const(name, value):
+        if name not in names:  # a shape constant is made once and shared by the layers
+            names.add(name)
+            initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def node(op, inputs, outputs=1, domain="", **attributes):
+        number = next(counter)
+        names = [f"{op.lower()}_{number}_{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
+        nodes.append(helper.make_node(op, inputs, names, name=f"{op}_{number}", domain=domain, **attributes))
+        return names[0] if len(names) == 1 else names
+
+    def linear(x, name, kernel, bias=None):
+        """`x kernel (+ bias)`: float32, or int8 weights with a scale per output column."""
+        if quantize == "int8":
+            scale = np.abs(kernel).max(axis=0) / 127.0
+            scale[scale == 0] = 1.0
+            weights_int8 = np.clip(np.rint(kernel / scale), -127, 127).astype(np.int8)
+            inputs = [x, const(f"{name}_int8", weights_int8), const(f"{name}_scale", scale.astype(np.float32)),
+                      const(f"{name}_zero_point", np.zeros(kernel.shape[1], np.int8))]
+            inputs += [const(f"{name}_bias", bias)] if bias is not None else []
+            return node("DynamicQuantizeMatMul", inputs, domain=MS_DOMAIN)
+        y = node("MatMul", [x, const(name, kernel)])
+        return y if bias is None else node("Add", [y, const(f"{name}_bias", bias)])
+
+    graph_spec = contract.FUSED_DECODER_STEP.expand(len(layers))
+    sizes = {"num_heads": heads, "head_key_dim": head_dim, "head_value_dim": head_dim,
+             "vocabulary_size": weights["embedding"].shape[0]}
+    types = {"int32": TensorProto.INT32, "float32": TensorProto.FLOAT, contract.COMPUTE: TensorProto.FLOAT}
+
+    def value_info(tensor):
+        dims = [axis if size is None else size for axis, size in zip(tensor.axes, contract.shape(tensor, sizes))]
+        return helper.make_tensor_value_info(tensor.name, types[tensor.dtype], dims)
+
+    inputs, outputs = [value_info(t) for t in graph_spec.inputs], [value_info(t) for t in graph_spec.outputs]
+
+    # Shapes used by every layer: [B*K, 1, D] for the self-attention, [B, K, D] for the cross-attention.
+    step_shape = const("step_shape", np.array([-1, 1, hidden], np.int64))
+    row_shape = const("row_shape", np.array([-1, hidden], np.int64))
+    beam_size = node("Slice", [node("Shape", ["cache_indirection"]), const("one", np.array([1], np.int64)),
+                               const("two", np.array([2], np.int64))])
+    source_shape = node("Concat", [const("minus_one", np.array([-1], np.int64)), beam_size,
+                                   const("hidden", np.array([hidden], np.int64))], axis=0)
+    past_length = node("Reshape", ["index", const("one_element", np.array([1], np.int64))])
+    beam_width = node("Cast", [beam_size], to=TensorProto.INT32)
+
+    # Embedding: E[token] * sqrt(d_model) + PE[index] (section 3.4, 3.5); no dropout at inference.
+    embedding = const("embedding", weights["embedding"])
+    x = node("Mul", [node("Gather", [embedding, "decoder_token_ids"]),
+                     const("embedding_scale", np.array(math.sqrt(hidden), np.float32))])
+    x = node("Add", [x, node("Gather", [const("positions", weights["positions"]), "index"])])  # [B*K, D]
+    epsilon = weights["epsilon"]
+
+    def skip_norm(sublayer_output, residual, norm, bias, name):
+        # LayerNorm(x + Sublayer(x)), the sub-layer's output bias folded in (post-LN).
+        gamma, beta = norm
+        return node("SkipLayerNormalization", [
+            sublayer_output, residual, const(f"{name}_gamma", gamma), const(f"{name}_beta", beta),
+            const(f"{name}_bias", bias),
+        ], domain=MS_DOMAIN, epsilon=epsilon)
+
+    for i, layer in enumerate(layers):
+        p = f"layer_{i}"
+        qkv = linear(x, f"{p}_self_qkv", layer["self_qkv"], layer["self_qkv_bias"])
+        q, k, v = node("Split", [qkv, const("qkv_split", np.array([hidden] * 3, np.int64))], outputs=3, axis=1)
+        q, k, v = (node("Reshape", [t, step_shape]) for t in (q, k, v))  # [B*K, 1, D]
+        attended = node("DecoderMaskedMultiHeadAttention", [
+            q, k, v, "", "", f"self_key_{i}", f"self_value_{i}", past_length, beam_width, "cache_indirection",
+        ], outputs=[f"{p}_self_attention", f"present_self_key_{i}", f"present_self_value_{i}"], domain=MS_DOMAIN,
+            num_heads=heads, past_present_share_buffer=1, scale=float(head_dim**-0.5))[0]
+        attended = node("Reshape", [attended, row_shape])
+        x = skip_norm(linear(attended, f"{p}_self_out", layer["self_out"]), x, layer["self_norm"],
+                      layer["self_out_bias"], f"{p}_self_norm")
+        query = linear(x, f"{p}_cross_query", layer["cross_query"], layer["cross_query_bias"])
+        attended = node("MultiHeadAttention", [
+            node("Reshape", [query, source_shape]), f"cross_key_{i}", f"cross_value_{i}", "",
+            "encoder_padding_mask",
+        ], domain=MS_DOMAIN, num_heads=heads, scale=float(head_dim**-0.5))  # [B, K, D]
+        attended = node("Reshape", [attended, row_shape])
+        x = skip_norm(linear(attended, f"{p}_cross_out", layer["cross_out"]), x,
+                      layer["cross_norm"], layer["cross_out_bias"], f"{p}_cross_norm")
+        hidden_units = linear(x, f"{p}_ffn_in", layer["ffn_in"], layer["ffn_in_bias"])
+        if weights["activation"] == "relu":
+            hidden_units = node("Relu", [hidden_units])
+        elif weights["activation"] == "silu":
+            hidden_units = node("Mul", [hidden_units, node("Sigmoid", [hidden_units])])
+        else:
+            hidden_units = node("Gelu", [hidden_units], domain=MS_DOMAIN)
+        x = skip_norm(linear(hidden_units, f"{p}_ffn_out", layer["ffn_out"]), x, layer["ffn_norm"],
+                      layer["ffn_out_bias"], f"{p}_ffn_norm")
+    # The pre-softmax projection with the embedding matrix (section 3.4): x E^T (+ an imported model's bias).
+    logits_bias = weights["logits_bias"]
+    if quantize == "int8":
+        logits = linear(x, "logits_projection", weights["embedding"].T, logits_bias)
+        nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
+    else:
+        gemm_inputs = [x, embedding] + ([const("logits_bias", logits_bias)] if logits_bias is not None else [])
+        nodes.append(helper.make_node("Gemm", gemm_inputs, ["logits"], name="logits", transB=1))
+    graph = helper.make_graph(nodes, "fused_decoder_step", inputs, outputs, initializers)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
+        producer_name="keras_transformer.export.fused_step",
+    )
+    model.ir_version = min(model.ir_version, 9)
+    onnx.checker.check_model(model, full_check=False)
+    return model
+
+
+def update_indirection(indirection, parents, index):
+    """The beams' cache indirection after a beam search step that picked `parents`.
+
+    New beam k of row b continues beam `parents[b, k]`: it reads positions
+    before `index` from where its parent read them, and position `index`
+    (written by the parent's row at this step) from the parent.
+
+    Args:
+        indirection: int32 `[B, K, T]`.
+        parents: int `[B, K]`, the beam (0..K-1) each new beam continues.
+        index: the step's position.
+
+    Returns:
+        int32 `[B, K, T]` (a new array).
+    """
+    indirection = np.take_along_axis(indirection, parents[:, :, None].astype(np.int64), axis=1)
+    indirection[:, :, index] = parents
+    return indirection
