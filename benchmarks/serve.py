@@ -1433,7 +1433,7 @@ def main(argv=None):
                         help="output tokens beyond the source (default 30; 8 quick)")
     parser.add_argument("--rounds", type=int, default=None, help="measurement rounds (default 5; 2 quick)")
     parser.add_argument("--cold-repeats", type=int, default=None, help="cold starts per command (default 3; 1 quick)")
-    parser.add_argument("--profile", action="store_true", help="ONNX Runtime profile of beam_search.onnx")
+    parser.add_argument("--profile", action="store_true", help="ONNX Runtime profile of the step driver (float32, beam 4)")
     parser.add_argument("--natural", action="store_true",
                         help="add the natural-length table: the first test sentences, beam 4, 1 thread, each "
                              "system's own output lengths, batch 1, 16, 64 (use a trained --preset)")

@@ -600,6 +600,26 @@ def test_validation_reports_the_output_and_the_largest_difference(exported):
         validate_onnx(exported, other)
 
 
+def test_validation_checks_the_fused_step_against_decode_step(model):
+    """The fused decoder step's logits against `decode_step` with beams reordered: exact for the model's weights,
+    named and rejected for a step whose last layer reads other values."""
+    import onnxruntime as ort
+
+    from export.fused_step import build_fused_step, fused_step_weights
+    from export.validate import _compare, _validate_fused_step
+
+    def record(graph, name, actual, expected):
+        _compare(graph, name, actual, expected, 1e-4)
+
+    weights = fused_step_weights(model)
+    session = ort.InferenceSession(build_fused_step(weights).SerializeToString(), providers=["CPUExecutionProvider"])
+    _validate_fused_step(session, model, np.random.default_rng(0), record)
+    weights["layers"][-1]["self_qkv"][:, -1] *= 3.0  # one value unit of the last layer's self-attention
+    session = ort.InferenceSession(build_fused_step(weights).SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(ValidationError, match=r"fused_decoder_step\.onnx output logits: largest difference"):
+        _validate_fused_step(session, model, np.random.default_rng(0), record)
+
+
 def test_validation_rejects_a_graph_with_other_names(exported, tmp_path):
     copy = copy_of(exported, tmp_path)
     shutil.copy(copy / "encoder.onnx", copy / "decoder_step.onnx")
