@@ -1484,10 +1484,15 @@ def main(argv=None):
     output.mkdir(parents=True, exist_ok=True)
     stem = ("serve_quick" if quick else "serve") + ("_natural" if args.natural_only else "")
     (output / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plotted = False
     if results["throughput"]:
-        plot(results, output / f"{stem}.png")
+        try:
+            plot(results, output / f"{stem}.png")
+            plotted = True
+        except ModuleNotFoundError as error:  # the figure is optional; the JSON and the report are the results
+            logger.warning("No %s.png: %s (pip install matplotlib)", stem, error)
     print_report(results)
-    print(f"\nWrote {output / (stem + '.json')}{f' and {stem}.png' if results['throughput'] else ''}")
+    print(f"\nWrote {output / (stem + '.json')}{f' and {stem}.png' if plotted else ''}")
     return 0
 
 

@@ -279,6 +279,6 @@ def update_indirection(indirection, parents, index):
     Returns:
         int32 `[B, K, T]` (a new array).
     """
-    indirection = np.take_along_axis(indirection, parents[:, :, None].astype(np.int64), axis=1)
+    indirection = indirection[np.arange(len(parents))[:, None], parents]  # [B, K, T], beam k <- its parent's
     indirection[:, :, index] = parents
     return indirection
