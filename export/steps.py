@@ -15,7 +15,8 @@ The self-attention cache is never copied per step: the fused step writes
 each step's keys and values in place (its `present_*` outputs are bound to
 its `self_*` inputs' buffers with I/O binding), and beam search moves the
 small `cache_indirection` table (`fused_step.update_indirection`) instead of
-the cache. The buffers are copied only when rows leave or the cache grows.
+the cache. The buffers are copied only when the cache grows; when rows leave, the
+live rows move up within them.
 
 Framework-free (NumPy, onnxruntime and `export.contract`): the ONNX Runtime
 server (`export/runtime.py`) and the export's validation
@@ -77,37 +78,32 @@ class FusedDecoder:
             if name in self.cache:
                 self.binding.bind_ortvalue_output(f"present_{name}", value)  # written in place
         rows = next(iter(self.cache.values())).shape[0]
-        vocabulary = self.session.get_outputs()[0].shape[1]
-        self.logits = np.zeros((rows, vocabulary), np.float32)
+        if getattr(self, "_logits_buffer", None) is None:
+            vocabulary = self.session.get_outputs()[0].shape[1]
+            self._logits_buffer = np.zeros((rows, vocabulary), np.float32)
+        self.logits = self._logits_buffer[:rows]  # rows only leave: a prefix of the first buffer
         self._values["logits"] = value = ort.OrtValue.ortvalue_from_numpy(self.logits)
         self.binding.bind_ortvalue_output("logits", value)
 
-    def _resize(self, rows=None, sources=None, length=None):
-        """New buffers: the given beam rows and sources only (bool masks), `length` positions; rebinds.
+    def _grow(self, length):
+        """New self-attention buffers of `length` positions; rebinds.
 
         Only the positions written so far are copied: the fused step reads
         positions below its index only, and writes the index before it reads it.
         """
-        filled = self.filled
-        kept_rows = slice(None) if rows is None else np.flatnonzero(rows)
         for name, array in self.cache.items():
-            count = array.shape[0] if rows is None else len(kept_rows)
-            new = np.empty((count, array.shape[1], length or array.shape[2], array.shape[3]), np.float32)
-            new[:, :, :filled] = array[kept_rows, :, :filled]
+            new = np.empty((*array.shape[:2], length, array.shape[3]), np.float32)
+            new[:, :, :self.filled] = array[:, :, :self.filled]
             self.cache[name] = new
-        indirection = self.indirection if sources is None else self.indirection[sources]
-        if length and length != indirection.shape[2]:
-            indirection = np.pad(indirection, ((0, 0), (0, 0), (0, length - indirection.shape[2])))
-        self.indirection = np.ascontiguousarray(indirection)
-        if sources is not None:
-            self.source = {name: np.ascontiguousarray(array[sources]) for name, array in self.source.items()}
+        extra = length - self.indirection.shape[2]
+        self.indirection = np.ascontiguousarray(np.pad(self.indirection, ((0, 0), (0, 0), (0, extra))))
         self._bind()
 
     def step(self, token_ids, index):
         """The logits `[B*K, V]` of position `index + 1` (a buffer overwritten by the next step)."""
         length = self.indirection.shape[2]
         if index >= length:
-            self._resize(length=min(max(2 * length, index + 1), self.buffer_length))
+            self._grow(min(max(2 * length, index + 1), self.buffer_length))
         self.binding.bind_cpu_input("decoder_token_ids", np.ascontiguousarray(token_ids, np.int32))
         self.binding.bind_cpu_input("index", np.array(index, np.int32))
         self.session.run_with_iobinding(self.binding)
@@ -119,8 +115,21 @@ class FusedDecoder:
         self.indirection[...] = update_indirection(self.indirection, parents, index)
 
     def keep(self, live):
-        """Keeps the sources `live` (bool `[B]`) and their beams."""
-        self._resize(rows=np.repeat(live, self.beam_size), sources=live)
+        """Keeps the sources `live` (bool `[B]`) and their beams; rebinds.
+
+        The live beam rows move up in place (only the rows after the first
+        that leaves move, and only the positions written so far) and the
+        buffers become their first rows: no new buffer per departure.
+        """
+        rows = np.flatnonzero(np.repeat(live, self.beam_size))
+        moved = np.flatnonzero(rows != np.arange(len(rows)))
+        for name, array in self.cache.items():
+            if len(moved):
+                array[moved, :, :self.filled] = array[rows[moved], :, :self.filled]  # the right side is a copy
+            self.cache[name] = array[: len(rows)]
+        self.indirection = np.ascontiguousarray(self.indirection[live])
+        self.source = {name: np.ascontiguousarray(array[live]) for name, array in self.source.items()}
+        self._bind()
 
 
 def run_steps(update, graph, decoder, values):
