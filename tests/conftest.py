@@ -297,3 +297,65 @@ def tiny_onnx_export(request, tiny_preset_dir):
     key = source_key("export/*.py", "keras_transformer/**/*.py", "tests/conftest.py",
                      packages=("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "sentencepiece"))
     return build_once(request, "tiny-onnx", key, lambda directory: export_onnx(tiny_preset_dir, directory))
+
+
+# ---------------------------------------------------------------------- #
+# The tiny preset trained on the bundled corpus, exported as a user does.
+# ---------------------------------------------------------------------- #
+# Built once per machine (`build_once`) by the commands, whichever backend's
+# run asks first: the same files on every lane. Read by the int8 quality test
+# (the preset and its int8 export), the commands' test (the export command's
+# stderr, and the export it serves) and notebook 03 in smoke mode
+# (KT_NOTEBOOK_EXPORTS), which would otherwise each train and export one.
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY_TRAINED_STEPS = 400
+# The artifact's parts: the preset, its float32 and int8 ONNX exports, and each
+# command's stderr as `NAME.stderr` beside them.
+TINY_TRAINED_PARTS = {"preset": "preset", "onnx": "onnx", "int8": "onnx-int8"}
+
+
+def run_command(*args, input=None, timeout=600):
+    """`python -m ARGS` as a user runs it: from the repository root, TensorFlow backend, no TF_CPP_MIN_LOG_LEVEL."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env["KERAS_BACKEND"] = "tensorflow"
+    return subprocess.run(
+        [sys.executable, "-m", *args], input=input, capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=ROOT,
+    )
+
+
+def _build_tiny_trained(directory):
+    from keras_transformer import datasets
+
+    directory.mkdir()
+    preset, onnx, int8 = (str(directory / part) for part in TINY_TRAINED_PARTS.values())
+    train_src, train_tgt = datasets.bundled_paths("train")  # no validation split: no BLEU at the end
+    commands = {
+        "train": ["keras_transformer.train", "--preset", "tiny", "--output", preset, "--train-src", str(train_src),
+                  "--train-tgt", str(train_tgt), "--steps", str(TINY_TRAINED_STEPS), "--tokens-per-batch", "2048",
+                  "--warmup-steps", "200", "--learning-rate-scale", "2.0", "--checkpoint-every",
+                  str(TINY_TRAINED_STEPS), "--average-last", "1"],
+        "onnx": ["export.onnx", "--preset", preset, "--output", onnx],
+        "int8": ["export.onnx", "--preset", preset, "--output", int8, "--quantize", "int8"],
+    }
+    for name, args in commands.items():
+        result = run_command(*args)
+        (directory / f"{name}.stderr").write_text(result.stderr, encoding="utf-8")
+        if result.returncode != 0:
+            raise RuntimeError(f"python -m {' '.join(args)} failed:\n{result.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def tiny_trained(request):
+    """The `tiny` preset trained on the bundled corpus and exported to ONNX, float32 and int8 (read only).
+
+    A directory with `TINY_TRAINED_PARTS` and the commands' stderr (`train.stderr`, `onnx.stderr`, `int8.stderr`).
+    """
+    pytest.importorskip("tf2onnx")
+    pytest.importorskip("onnxruntime")
+    key = source_key("export/*.py", "keras_transformer/**/*.py", "keras_transformer/datasets/*/manifest.json",
+                     "tests/conftest.py",
+                     packages=("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "sentencepiece"))
+    return build_once(request, "tiny-trained", key, _build_tiny_trained)

@@ -2,20 +2,20 @@
 
 The slow test runs the `python -m` commands as a user does (fresh processes,
 no TF_CPP_MIN_LOG_LEVEL in the environment, tiny preset, a few steps) and
-asserts on what stderr does not contain.
+asserts on what stderr does not contain. The export command's run is the one
+that built the suite's shared ONNX export (`tiny_trained` in conftest.py).
 """
 
 import json
 import logging
 import os
-import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import BACKEND
+from conftest import BACKEND, ROOT, TINY_TRAINED_PARTS, run_command
 from keras_transformer import cli
 
 # Lines a command must not print by default (each names what it catches).
@@ -31,8 +31,6 @@ NOISE = {
     "Traceback": "a crash",
     "Epoch ": "Keras' fit epochs (checkpoint intervals) as progress",
 }
-# The commands run from the repository root, so they import this checkout.
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 # absl's C++ log line prefix: severity, date, time, thread, file:line]
 CXX_LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ [\w./-]+:\d+\]", re.MULTILINE)
 
@@ -86,20 +84,19 @@ def _package_imports_tensorflow():
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 1
 
 
-def _run(*args, input=None, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    env["KERAS_BACKEND"] = "tensorflow"
-    return subprocess.run(
-        [sys.executable, "-m", *args], input=input, capture_output=True, text=True, timeout=timeout, env=env,
-        cwd=ROOT,
-    )
+# The commands run from the repository root (conftest.run_command), so they import this checkout.
+_run = run_command
 
 
 def _assert_quiet(result, command):
     assert result.returncode == 0, f"{command} failed:\n{result.stderr[-3000:]}"
-    found = {pattern: what for pattern, what in NOISE.items() if pattern in result.stderr}
-    assert not found, f"{command} printed {sorted(found.values())}:\n{result.stderr[-3000:]}"
-    assert not CXX_LOG_LINE.search(result.stderr), f"{command} printed C++ log lines:\n{result.stderr[-3000:]}"
+    _assert_no_noise(result.stderr, command)
+
+
+def _assert_no_noise(stderr, command):
+    found = {pattern: what for pattern, what in NOISE.items() if pattern in stderr}
+    assert not found, f"{command} printed {sorted(found.values())}:\n{stderr[-3000:]}"
+    assert not CXX_LOG_LINE.search(stderr), f"{command} printed C++ log lines:\n{stderr[-3000:]}"
 
 
 @pytest.mark.slow
@@ -108,7 +105,7 @@ def _assert_quiet(result, command):
 # the TensorFlow run rather than with the notebooks (own_processes), so that
 # tests/run.sh's two lanes take about as long.
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the commands run on the TensorFlow backend (export needs it)")
-def test_commands_print_no_noise_and_train_reports_steps(tmp_path):
+def test_commands_print_no_noise_and_train_reports_steps(tmp_path, tiny_trained):
     # `python -m keras_transformer.X` runs the package's __init__ first: it must
     # not import TensorFlow, or the commands could not quiet it.
     assert not _package_imports_tensorflow()
@@ -151,11 +148,14 @@ def test_commands_print_no_noise_and_train_reports_steps(tmp_path):
                    "--output", str(tmp_path / "average.weights.h5"))
     _assert_quiet(average, "average_checkpoints")
 
-    onnx = _run("export.onnx", "--preset", str(run), "--output", str(tmp_path / "onnx"))
-    _assert_quiet(onnx, "export.onnx")
+    # `python -m export.onnx` (and --quantize int8), run as above on the suite's trained tiny preset, once per
+    # machine and code (conftest.py): converting a dozen graphs is the slowest command here.
+    for part in ("onnx", "int8"):
+        _assert_no_noise((tiny_trained / f"{part}.stderr").read_text(encoding="utf-8"), f"export.onnx ({part})")
 
     # The ONNX Runtime server: no CUDA false alarm where onnxruntime-gpu cannot use a GPU.
-    served = _run("export.runtime", "--model", str(tmp_path / "onnx"), "--beam-size", "1", input="Click OK.\n")
+    served = _run("export.runtime", "--model", str(tiny_trained / TINY_TRAINED_PARTS["onnx"]), "--beam-size", "1",
+                  input="Click OK.\n")
     assert served.returncode == 0 and served.stdout.strip(), served.stderr[-3000:]
     _assert_quiet(served, "export.runtime")
 
