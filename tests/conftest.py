@@ -303,15 +303,16 @@ def tiny_onnx_export(request, tiny_preset_dir):
 # The tiny preset trained on the bundled corpus, exported as a user does.
 # ---------------------------------------------------------------------- #
 # Built once per machine (`build_once`) by the commands, whichever backend's
-# run asks first: the same files on every lane. Read by the int8 quality test
-# (the preset and its int8 export), the commands' test (the export command's
-# stderr, and the export it serves) and notebook 03 in smoke mode
-# (KT_NOTEBOOK_EXPORTS), which would otherwise each train and export one.
+# run asks first: the same files on every lane. Read by the commands' test (the
+# train and export commands' stderr, and what the other commands read), the
+# int8 quality test (the preset and its int8 export) and notebook 03 in smoke
+# mode (KT_NOTEBOOK_EXPORTS), which would otherwise each train and export one.
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TINY_TRAINED_STEPS = 400
-# The artifact's parts: the preset, its float32 and int8 ONNX exports, and each
-# command's stderr as `NAME.stderr` beside them.
-TINY_TRAINED_PARTS = {"preset": "preset", "onnx": "onnx", "int8": "onnx-int8"}
+TINY_TRAINED_STEPS, TINY_TRAINED_CHECKPOINT_EVERY, TINY_TRAINED_VALID_LINES = 400, 200, 48
+# The artifact's parts: the preset, its float32 and int8 ONNX exports, the
+# validation files (the first lines of the bundled split), and each command's
+# stderr as `train.stderr`, `onnx.stderr` and `int8.stderr`.
+TINY_TRAINED_PARTS = {"preset": "preset", "onnx": "onnx", "int8": "onnx-int8", "valid": ("valid.en", "valid.de")}
 
 
 def run_command(*args, input=None, timeout=600):
@@ -330,13 +331,16 @@ def _build_tiny_trained(directory):
     from keras_transformer import datasets
 
     directory.mkdir()
-    preset, onnx, int8 = (str(directory / part) for part in TINY_TRAINED_PARTS.values())
-    train_src, train_tgt = datasets.bundled_paths("train")  # no validation split: no BLEU at the end
-    commands = {
-        "train": ["keras_transformer.train", "--preset", "tiny", "--output", preset, "--train-src", str(train_src),
-                  "--train-tgt", str(train_tgt), "--steps", str(TINY_TRAINED_STEPS), "--tokens-per-batch", "2048",
-                  "--warmup-steps", "200", "--learning-rate-scale", "2.0", "--checkpoint-every",
-                  str(TINY_TRAINED_STEPS), "--average-last", "1"],
+    preset, onnx, int8 = (str(directory / TINY_TRAINED_PARTS[part]) for part in ("preset", "onnx", "int8"))
+    valid = [directory / name for name in TINY_TRAINED_PARTS["valid"]]
+    for path, lines in zip(valid, datasets.load_bundled("valid")):
+        path.write_text("\n".join(lines[:TINY_TRAINED_VALID_LINES]) + "\n", encoding="utf-8")
+    commands = {  # the training data: the bundled corpus (no --train-src)
+        "train": ["keras_transformer.train", "--preset", "tiny", "--output", preset,
+                  "--steps", str(TINY_TRAINED_STEPS), "--checkpoint-every", str(TINY_TRAINED_CHECKPOINT_EVERY),
+                  "--tokens-per-batch", "2048", "--warmup-steps", "200", "--learning-rate-scale", "2.0",
+                  "--vocabulary-size", "1000", "--tokenizer-max-sentences", "3000", "--average-last", "1",
+                  "--valid-src", str(valid[0]), "--valid-tgt", str(valid[1])],
         "onnx": ["export.onnx", "--preset", preset, "--output", onnx],
         "int8": ["export.onnx", "--preset", preset, "--output", int8, "--quantize", "int8"],
     }
@@ -351,7 +355,7 @@ def _build_tiny_trained(directory):
 def tiny_trained(request):
     """The `tiny` preset trained on the bundled corpus and exported to ONNX, float32 and int8 (read only).
 
-    A directory with `TINY_TRAINED_PARTS` and the commands' stderr (`train.stderr`, `onnx.stderr`, `int8.stderr`).
+    A directory with `TINY_TRAINED_PARTS`; see `_build_tiny_trained` for the commands.
     """
     pytest.importorskip("tf2onnx")
     pytest.importorskip("onnxruntime")

@@ -2,8 +2,10 @@
 
 The slow test runs the `python -m` commands as a user does (fresh processes,
 no TF_CPP_MIN_LOG_LEVEL in the environment, tiny preset, a few steps) and
-asserts on what stderr does not contain. The export command's run is the one
-that built the suite's shared ONNX export (`tiny_trained` in conftest.py).
+asserts on what stderr does not contain. The train and export commands' runs
+are the ones that built the suite's trained tiny preset and its ONNX exports
+(`tiny_trained` in conftest.py, once per machine and code); the other commands
+read that preset.
 """
 
 import json
@@ -15,7 +17,9 @@ import sys
 
 import pytest
 
-from conftest import BACKEND, ROOT, TINY_TRAINED_PARTS, run_command
+from conftest import (
+    BACKEND, ROOT, TINY_TRAINED_CHECKPOINT_EVERY, TINY_TRAINED_PARTS, TINY_TRAINED_STEPS, run_command,
+)
 from keras_transformer import cli
 
 # Lines a command must not print by default (each names what it catches).
@@ -109,28 +113,19 @@ def test_commands_print_no_noise_and_train_reports_steps(tmp_path, tiny_trained)
     # `python -m keras_transformer.X` runs the package's __init__ first: it must
     # not import TensorFlow, or the commands could not quiet it.
     assert not _package_imports_tensorflow()
-    from keras_transformer.datasets import load_bundled
-
-    english, german = load_bundled("valid")
-    (tmp_path / "valid.en").write_text("\n".join(english[:48]) + "\n", encoding="utf-8")
-    (tmp_path / "valid.de").write_text("\n".join(german[:48]) + "\n", encoding="utf-8")
-    run = tmp_path / "run"
-
-    train = _run(
-        "keras_transformer.train", "--preset", "tiny", "--output", str(run), "--steps", "20",
-        "--checkpoint-every", "10", "--tokens-per-batch", "2048", "--warmup-steps", "10",
-        "--vocabulary-size", "1000", "--tokenizer-max-sentences", "3000", "--average-last", "2",
-        "--valid-src", str(tmp_path / "valid.en"), "--valid-tgt", str(tmp_path / "valid.de"),
-    )
-    _assert_quiet(train, "train")
+    # `python -m keras_transformer.train`, run as `_run` runs it (conftest.py, `_build_tiny_trained`).
+    train_stderr = (tiny_trained / "train.stderr").read_text(encoding="utf-8")
+    _assert_no_noise(train_stderr, "train")
     # A line per checkpoint, in optimizer steps out of the total, with the pass over the data and an ETA.
-    lines = re.findall(r"checkpoint at step (\d+)/20 \(\d+%\): pass [\d.]+/[\d.]+, loss [\d.]+, "
-                       r"val_loss [\d.]+, lr [\d.e+-]+; [\d:]+ elapsed, ETA [\d:?]+", train.stderr)
-    assert lines == ["10", "20"], train.stderr[-3000:]
+    lines = re.findall(rf"checkpoint at step (\d+)/{TINY_TRAINED_STEPS} \(\d+%\): pass [\d.]+/[\d.]+, loss [\d.]+, "
+                       r"val_loss [\d.]+, lr [\d.e+-]+; [\d:]+ elapsed, ETA [\d:?]+", train_stderr)
+    every = TINY_TRAINED_CHECKPOINT_EVERY
+    assert lines == [str(step) for step in range(every, TINY_TRAINED_STEPS + 1, every)], train_stderr[-3000:]
+    run = tiny_trained / TINY_TRAINED_PARTS["preset"]
     # Portable metadata: the bundled corpus by name and version, other files as given.
     data = json.loads((run / "metadata.json").read_text())["data"]
     assert data["train"] == ["bundled:libreoffice_en_de/train.en.gz", "bundled:libreoffice_en_de/train.de.gz"]
-    assert data["valid"] == [str(tmp_path / "valid.en"), str(tmp_path / "valid.de")]
+    assert data["valid"] == [str(tiny_trained / name) for name in TINY_TRAINED_PARTS["valid"]]
     assert data["bundled_corpus"]["name"] == "libreoffice_en_de" and data["bundled_corpus"]["version"]
 
     translate = _run("keras_transformer.translate", "--preset", str(run), "--beam-size", "2",
@@ -148,8 +143,7 @@ def test_commands_print_no_noise_and_train_reports_steps(tmp_path, tiny_trained)
                    "--output", str(tmp_path / "average.weights.h5"))
     _assert_quiet(average, "average_checkpoints")
 
-    # `python -m export.onnx` (and --quantize int8), run as above on the suite's trained tiny preset, once per
-    # machine and code (conftest.py): converting a dozen graphs is the slowest command here.
+    # `python -m export.onnx` (and --quantize int8) of that preset, run as `_run` runs it.
     for part in ("onnx", "int8"):
         _assert_no_noise((tiny_trained / f"{part}.stderr").read_text(encoding="utf-8"), f"export.onnx ({part})")
 
