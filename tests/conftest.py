@@ -77,7 +77,8 @@ def pytest_report_header(config):
 # optimizer state round trip run on all three. A name listed here that no
 # longer matches a test only makes that test run on every backend again.
 #
-# Tests marked `own_processes` (the notebooks, the device smoke run) run their
+# Tests marked `own_processes` (the notebooks, the device smoke run, the
+# training killed with SIGKILL) run their
 # work in processes of their own, on the TensorFlow backend whatever the
 # suite's, so they too run once: in the run of the backend that
 # KT_PROCESS_TESTS_BACKEND names (TensorFlow unless set). tests/run.sh gives
