@@ -78,10 +78,10 @@ def pytest_report_header(config):
 # longer matches a test only makes that test run on every backend again.
 #
 # Tests marked `own_processes` (the notebooks, the device smoke run, the
-# training killed with SIGKILL) run their work in processes of their own, on
-# the TensorFlow backend whatever the suite's, so they too run once: in the
-# run of the backend that KT_PROCESS_TESTS_BACKEND names (TensorFlow unless
-# set). tests/run.sh gives them to the PyTorch run, the shortest, which shares
+# training killed with SIGKILL, one weights file loaded on every backend) run
+# their work in processes of their own, whatever the suite's backend, so they
+# too run once: in the run of the backend that KT_PROCESS_TESTS_BACKEND names
+# (TensorFlow unless set). tests/run.sh gives them to the PyTorch run, the shortest, which shares
 # a lane with JAX beside the TensorFlow lane, so that the two lanes end at
 # about the same time.
 # KT_ALL_BACKENDS=1 runs everything on the current backend.
