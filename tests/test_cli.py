@@ -106,8 +106,9 @@ def _assert_no_noise(stderr, command):
 @pytest.mark.slow
 @pytest.mark.tensorflow_only
 # Its commands run on the TensorFlow backend whatever the suite's; it stays in
-# the TensorFlow run rather than with the notebooks (own_processes), so that
-# tests/run.sh's two lanes take about as long.
+# the TensorFlow run rather than with the notebooks (own_processes): near the
+# start of that run, it asks for `tiny_trained` first, so the shared preset and
+# exports are built by the time notebook 03 (in the PyTorch run) reads them.
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the commands run on the TensorFlow backend (export needs it)")
 def test_commands_print_no_noise_and_train_reports_steps(tmp_path, tiny_trained):
     # `python -m keras_transformer.X` runs the package's __init__ first: it must
