@@ -77,12 +77,13 @@ def pytest_report_header(config):
 # optimizer state round trip run on all three. A name listed here that no
 # longer matches a test only makes that test run on every backend again.
 #
-# Tests marked `own_processes` (the notebooks, the device smoke run) run their
-# work in processes of their own, on the TensorFlow backend whatever the
-# suite's, so they too run once: in the run of the backend that
-# KT_PROCESS_TESTS_BACKEND names (TensorFlow unless set). tests/run.sh gives
-# them to the PyTorch run, the shortest, which shares a lane with JAX beside
-# the TensorFlow lane, so that the two lanes end at about the same time.
+# Tests marked `own_processes` (the notebooks, the device smoke run, the
+# training killed with SIGKILL, one weights file loaded on every backend) run
+# their work in processes of their own, whatever the suite's backend, so they
+# too run once: in the run of the backend that KT_PROCESS_TESTS_BACKEND names
+# (TensorFlow unless set). tests/run.sh gives them to the PyTorch run, the shortest, which shares
+# a lane with JAX beside the TensorFlow lane, so that the two lanes end at
+# about the same time.
 # KT_ALL_BACKENDS=1 runs everything on the current backend.
 PROCESS_TESTS_BACKEND = os.environ.get("KT_PROCESS_TESTS_BACKEND", "tensorflow")
 BACKEND_INDEPENDENT = {
@@ -297,3 +298,69 @@ def tiny_onnx_export(request, tiny_preset_dir):
     key = source_key("export/*.py", "keras_transformer/**/*.py", "tests/conftest.py",
                      packages=("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "sentencepiece"))
     return build_once(request, "tiny-onnx", key, lambda directory: export_onnx(tiny_preset_dir, directory))
+
+
+# ---------------------------------------------------------------------- #
+# The tiny preset trained on the bundled corpus, exported as a user does.
+# ---------------------------------------------------------------------- #
+# Built once per machine (`build_once`) by the commands, whichever backend's
+# run asks first: the same files on every lane. Read by the commands' test (the
+# train and export commands' stderr, and what the other commands read), the
+# int8 quality test (the preset and its int8 export) and notebook 03 in smoke
+# mode (KT_NOTEBOOK_EXPORTS), which would otherwise each train and export one.
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY_TRAINED_STEPS, TINY_TRAINED_CHECKPOINT_EVERY, TINY_TRAINED_VALID_LINES = 400, 200, 48
+# The artifact's parts: the preset, its float32 and int8 ONNX exports, the
+# validation files (the first lines of the bundled split), and each command's
+# stderr as `train.stderr`, `onnx.stderr` and `int8.stderr`.
+TINY_TRAINED_PARTS = {"preset": "preset", "onnx": "onnx", "int8": "onnx-int8", "valid": ("valid.en", "valid.de")}
+
+
+def run_command(*args, input=None, timeout=600):
+    """`python -m ARGS` as a user runs it: from the repository root, TensorFlow backend, no TF_CPP_MIN_LOG_LEVEL."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    env["KERAS_BACKEND"] = "tensorflow"
+    return subprocess.run(
+        [sys.executable, "-m", *args], input=input, capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=ROOT,
+    )
+
+
+def _build_tiny_trained(directory):
+    from keras_transformer import datasets
+
+    directory.mkdir()
+    preset, onnx, int8 = (str(directory / TINY_TRAINED_PARTS[part]) for part in ("preset", "onnx", "int8"))
+    valid = [directory / name for name in TINY_TRAINED_PARTS["valid"]]
+    for path, lines in zip(valid, datasets.load_bundled("valid")):
+        path.write_text("\n".join(lines[:TINY_TRAINED_VALID_LINES]) + "\n", encoding="utf-8")
+    commands = {  # the training data: the bundled corpus (no --train-src)
+        "train": ["keras_transformer.train", "--preset", "tiny", "--output", preset,
+                  "--steps", str(TINY_TRAINED_STEPS), "--checkpoint-every", str(TINY_TRAINED_CHECKPOINT_EVERY),
+                  "--tokens-per-batch", "2048", "--warmup-steps", "200", "--learning-rate-scale", "2.0",
+                  "--vocabulary-size", "1000", "--tokenizer-max-sentences", "3000", "--average-last", "1",
+                  "--valid-src", str(valid[0]), "--valid-tgt", str(valid[1])],
+        "onnx": ["export.onnx", "--preset", preset, "--output", onnx],
+        "int8": ["export.onnx", "--preset", preset, "--output", int8, "--quantize", "int8"],
+    }
+    for name, args in commands.items():
+        result = run_command(*args)
+        (directory / f"{name}.stderr").write_text(result.stderr, encoding="utf-8")
+        if result.returncode != 0:
+            raise RuntimeError(f"python -m {' '.join(args)} failed:\n{result.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def tiny_trained(request):
+    """The `tiny` preset trained on the bundled corpus and exported to ONNX, float32 and int8 (read only).
+
+    A directory with `TINY_TRAINED_PARTS`; see `_build_tiny_trained` for the commands.
+    """
+    pytest.importorskip("tf2onnx")
+    pytest.importorskip("onnxruntime")
+    key = source_key("export/*.py", "keras_transformer/**/*.py", "keras_transformer/datasets/*/manifest.json",
+                     "tests/conftest.py",
+                     packages=("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "sentencepiece"))
+    return build_once(request, "tiny-trained", key, _build_tiny_trained)

@@ -2,20 +2,24 @@
 
 The slow test runs the `python -m` commands as a user does (fresh processes,
 no TF_CPP_MIN_LOG_LEVEL in the environment, tiny preset, a few steps) and
-asserts on what stderr does not contain.
+asserts on what stderr does not contain. The train and export commands' runs
+are the ones that built the suite's trained tiny preset and its ONNX exports
+(`tiny_trained` in conftest.py, once per machine and code); the other commands
+read that preset.
 """
 
 import json
 import logging
 import os
-import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import BACKEND
+from conftest import (
+    BACKEND, ROOT, TINY_TRAINED_CHECKPOINT_EVERY, TINY_TRAINED_PARTS, TINY_TRAINED_STEPS, run_command,
+)
 from keras_transformer import cli
 
 # Lines a command must not print by default (each names what it catches).
@@ -31,8 +35,6 @@ NOISE = {
     "Traceback": "a crash",
     "Epoch ": "Keras' fit epochs (checkpoint intervals) as progress",
 }
-# The commands run from the repository root, so they import this checkout.
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 # absl's C++ log line prefix: severity, date, time, thread, file:line]
 CXX_LOG_LINE = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ [\w./-]+:\d+\]", re.MULTILINE)
 
@@ -86,54 +88,45 @@ def _package_imports_tensorflow():
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 1
 
 
-def _run(*args, input=None, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    env["KERAS_BACKEND"] = "tensorflow"
-    return subprocess.run(
-        [sys.executable, "-m", *args], input=input, capture_output=True, text=True, timeout=timeout, env=env,
-        cwd=ROOT,
-    )
+# The commands run from the repository root (conftest.run_command), so they import this checkout.
+_run = run_command
 
 
 def _assert_quiet(result, command):
     assert result.returncode == 0, f"{command} failed:\n{result.stderr[-3000:]}"
-    found = {pattern: what for pattern, what in NOISE.items() if pattern in result.stderr}
-    assert not found, f"{command} printed {sorted(found.values())}:\n{result.stderr[-3000:]}"
-    assert not CXX_LOG_LINE.search(result.stderr), f"{command} printed C++ log lines:\n{result.stderr[-3000:]}"
+    _assert_no_noise(result.stderr, command)
+
+
+def _assert_no_noise(stderr, command):
+    found = {pattern: what for pattern, what in NOISE.items() if pattern in stderr}
+    assert not found, f"{command} printed {sorted(found.values())}:\n{stderr[-3000:]}"
+    assert not CXX_LOG_LINE.search(stderr), f"{command} printed C++ log lines:\n{stderr[-3000:]}"
 
 
 @pytest.mark.slow
 @pytest.mark.tensorflow_only
 # Its commands run on the TensorFlow backend whatever the suite's; it stays in
-# the TensorFlow run rather than with the notebooks (own_processes), so that
-# tests/run.sh's two lanes take about as long.
+# the TensorFlow run rather than with the notebooks (own_processes): near the
+# start of that run, it asks for `tiny_trained` first, so the shared preset and
+# exports are built by the time notebook 03 (in the PyTorch run) reads them.
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the commands run on the TensorFlow backend (export needs it)")
-def test_commands_print_no_noise_and_train_reports_steps(tmp_path):
+def test_commands_print_no_noise_and_train_reports_steps(tmp_path, tiny_trained):
     # `python -m keras_transformer.X` runs the package's __init__ first: it must
     # not import TensorFlow, or the commands could not quiet it.
     assert not _package_imports_tensorflow()
-    from keras_transformer.datasets import load_bundled
-
-    english, german = load_bundled("valid")
-    (tmp_path / "valid.en").write_text("\n".join(english[:48]) + "\n", encoding="utf-8")
-    (tmp_path / "valid.de").write_text("\n".join(german[:48]) + "\n", encoding="utf-8")
-    run = tmp_path / "run"
-
-    train = _run(
-        "keras_transformer.train", "--preset", "tiny", "--output", str(run), "--steps", "20",
-        "--checkpoint-every", "10", "--tokens-per-batch", "2048", "--warmup-steps", "10",
-        "--vocabulary-size", "1000", "--tokenizer-max-sentences", "3000", "--average-last", "2",
-        "--valid-src", str(tmp_path / "valid.en"), "--valid-tgt", str(tmp_path / "valid.de"),
-    )
-    _assert_quiet(train, "train")
+    # `python -m keras_transformer.train`, run as `_run` runs it (conftest.py, `_build_tiny_trained`).
+    train_stderr = (tiny_trained / "train.stderr").read_text(encoding="utf-8")
+    _assert_no_noise(train_stderr, "train")
     # A line per checkpoint, in optimizer steps out of the total, with the pass over the data and an ETA.
-    lines = re.findall(r"checkpoint at step (\d+)/20 \(\d+%\): pass [\d.]+/[\d.]+, loss [\d.]+, "
-                       r"val_loss [\d.]+, lr [\d.e+-]+; [\d:]+ elapsed, ETA [\d:?]+", train.stderr)
-    assert lines == ["10", "20"], train.stderr[-3000:]
+    lines = re.findall(rf"checkpoint at step (\d+)/{TINY_TRAINED_STEPS} \(\d+%\): pass [\d.]+/[\d.]+, loss [\d.]+, "
+                       r"val_loss [\d.]+, lr [\d.e+-]+; [\d:]+ elapsed, ETA [\d:?]+", train_stderr)
+    every = TINY_TRAINED_CHECKPOINT_EVERY
+    assert lines == [str(step) for step in range(every, TINY_TRAINED_STEPS + 1, every)], train_stderr[-3000:]
+    run = tiny_trained / TINY_TRAINED_PARTS["preset"]
     # Portable metadata: the bundled corpus by name and version, other files as given.
     data = json.loads((run / "metadata.json").read_text())["data"]
     assert data["train"] == ["bundled:libreoffice_en_de/train.en.gz", "bundled:libreoffice_en_de/train.de.gz"]
-    assert data["valid"] == [str(tmp_path / "valid.en"), str(tmp_path / "valid.de")]
+    assert data["valid"] == [str(tiny_trained / name) for name in TINY_TRAINED_PARTS["valid"]]
     assert data["bundled_corpus"]["name"] == "libreoffice_en_de" and data["bundled_corpus"]["version"]
 
     translate = _run("keras_transformer.translate", "--preset", str(run), "--beam-size", "2",
@@ -151,11 +144,13 @@ def test_commands_print_no_noise_and_train_reports_steps(tmp_path):
                    "--output", str(tmp_path / "average.weights.h5"))
     _assert_quiet(average, "average_checkpoints")
 
-    onnx = _run("export.onnx", "--preset", str(run), "--output", str(tmp_path / "onnx"))
-    _assert_quiet(onnx, "export.onnx")
+    # `python -m export.onnx` (and --quantize int8) of that preset, run as `_run` runs it.
+    for part in ("onnx", "int8"):
+        _assert_no_noise((tiny_trained / f"{part}.stderr").read_text(encoding="utf-8"), f"export.onnx ({part})")
 
     # The ONNX Runtime server: no CUDA false alarm where onnxruntime-gpu cannot use a GPU.
-    served = _run("export.runtime", "--model", str(tmp_path / "onnx"), "--beam-size", "1", input="Click OK.\n")
+    served = _run("export.runtime", "--model", str(tiny_trained / TINY_TRAINED_PARTS["onnx"]), "--beam-size", "1",
+                  input="Click OK.\n")
     assert served.returncode == 0 and served.stdout.strip(), served.stderr[-3000:]
     _assert_quiet(served, "export.runtime")
 

@@ -3,8 +3,10 @@
 Dynamic int8 quantization changes the numbers, so it is judged by translation
 quality rather than by atol. Two modes:
 
-- default (CI): the `tiny` preset trained here for a few hundred steps on the
-  bundled corpus, scored on the first 300 test sentences with greedy search. Such a model
+- default (CI): the `tiny` preset trained for a few hundred steps on the
+  bundled corpus and its int8 export, built once by the commands
+  (`tiny_trained` in tests/conftest.py, shared with the commands' test and
+  notebook 03), scored on the first 300 test sentences with greedy search. Such a model
   translates badly (chrF about 10), so this run only guards against a broken
   quantization (int8 much worse than float32);
 - `KT_INT8_PRESET=DIR` (e.g. the Quick start's `runs/small`): a trained model
@@ -29,14 +31,13 @@ pytestmark = [
 pytest.importorskip("onnxruntime")
 pytest.importorskip("tf2onnx")
 
+from conftest import TINY_TRAINED_PARTS  # noqa: E402
 from export.onnx import export_onnx  # noqa: E402
 from export.runtime import OnnxTranslator  # noqa: E402
 from keras_transformer import datasets  # noqa: E402
 from keras_transformer.evaluate import evaluate  # noqa: E402
-from keras_transformer.training import run_training  # noqa: E402
 from keras_transformer.translator import Translator  # noqa: E402
 
-TRAIN_STEPS = 400
 CI_SENTENCES = 300
 # A quantized model may lose a little; losing more than this means it is broken.
 MAX_BLEU_DROP = 2.0
@@ -44,20 +45,17 @@ MAX_CHRF_DROP = 3.0
 
 
 @pytest.fixture(scope="module")
-def trained_preset(tmp_path_factory):
+def preset_and_int8(request, tmp_path_factory):
+    """(preset, its int8 export): KT_INT8_PRESET exported here, or the suite's trained tiny preset."""
     preset = os.environ.get("KT_INT8_PRESET")
     if preset:
-        return preset
-    output = tmp_path_factory.mktemp("int8") / "tiny"
-    train_src, train_tgt = datasets.bundled_paths("train")  # no validation split: no BLEU at the end
-    run_training(
-        output, preset="tiny", train_src=train_src, train_tgt=train_tgt, steps=TRAIN_STEPS, tokens_per_batch=2048, warmup_steps=200,
-        learning_rate_scale=2.0, checkpoint_every=TRAIN_STEPS, average_last=1, bleu_beam_size=1, verbose=0,
-    )
-    return str(output)
+        return preset, export_onnx(preset, tmp_path_factory.mktemp("int8") / "int8", quantize="int8")
+    tiny_trained = request.getfixturevalue("tiny_trained")
+    return tiny_trained / TINY_TRAINED_PARTS["preset"], tiny_trained / TINY_TRAINED_PARTS["int8"]
 
 
-def test_int8_bleu_drop_on_bundled_test_split(trained_preset, tmp_path, record_property):
+def test_int8_bleu_drop_on_bundled_test_split(preset_and_int8, record_property):
+    trained_preset, directory = preset_and_int8
     sources, references = datasets.load_bundled("test")
     real_model = bool(os.environ.get("KT_INT8_PRESET"))
     beam_size = 4  # the paper's search for a real model; greedy keeps the CI run short
@@ -65,7 +63,6 @@ def test_int8_bleu_drop_on_bundled_test_split(trained_preset, tmp_path, record_p
         sources, references, beam_size = sources[:CI_SENTENCES], references[:CI_SENTENCES], 1
     # float32: the Keras model, whose tokens the float32 ONNX export gives (validated at every export and
     # in tests/test_export_onnx.py), so one export, the int8 one, is enough.
-    directory = export_onnx(trained_preset, tmp_path / "int8", quantize="int8")
     scores = {}
     for name, translator in (("float32", Translator.from_preset(trained_preset)), ("int8", OnnxTranslator(directory))):
         result = evaluate(translator, sources, references, beam_size=beam_size)

@@ -322,7 +322,7 @@ def test_bad_constructor_arguments(overrides, match):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="spawns all three backends itself; run once")
+@pytest.mark.own_processes  # spawns all three backends itself: runs once, beside the notebooks (conftest.py)
 def test_one_weights_file_gives_the_same_logits_on_all_backends(tmp_path):
     """Save on one backend, load on TensorFlow, JAX and PyTorch in fresh processes."""
     tiny_model(position_encoding="learned").save_to_preset(tmp_path / "preset")

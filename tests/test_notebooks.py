@@ -2,7 +2,8 @@
 
 The slow test executes each notebook with nbclient in a fresh `python3` kernel
 (the interpreter running pytest), with `KT_NOTEBOOK_SMOKE=1` (tiny preset, a few
-steps, the bundled corpus, no network; notebook 04 reads the suite's Marian stand-in) and a temporary working directory, so
+steps, the bundled corpus, no network; notebook 03 reads the suite's trained tiny preset and its
+exports, notebook 04 the suite's Marian stand-in) and a temporary working directory, so
 everything the notebook writes lands there and not in the repository.
 """
 
@@ -74,6 +75,8 @@ def test_notebook_runs_top_to_bottom_in_smoke_mode(path, tmp_path, monkeypatch, 
     monkeypatch.setenv("KT_NOTEBOOK_SMOKE", "1")
     if path.name == "04_pretrained.ipynb":  # the suite's Marian stand-in (built once per machine), read only
         monkeypatch.setenv("KT_MARIAN_STANDIN", str(request.getfixturevalue("marian_trained")))
+    if path.name == "03_export_and_serve.ipynb":  # the suite's tiny preset and its exports (built once), read only
+        monkeypatch.setenv("KT_NOTEBOOK_EXPORTS", str(request.getfixturevalue("tiny_trained")))
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
     repository_runs = (COLAB / "runs").exists()

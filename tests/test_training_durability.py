@@ -532,7 +532,9 @@ TRAIN_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(BACKEND != "tensorflow", reason="one backend is enough for the process-level test")
+# One backend is enough for the process-level test: its runs are processes of their own on TensorFlow, so it
+# runs once, beside the notebooks (conftest.py, KT_PROCESS_TESTS_BACKEND), to even out tests/run.sh's lanes.
+@pytest.mark.own_processes
 def test_training_survives_random_sigkills(tmp_path):
     """Kills at random times, at random renames, before a resume point and inside the final swap.
 
