@@ -64,6 +64,7 @@ class FusedDecoder:
         }
         self.indirection = np.zeros((batch, self.beam_size, length), np.int32)
         self.filled = 0  # positions of the cache written so far
+        self._logits_buffer = None  # [B*K, V], made by the first `_bind`; rows only leave
         self._bind()
 
     def _bind(self):
@@ -78,7 +79,7 @@ class FusedDecoder:
             if name in self.cache:
                 self.binding.bind_ortvalue_output(f"present_{name}", value)  # written in place
         rows = next(iter(self.cache.values())).shape[0]
-        if getattr(self, "_logits_buffer", None) is None:
+        if self._logits_buffer is None:
             vocabulary = self.session.get_outputs()[0].shape[1]
             self._logits_buffer = np.zeros((rows, vocabulary), np.float32)
         self.logits = self._logits_buffer[:rows]  # rows only leave: a prefix of the first buffer
