@@ -144,8 +144,9 @@ def run_steps(update, graph, decoder, values):
     The search's logic is the graph's; this loop only moves arrays.
 
     Rows leave as soon as they are done: letting them wait in the batch
-    until a fifth of it is done (fewer copies of the cache, more rows per
-    step) was no faster at batch 16 and 64 (benchmarks/README.md).
+    until a fifth of it is done was no faster at batch 16 and 64 with the
+    format-5 step graphs (benchmarks/README.md; not measured again with
+    the fused step, whose departures cost less).
 
     Args:
         update: `{input name: array} -> {output name: array}`, one run of `graph`.

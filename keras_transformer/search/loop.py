@@ -24,7 +24,7 @@ SEARCHES = {search.NAME: search for search in (greedy, beam, sample)}
 SEARCH_STATE_KEYS = {name: state_keys(search.STATE_SPEC) for name, search in SEARCHES.items()}
 
 
-def start(model, encoder_token_ids, beam_size, length, index, search_name=None, options=None, cache_length=None):
+def start(model, encoder_token_ids, beam_size, length, index, search_name=None, options=None):
     """Encodes the source; returns `(search, state, cache)`.
 
     The search is greedy for `beam_size == 1` and beam search otherwise,
@@ -32,11 +32,9 @@ def start(model, encoder_token_ids, beam_size, length, index, search_name=None, 
     exported graph serves every beam size; "sample"). `options`: a dict of
     the search's option tensors (`target_prefix`, `num_hypotheses`, the
     sampling ones; see each search's `init`), carried in its state.
-    `cache_length`: the self-attention cache's positions T (default `length`,
-    the whole buffer); a driver that grows the cache starts smaller.
     """
     encoder_outputs = model.encode(encoder_token_ids)  # [B, S, D]
-    cache = model.init_cache(encoder_outputs, encoder_token_ids, length if cache_length is None else cache_length)
+    cache = model.init_cache(encoder_outputs, encoder_token_ids, length)
     if search_name is None:
         search_name = "greedy" if beam_size == 1 else "beam"
     search = SEARCHES[search_name]
