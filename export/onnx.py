@@ -165,7 +165,24 @@ def _dynamic_update_slice_handler(ctx, node, name, args):
     ctx.replace_inputs(node, [operand, indices, updates])
 
 
-CUSTOM_OP_HANDLERS = {"XlaDynamicUpdateSlice": (_dynamic_update_slice_handler, [])}
+def _select_handler(ctx, node, name, args):
+    """tf2onnx handler for `SelectV2` (`keras.ops.where`), as one ONNX `Where`.
+
+    tf2onnx 1.17 writes a select of non-NaN values as arithmetic,
+    `Cast(c) * x + y * Cast(Not(c))` (five nodes; its comment: ONNX Runtime's
+    `Where` was slow), on the search's `[B, K, V]` log-probabilities too.
+    ONNX Runtime's `Where` is one node, and broadcasts as `SelectV2` does;
+    the search's update graph (about a dozen selects per step) runs in
+    fewer nodes and reads the vocabulary-sized tensors once instead of
+    five times.
+    """
+    node.type = "Where"
+
+
+CUSTOM_OP_HANDLERS = {
+    "XlaDynamicUpdateSlice": (_dynamic_update_slice_handler, []),
+    "SelectV2": (_select_handler, []),
+}
 
 
 def _optimizers():
@@ -229,6 +246,7 @@ def _convert(function, input_signature, opset, path):
     _hoist_loop_invariants(model_proto.graph)
     for subgraph in _graphs(model_proto.graph):
         _fold_tensordot_reshapes(subgraph)
+        _drop_negative_index_fixes(subgraph)
     _remove_dead_nodes(model_proto.graph)
     _fold_constants(model_proto)
     if opset >= 17:  # ONNX's LayerNormalization
@@ -292,6 +310,51 @@ def _fold_tensordot_reshapes(graph):
     for node in removed:
         graph.node.remove(node)
     return len(removed)
+
+
+def _drop_negative_index_fixes(graph):
+    """Feeds each `Gather` its indices without Keras' negative-index fix.
+
+    Keras' TensorFlow `take` is `tf.gather(x, where(i < 0, i + dim, i))`
+    (TensorFlow's gather refuses negative indices); ONNX's `Gather` takes
+    indices in `[-dim, dim - 1]` and reads a negative one from the end, the
+    same rule, so the fix (a `Where`, an `Add`, a `Less` and the shape
+    arithmetic of `dim`: about ten nodes per `take`) is dropped where it
+    matches exactly: `Gather(x, Where(Less(i or Cast(i), 0), Add(i, _), i))`.
+    `_remove_dead_nodes` then removes what only the fix used.
+
+    Returns:
+        int, the number of gathers rewired.
+    """
+    producers = {output: node for node in graph.node for output in node.output}
+    zeros = set()
+    for tensor in graph.initializer:
+        from onnx import numpy_helper
+
+        value = numpy_helper.to_array(tensor)
+        if value.size == 1 and value.reshape(()) == 0:
+            zeros.add(tensor.name)
+    rewired = 0
+    for node in graph.node:
+        if node.op_type != "Gather":
+            continue
+        select = producers.get(node.input[1])
+        if select is None or select.op_type != "Where":
+            continue
+        condition, shifted, indices = (producers.get(select.input[0]), producers.get(select.input[1]),
+                                       select.input[2])
+        if condition is None or condition.op_type != "Less" or condition.input[1] not in zeros:
+            continue
+        compared = producers.get(condition.input[0])
+        if condition.input[0] != indices and not (
+            compared is not None and compared.op_type == "Cast" and compared.input[0] == indices
+        ):
+            continue
+        if shifted is None or shifted.op_type != "Add" or indices not in shifted.input:
+            continue
+        node.input[1] = indices
+        rewired += 1
+    return rewired
 
 
 def _copy(message):

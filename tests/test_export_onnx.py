@@ -677,6 +677,35 @@ def test_dynamic_update_slice_is_a_scatter_with_xla_clamping(tmp_path):
         np.testing.assert_array_equal(actual, to_numpy(update(operand, updates, start)["output"]))
 
 
+def test_take_and_where_export_as_one_gather_and_one_where(tmp_path):
+    """`_drop_negative_index_fixes` and the `SelectV2` handler: fewer nodes, Keras' values, infinities kept."""
+    import onnx
+    import tensorflow as tf
+
+    def take_and_select(x, indices, condition, y):
+        return {"taken": keras.ops.take(x, indices, axis=0), "selected": keras.ops.where(condition, x, y)}
+
+    signature = [
+        tf.TensorSpec([None, 3], tf.float32, name="x"),
+        tf.TensorSpec([None], tf.int32, name="indices"),
+        tf.TensorSpec([None, 3], tf.bool, name="condition"),
+        tf.TensorSpec([None, 3], tf.float32, name="y"),
+    ]
+    path = tmp_path / "take.onnx"
+    onnx_export._convert(take_and_select, signature, onnx_export.DEFAULT_OPSET, path)
+    assert sorted(node.op_type for node in onnx.load(str(path)).graph.node) == ["Gather", "Where"]
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 3)).astype(np.float32)
+    x[1, 2] = -np.inf  # x * 0 would be NaN where the select takes y
+    feeds = {"x": x, "indices": np.array([0, -1, 4, -5, 1], np.int32), "condition": rng.random((5, 3)) < 0.5,
+             "y": rng.normal(size=(5, 3)).astype(np.float32)}
+    feeds["condition"][1, 2] = False
+    expected = {name: to_numpy(value) for name, value in take_and_select(**feeds).items()}
+    for name, actual in zip([o.name for o in session.get_outputs()], session.run(None, feeds)):
+        np.testing.assert_array_equal(actual, expected[name])
+
+
 def test_dense_on_3d_inputs_exports_as_one_matmul(tmp_path):
     """`_fold_tensordot_reshapes`: no tensordot reshapes left, same values at other shapes."""
     import onnx
