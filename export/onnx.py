@@ -326,14 +326,14 @@ def _drop_negative_index_fixes(graph):
     Returns:
         int, the number of gathers rewired.
     """
-    producers = {output: node for node in graph.node for output in node.output}
-    zeros = set()
-    for tensor in graph.initializer:
-        from onnx import numpy_helper
+    from onnx import numpy_helper
 
-        value = numpy_helper.to_array(tensor)
-        if value.size == 1 and value.reshape(()) == 0:
-            zeros.add(tensor.name)
+    producers = {output: node for node in graph.node for output in node.output}
+    # Scalar zeros only: the weights are not read.
+    zeros = {
+        tensor.name for tensor in graph.initializer
+        if np.prod(tensor.dims, dtype=np.int64) == 1 and numpy_helper.to_array(tensor).reshape(()) == 0
+    }
     rewired = 0
     for node in graph.node:
         if node.op_type != "Gather":
