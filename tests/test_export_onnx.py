@@ -295,8 +295,13 @@ def test_generate_handles_an_empty_batch_and_bad_arguments(onnx_model):
         onnx_model.generate(np.array([[5, 3]]), length_penalty=-1)
 
 
-def test_validation_checks_the_exported_search(model, tmp_path, monkeypatch):
-    """A search graph that differs from generation.search_graph fails the export, named."""
+def test_validation_checks_the_exported_search(model, exported, tmp_path, monkeypatch):
+    """A search graph that differs from generation.search_graph fails the validation, named.
+
+    One graph converted wrong, in a copy of the shared export (not a whole export): that the
+    export runs this validation and leaves no directory when it fails is
+    test_a_failed_validation_leaves_no_directory's proof.
+    """
     from keras_transformer import generation
 
     def longer(model, search_name):
@@ -304,9 +309,11 @@ def test_validation_checks_the_exported_search(model, tmp_path, monkeypatch):
         return lambda ids, beam_size, alpha, max_extra_length: search(ids, beam_size, alpha, max_extra_length + 1)
 
     monkeypatch.setattr(graphs, "search_graph", longer)
+    wrong = copy_of(exported, tmp_path)
+    ((function, signature),) = graphs.graph_functions(model, ["greedy_search"]).values()
+    onnx_export._convert(function, signature, read_config(wrong)["opset"], wrong / "greedy_search.onnx")
     with pytest.raises(ValidationError, match=r"greedy_search\.onnx output (sequences|scores)"):
-        onnx_export.export_onnx(model, tmp_path / "wrong")
-    assert not (tmp_path / "wrong").exists()
+        validate_onnx(wrong, model)
 
 
 def test_weights_are_stored_once_for_all_graphs(exported, model):
