@@ -493,12 +493,21 @@ class Worker:
 # Preparation: preset, exports, sources
 # ---------------------------------------------------------------------- #
 def _fingerprint(preset_dir):
-    """Changes when the preset's config or weights change."""
+    """Changes when the preset's config or weights change, or the code that exports them does.
+
+    The exporters' code is part of it (`export/` and `keras_transformer/`,
+    every Python file's bytes): an export cached before a change of the
+    graphs or the search would otherwise be measured as if it were today's.
+    """
     preset_dir = pathlib.Path(preset_dir)
     digest = hashlib.sha256((preset_dir / "config.json").read_bytes())
     weights = preset_dir / "model.weights.h5"
     stat = weights.stat()
     digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for package in ("export", "keras_transformer"):
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
