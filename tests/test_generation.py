@@ -294,6 +294,33 @@ def test_toy_maximum_length_forces_the_end_id():
         assert [int(np.flatnonzero(r == END)[0]) for r in ids] == [3 + 2, 2 + 2]
 
 
+def numpy_top_k(x, k):
+    """The reference: the k largest of each row, best first, ties to the lower index (stable sort)."""
+    order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+    return np.take_along_axis(x, order, axis=-1), order
+
+
+@pytest.mark.parametrize("length,k", [(32000, 8), (8000, 1), (232404, 8), (30, 2), (7919, 4)])
+def test_two_stage_top_k_equals_one_top_k(rng, length, k):
+    """`search.common.top_k` (chunk maxima, then the chosen chunks) picks what one top-k picks, ties included."""
+    from keras_transformer.search.common import _chunk_size, top_k
+
+    assert (_chunk_size(length, k) is None) == (length in (30, 7919))  # short, or prime: one top-k
+    distinct = rng.standard_normal((3, length)).astype("float32")
+    ties = rng.integers(0, 4, (4, length)).astype("float32")  # each value thousands of times
+    ties[1, :: 7] = -np.inf
+    ties[2] = -np.inf  # a row with nothing finite (a beam search row at its forced end)
+    ties[3, -1] = 9.0  # the best in the last chunk
+    for x, exact in ((distinct, True), (ties, False)):
+        values, indices = (to_numpy(t) for t in top_k(keras.ops.convert_to_tensor(x), k))
+        want_values, want_indices = numpy_top_k(x, k)
+        np.testing.assert_array_equal(values, want_values)
+        assert indices.dtype == np.int32
+        # Ties go to the lower index, as the backend's own top_k sends them (torch.topk does not promise it).
+        if exact or BACKEND != "torch":
+            np.testing.assert_array_equal(indices, want_indices)
+
+
 # ---------------------------------------------------------------------- #
 # Batching, compilation, limits
 # ---------------------------------------------------------------------- #

@@ -24,6 +24,7 @@ from keras_transformer.search.common import (
     read_position,
     start_sequences,
     target_prefix,
+    top_k,
     write_position,
 )
 from keras_transformer.search.lengths import length_penalty_factor
@@ -88,8 +89,7 @@ def update(model, state, logits, max_lengths, alpha):
     # least K stay live.
     candidates = ops.expand_dims(state["live_log_probs"], 2) + log_probs  # [B, K, V]
     candidates = ops.reshape(candidates, (batch, beam_size * vocabulary_size))  # [B, K * V]
-    top_log_probs, top_indices = ops.top_k(candidates, 2 * beam_size)  # [B, 2K]
-    top_indices = ops.cast(top_indices, "int32")
+    top_log_probs, top_indices = top_k(candidates, 2 * beam_size, unit=vocabulary_size)  # [B, 2K], in two stages
     top_parents = ops.floor_divide(top_indices, vocabulary_size)  # [B, 2K], beam in 0..K-1
     top_tokens = ops.mod(top_indices, vocabulary_size)  # [B, 2K]
     top_sequences = write_position(gather_beams(live, top_parents), index + 1, top_tokens)  # [B, 2K, L]

@@ -15,6 +15,7 @@ from keras_transformer.search.common import (
     read_position,
     start_sequences,
     target_prefix,
+    top_k,
     write_position,
 )
 from keras_transformer.search.lengths import length_penalty_factor
@@ -65,8 +66,8 @@ def update(model, state, logits, max_lengths, alpha):
     # top_k rather than argmax: the same token (the first of equal maxima),
     # and it exports to ONNX (Keras' TensorFlow argmax tests the sign bit of
     # zeros with a Bitcast, which tf2onnx cannot convert).
-    best_log_probs, next_tokens = ops.top_k(log_probs, 1)
-    return extend(model, state, ops.cast(next_tokens[:, 0], "int32"), best_log_probs[:, 0], alpha), None
+    best_log_probs, next_tokens = top_k(log_probs, 1)  # in two stages (common.top_k)
+    return extend(model, state, next_tokens[:, 0], best_log_probs[:, 0], alpha), None
 
 
 def extend(model, state, next_tokens, next_log_probs, alpha):
