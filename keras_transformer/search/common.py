@@ -3,6 +3,7 @@
 Shape legend: B batch, K beam size, L output buffer length, V vocabulary size.
 """
 
+import functools
 from typing import NamedTuple
 
 from keras import ops
@@ -136,6 +137,7 @@ def _row_offsets(batch, width):
     return ops.expand_dims(ops.arange(batch, dtype="int32") * ops.cast(width, "int32"), 1)
 
 
+@functools.lru_cache(maxsize=None)  # eager backends call it every step; the search is in N / 2
 def _chunk_size(length, k, repeats=1):
     """The chunk of `top_k` for N = `length * repeats`: a divisor c of `length` minimizing N / c + k * c.
 
