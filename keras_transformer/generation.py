@@ -4,7 +4,7 @@ The search lives in the `keras_transformer/search/` package (the decoding
 protocol and `generate` in `search/api.py`); this module keeps the names that
 users, the exporters, tests and benchmarks import from here.
 
-The settings `TF_JIT_COMPILE` and `TORCH_COMPILE_BACKEND` have one home,
+The settings `TF_JIT_COMPILE`, `SEGMENTS` and `TORCH_COMPILE_BACKEND` have one home,
 `keras_transformer.search.compiled`; reading or setting them here (including
 with pytest's `monkeypatch.setattr`) reads or sets them there.
 """
@@ -55,6 +55,7 @@ class _GenerationModule(types.ModuleType):
     """
 
     TF_JIT_COMPILE = _setting("TF_JIT_COMPILE")
+    SEGMENTS = _setting("SEGMENTS")
     TORCH_COMPILE_BACKEND = _setting("TORCH_COMPILE_BACKEND")
 
 

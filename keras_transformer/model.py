@@ -503,6 +503,23 @@ class TransformerModel(keras.Model):
             "encoder_padding_mask": ops.not_equal(encoder_token_ids, self.pad_id),
         }
 
+    def grow_cache(self, cache, max_length):
+        """The cache of `init_cache` with room for `max_length` target positions (>= its length).
+
+        The positions written so far stay; the new ones are zeros, as
+        `init_cache` makes them. A search driver that starts with a short
+        cache grows it with the output (`search/segments.py`).
+        """
+        length = cache["self_key"].shape[3]
+        if max_length < length:
+            raise ValueError(f"max_length={max_length} is shorter than the cache's {length} positions")
+        padding = [[0, 0], [0, 0], [0, 0], [0, max_length - length], [0, 0]]  # [B, L, N, T, H]: T grows
+        return dict(
+            cache,
+            self_key=ops.pad(cache["self_key"], padding),
+            self_value=ops.pad(cache["self_value"], padding),
+        )
+
     def decode_step(self, token_ids, index, cache):
         """One cached decoder step.
 

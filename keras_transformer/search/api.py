@@ -17,6 +17,9 @@ The decoding protocol (duck typing; nothing else of the model is used):
 - optionally `beam_invariant_cache_keys`: the cache entries that depend on
   the source only (tiled per beam, never written by `decode_step`), which
   beam search then leaves in place instead of reordering;
+- optionally `grow_cache(cache, max_length) -> cache`: the cache with room
+  for `max_length` positions, the written ones kept; the compiled drivers
+  then start with a short cache and grow it (`search/segments.py`);
 - `decode_step(token_ids [B] int32, index, cache) -> (logits [B, V], cache)`:
   feeds the token at position `index` (0 for the start id) and returns the
   logits of position `index + 1`. `index` is a Python int, except inside
@@ -59,7 +62,7 @@ from keras_transformer.decoding import (
     no_hypotheses,
     target_prefix_ids,
 )
-from keras_transformer.search import compiled, loop
+from keras_transformer.search import compiled, loop, segments
 from keras_transformer.search.common import ModelConstants, dim
 from keras_transformer.search.lengths import padded_search_inputs, search_lengths
 
@@ -103,11 +106,16 @@ def generate(
       itself, e.g. in another runtime): that method, on
       every backend;
     - TensorFlow and JAX, a model exposing its Keras `variables` (a
-      `TransformerModel`, or a wrapper forwarding them): the whole search
+      `TransformerModel`, or a wrapper forwarding them): the search
       (encoder, cache and a `keras.ops.while_loop` over the decoder step) is
       compiled, with `tf.function(jit_compile=True)` (XLA) or `jax.jit`,
-      once per (batch size, source length bucket, output length bucket,
-      beam size) and cached per model;
+      and cached per model. A model with `grow_cache` runs it in segments
+      (`search/segments.py`): the cache starts short and grows with the
+      output, and in batches of 8 sources or more, rows that are done leave
+      the batch (one compilation per number of rows and cache length met);
+      otherwise, or with `generation.SEGMENTS = False`, the whole search is
+      one compiled loop, once per (batch size, source length bucket,
+      output length bucket, beam size);
     - TensorFlow and JAX, any other model (e.g. one whose `decode_step`
       calls another runtime with NumPy arrays): a Python loop
       calls `decode_step` eagerly and the search's own per-step work
@@ -537,6 +545,8 @@ def select_driver(model, compile, own_search=True):
         return compiled.torch_step_search
     if not compile or backend not in ("jax", "tensorflow"):
         return loop.run_eager
+    if has_variables and compiled.SEGMENTS and segments.supports(model):
+        return compiled.segmented_search(model)
     if has_variables:
         return compiled.compiled_search(model)
     return compiled.hybrid_search

@@ -3,9 +3,10 @@
 The settings are read at each call, from this module: set them on
 `keras_transformer.generation` (which forwards them here) or here.
 
-- TensorFlow and JAX: the whole search (`loop.run` with `compiled=True`)
-  under `tf.function(jit_compile=TF_JIT_COMPILE)` or `jax.jit`, cached per
-  model; and for models that cannot be traced, the search update alone
+- TensorFlow and JAX: the search in compiled segments (`segments.py`: done
+  rows leave, the cache grows) or, where that cannot save anything, the
+  whole search (`loop.run` with `compiled=True`), under
+  `tf.function(jit_compile=TF_JIT_COMPILE)` or `jax.jit`, cached per model; and for models that cannot be traced, the search update alone
   (`loop.search_step`), cached per (backend, search, ids) and shared.
 - PyTorch (opt-in, `TORCH_COMPILE_BACKEND`): one step of the search captured
   with `torch.export` and compiled, cached per model and shape.
@@ -16,7 +17,7 @@ import weakref
 
 import keras
 
-from keras_transformer.search import loop
+from keras_transformer.search import loop, segments
 from keras_transformer.search.common import ModelConstants, dim
 
 # The logger of the public module, as before the search became a package.
@@ -25,6 +26,12 @@ logger = logging.getLogger("keras_transformer.generation")
 # XLA for the compiled search on TensorFlow; on a 2-core CPU it was faster
 # than a plain tf.function graph (see benchmarks/README.md).
 TF_JIT_COMPILE = True
+
+# TensorFlow and JAX: run the compiled search in segments, between which
+# done rows leave the batch and the cache grows (`search/segments.py`), for
+# models that can grow their cache; False: the whole search as one compiled
+# loop at the batch's full size and longest possible output.
+SEGMENTS = True
 
 # PyTorch: None runs the search in an eager loop. Otherwise each step of the
 # search (decoder step, search update, beam reordering) is captured as one
@@ -117,6 +124,87 @@ def _build_tensorflow_search(model_ref):
         return traced.get_concrete_function(*args)(*args)
 
     return search
+
+
+def segmented_search(model):
+    """The search in compiled segments for `model` (`search/segments.py`): done rows leave, the cache grows.
+
+    As `compiled_search` (the same backends, variables and caching), with
+    two functions compiled instead of one: the start (encoder, cache, the
+    search's `init`) once per (batch, source bucket, beam size), and a
+    segment of the search loop once per (rows, cache length, source bucket,
+    beam size) met. Returns a driver with `compiled_search`'s arguments.
+    """
+    model_ref = weakref.ref(model)  # The cache must not keep the model alive.
+    build = _build_jax_segments if keras.backend.backend() == "jax" else _build_tensorflow_segments
+    pieces = _cache_for(model, "segments", lambda: build(model_ref))
+    whole = compiled_search(model)
+
+    def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None):
+        if not segments.pays(dim(encoder_token_ids, 0), length):
+            return whole(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name, options)
+        return segments.run_segments(
+            model, encoder_token_ids, max_lengths, alpha, beam_size, length, pieces, search_name, options or {}
+        )
+
+    return search
+
+
+def _build_jax_segments(model_ref):
+    import jax
+
+    variables = list(model_ref().variables)
+
+    def scope(values):
+        return keras.StatelessScope(state_mapping=list(zip(variables, values)))
+
+    def stateless_start(values, encoder_token_ids, options, beam_size, cache_length, search_name):
+        with scope(values):
+            return segments.start(model_ref(), encoder_token_ids, beam_size, cache_length, search_name, options)
+
+    def stateless_advance(values, state, cache, max_lengths, alpha, length, leave_at, search_name, cache_length):
+        with scope(values):
+            return segments.advance(
+                model_ref(), search_name, state, cache, max_lengths, alpha, length, cache_length, leave_at
+            )
+
+    start = jax.jit(stateless_start, static_argnames=("beam_size", "cache_length", "search_name"))
+    advance = jax.jit(stateless_advance, static_argnames=("search_name", "cache_length"))
+
+    def compiled_start(encoder_token_ids, beam_size, cache_length, search_name, options):
+        return start(
+            [v.value for v in variables], encoder_token_ids, options, beam_size=beam_size,
+            cache_length=cache_length, search_name=search_name,
+        )
+
+    def compiled_advance(search_name, state, cache, max_lengths, alpha, length, cache_length, leave_at):
+        return advance(
+            [v.value for v in variables], state, cache, max_lengths, alpha, length, leave_at,
+            search_name=search_name, cache_length=cache_length,
+        )
+
+    return compiled_start, compiled_advance
+
+
+def _build_tensorflow_segments(model_ref):
+    import tensorflow as tf
+
+    # As `_build_tensorflow_search`: no autograph, and each shape's concrete
+    # function called directly (no retracing warnings).
+    @tf.function(jit_compile=TF_JIT_COMPILE, autograph=False)
+    def start(encoder_token_ids, beam_size, cache_length, search_name, options):
+        return segments.start(model_ref(), encoder_token_ids, beam_size, cache_length, search_name, options)
+
+    @tf.function(jit_compile=TF_JIT_COMPILE, autograph=False)
+    def advance(search_name, state, cache, max_lengths, alpha, length, cache_length, leave_at):
+        return segments.advance(
+            model_ref(), search_name, state, cache, max_lengths, alpha, length, cache_length, leave_at
+        )
+
+    def concrete(function):
+        return lambda *args: function.get_concrete_function(*args)(*args)
+
+    return concrete(start), concrete(advance)
 
 
 def hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None):

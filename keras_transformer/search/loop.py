@@ -8,7 +8,9 @@ decoder step and one search update, and
   `jax.jit` / `tf.function`, or exported as an ONNX `Loop`) or in Python;
 - `run_hybrid` loops in Python around an eager `decode_step` and a compiled
   search update (`search_step`);
-- `run_steps` loops in Python over one compiled step (PyTorch).
+- `run_steps` loops in Python over one compiled step (PyTorch);
+- `segments.run_segments` loops in Python over compiled segments of `run`'s
+  loop, between which done rows leave and the cache grows.
 
 The functions that compile and cache these live in `search/compiled.py`.
 """
@@ -24,7 +26,7 @@ SEARCHES = {search.NAME: search for search in (greedy, beam, sample)}
 SEARCH_STATE_KEYS = {name: state_keys(search.STATE_SPEC) for name, search in SEARCHES.items()}
 
 
-def start(model, encoder_token_ids, beam_size, length, index, search_name=None, options=None):
+def start(model, encoder_token_ids, beam_size, length, index, search_name=None, options=None, cache_length=None):
     """Encodes the source; returns `(search, state, cache)`.
 
     The search is greedy for `beam_size == 1` and beam search otherwise,
@@ -32,9 +34,11 @@ def start(model, encoder_token_ids, beam_size, length, index, search_name=None, 
     exported graph serves every beam size; "sample"). `options`: a dict of
     the search's option tensors (`target_prefix`, `num_hypotheses`, the
     sampling ones; see each search's `init`), carried in its state.
+    `cache_length`: the decoder cache's length, L by default (shorter for
+    a driver that grows it: `search/segments.py`).
     """
     encoder_outputs = model.encode(encoder_token_ids)  # [B, S, D]
-    cache = model.init_cache(encoder_outputs, encoder_token_ids, length)
+    cache = model.init_cache(encoder_outputs, encoder_token_ids, length if cache_length is None else cache_length)
     if search_name is None:
         search_name = "greedy" if beam_size == 1 else "beam"
     search = SEARCHES[search_name]
