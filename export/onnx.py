@@ -56,11 +56,17 @@ Example:
 
 ```
 python -m export.onnx --preset path/to/preset --output exported/onnx
+python -m export.onnx --preset path/to/preset --output exported/onnx-int8 --quantize int8 --from-float32 exported/onnx
 python -m export.onnx --preset tiny --output exported/tiny-int8 --quantize int8
 ```
+
+`--from-float32` quantizes the graphs of an existing float32 export of the
+same preset rather than converting the model again (the conversion is most
+of an export's time); the export is checked to be the preset's first.
 """
 
 import argparse
+import json
 import logging
 import os
 import pathlib
@@ -706,7 +712,40 @@ def _load_model(preset):
     return TransformerModel.from_preset(preset, dropout=0.0)
 
 
-def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=False, atol=1e-4):
+def _reusable_graphs(directory, model, opset, names, atol):
+    """The graph files of `names` in the float32 export `directory` of `model` at `opset` (checked)."""
+    from export.validate import check_float32_export
+
+    directory = pathlib.Path(directory)
+    check_float32_export(directory, model, atol=atol)
+    config = json.loads((directory / contract.CONFIG_FILE).read_text())
+    if config.get("opset") != opset:
+        raise ValueError(
+            f"{directory} was exported at opset {config.get('opset')}; opset={opset} was asked for "
+            f"(pass --opset {config.get('opset')})"
+        )
+    missing = [name for name in names if name not in config["graphs"]]
+    if missing:
+        raise ValueError(f"{directory} lacks the graphs {missing}; export the model again without float32_export")
+    return {name: directory / config["graphs"][name] for name in names}
+
+
+def _inline_weights(source, path):
+    """Writes the graph `source` to `path` with its weights inside it (they are in `WEIGHTS_FILE` beside `source`).
+
+    The graph as `_convert` wrote it before `_share_weights` moved the
+    weights out: the same tensors, with no external-data fields.
+    """
+    import onnx
+
+    model_proto = onnx.load(str(source))  # reads the weights beside it
+    for graph in _graphs(model_proto.graph):
+        for tensor in graph.initializer:
+            tensor.ClearField("data_location")
+    onnx.save(model_proto, str(path))
+
+
+def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=False, atol=1e-4, float32_export=None):
     """Exports a TransformerModel to an ONNX Runtime directory and validates it.
 
     Args:
@@ -722,13 +761,20 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
             accuracy is measured with BLEU, not a tolerance).
         overwrite: bool, replace an existing `output`.
         atol: float, tolerance of the float32 graphs against Keras.
+        float32_export: with `quantize="int8"`, a float32 export of the
+            same model (this function's output without `quantize`) whose
+            graphs are quantized instead of converted again (the tf2onnx
+            conversion is most of an export's time). Checked first
+            (`export.validate.check_float32_export`): its config, opset and
+            graphs, and the values of its encoder and decoder step.
 
     Returns:
         `pathlib.Path` of the exported directory.
 
     Raises:
         FileExistsError: `output` exists and `overwrite` is False.
-        export.validate.ValidationError: the graphs differ from the model.
+        export.validate.ValidationError: the graphs differ from the model, or
+            `float32_export` is not a float32 export of it.
     """
     if opset is None:
         opset = DEFAULT_OPSET
@@ -736,6 +782,11 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
         raise ValueError(f"opset={opset!r} must be an int in [{MIN_OPSET}, {MAX_OPSET}]")
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"quantize={quantize!r} must be one of {QUANTIZATIONS}")
+    if float32_export is not None and quantize is None:
+        raise ValueError(
+            f"float32_export={str(float32_export)!r} is only read to quantize (quantize='int8'); "
+            "a float32 export is already that directory"
+        )
     output = pathlib.Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
@@ -749,15 +800,23 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
         fused = None
     names = [name for name in contract.ONNX.graphs if fused is not None or name not in contract.STEP_DRIVER_GRAPHS]
     files = {name: f"{name}.onnx" for name in names}
+    converted = [name for name in names if name != "fused_decoder_step"]
+    if float32_export is not None:
+        reused = _reusable_graphs(float32_export, model, opset, converted, atol)
     with atomic_directory(output) as staging:
-        converted = [name for name in names if name != "fused_decoder_step"]
-        for name, (function, signature) in graph_functions(model, converted).items():
-            path = staging / files[name]
-            logger.info("Converting %s (opset %d)", path.name, opset)
-            _convert(function, signature, opset, path)
-            if quantize == "int8":
-                logger.info("Quantizing %s to int8", path.name)
-                _quantize_int8(path)
+        if float32_export is None:
+            for name, (function, signature) in graph_functions(model, converted).items():
+                path = staging / files[name]
+                logger.info("Converting %s (opset %d)", path.name, opset)
+                _convert(function, signature, opset, path)
+        else:
+            for name in converted:
+                logger.info("Reading %s from %s", files[name], float32_export)
+                _inline_weights(reused[name], staging / files[name])
+        if quantize == "int8":
+            for name in converted:
+                logger.info("Quantizing %s to int8", files[name])
+                _quantize_int8(staging / files[name])
         if fused is not None:
             import onnx
 
@@ -788,6 +847,9 @@ def main(argv=None):
     )
     parser.add_argument("--quantize", choices=[q for q in QUANTIZATIONS if q], default=None,
                         help="dynamic int8 quantization of the weights")
+    parser.add_argument("--from-float32", metavar="DIR", default=None,
+                        help="with --quantize int8: quantize the graphs of DIR, a float32 export of the same "
+                        "preset, instead of converting the model again (checked against the preset first)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     cli.add_verbose_argument(parser)
     parser.add_argument("--with-tokenizer", action="store_true",
@@ -799,7 +861,8 @@ def main(argv=None):
     if os.path.exists(args.output) and not args.overwrite:
         parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")
     try:
-        export_onnx(args.preset, args.output, opset=args.opset, quantize=args.quantize, overwrite=args.overwrite)
+        export_onnx(args.preset, args.output, opset=args.opset, quantize=args.quantize, overwrite=args.overwrite,
+                    float32_export=args.from_float32)
         if args.with_tokenizer:
             from export.text_graph import write_text_graph
 

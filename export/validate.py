@@ -111,9 +111,60 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     Raises:
         ValidationError: a name, axis, shape or value does not match.
     """
-    from keras import ops
-
     directory = pathlib.Path(directory)
+    config = _read_config(directory, model)
+    if config.get("quantization"):
+        atol = None
+    sessions = _sessions(directory, config, config["graphs"])
+    rng = np.random.default_rng(seed)
+    differences = {}
+    run, record = _runner(sessions, config, atol, differences)
+    _validate_protocol_graphs(run, model, rng, record, shapes, steps)
+    _validate_search_graphs(run, model, rng, record, exact=atol is not None)
+    decoder_session = sessions.get("fused_decoder_step")
+    if decoder_session is not None:
+        _validate_fused_step(decoder_session, model, rng, record)
+    _validate_hypotheses_graphs(run, model, rng, record, exact=atol is not None, decoder_session=decoder_session)
+    per_graph = {}
+    for key, difference in differences.items():
+        graph = key.split("/")[0]
+        per_graph[graph] = max(difference, per_graph.get(graph, 0.0))
+    logger.info(
+        "Validated %s; largest difference from Keras per graph: %s",
+        directory, ", ".join(f"{graph} {difference:.1e}" for graph, difference in per_graph.items()),
+    )
+    logger.debug("Differences per output: %s", differences)
+    return differences
+
+
+def check_float32_export(directory, model, atol=1e-4, shape=VALIDATION_SHAPES[0], steps=DECODER_STEPS, seed=0):
+    """Checks that `directory` is a float32 export of `model`, as far as a graph it reuses needs.
+
+    `export_onnx(..., float32_export=directory)` quantizes that export's
+    graphs instead of converting the model again. Its config must be an
+    unquantized one with the model's ids and sizes, and its `encoder`,
+    `init_cache` and `decoder_step` must give the model's values within
+    `atol` at one shape: an export of other weights (another checkpoint, a
+    fine-tuned decoder) fails here, where the int8 validation, which bounds
+    no value, would let it through.
+
+    Raises:
+        ValidationError: the directory is not a float32 export of `model`.
+    """
+    directory = pathlib.Path(directory)
+    try:
+        config = _read_config(directory, model)
+        if config.get("quantization"):
+            raise ValidationError(f"{CONFIG_FILE} has quantization={config['quantization']!r}, not float32")
+        sessions = _sessions(directory, config, ("encoder", "init_cache", "decoder_step"))
+        run, record = _runner(sessions, config, atol, {})
+        _validate_protocol_graphs(run, model, np.random.default_rng(seed), record, (shape,), steps)
+    except (ValidationError, KeyError, FileNotFoundError) as error:
+        raise ValidationError(f"{directory} is not a float32 ONNX export of this model: {error}") from error
+
+
+def _read_config(directory, model):
+    """The directory's config.json, checked against the model's format version, ids and sizes."""
     config = json.loads((directory / CONFIG_FILE).read_text())
     expected_config = {
         "format_version": contract.ONNX.version,
@@ -125,16 +176,21 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     for key, value in expected_config.items():
         if config.get(key) != value:
             raise ValidationError(f"{CONFIG_FILE} has {key}={config.get(key)!r}; the model has {value!r}")
-    if config.get("quantization"):
-        atol = None
+    return config
+
+
+def _sessions(directory, config, graphs):
+    """An ONNX Runtime session per graph name, each checked against the contract."""
     sessions = {}
-    for graph in config["graphs"]:
+    for graph in graphs:
         session = _session(directory / config["graphs"][graph])
         check_graph_signature(session, graph, config)
         sessions[graph] = session
+    return sessions
 
-    rng = np.random.default_rng(seed)
-    differences = {}
+
+def _runner(sessions, config, atol, differences):
+    """`run(graph, **values)` and `record(graph, name, actual, expected)`, which compares and keeps the largest difference."""
 
     def run(graph, **values):
         return contract.run(sessions[graph], contract.ONNX.graphs[graph], values, config["cache_dtype"])
@@ -150,6 +206,13 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
         else:
             difference = _compare(graph, name, actual, expected, atol)
         differences[key] = max(difference, differences.get(key, 0.0))
+
+    return run, record
+
+
+def _validate_protocol_graphs(run, model, rng, record, shapes, steps):
+    """`encoder`, `init_cache` and `decoder_step` against the model's `encode`, `init_cache` and `decode_step`."""
+    from keras import ops
 
     for batch, source_length, cache_length in shapes:
         ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
@@ -180,21 +243,6 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
                 onnx_cache, self_key=outputs["updated_self_key"], self_value=outputs["updated_self_value"]
             )
             tokens = rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, size=(batch,)).astype(np.int32)
-    _validate_search_graphs(run, model, rng, record, exact=atol is not None)
-    decoder_session = sessions.get("fused_decoder_step")
-    if decoder_session is not None:
-        _validate_fused_step(decoder_session, model, rng, record)
-    _validate_hypotheses_graphs(run, model, rng, record, exact=atol is not None, decoder_session=decoder_session)
-    per_graph = {}
-    for key, difference in differences.items():
-        graph = key.split("/")[0]
-        per_graph[graph] = max(difference, per_graph.get(graph, 0.0))
-    logger.info(
-        "Validated %s; largest difference from Keras per graph: %s",
-        directory, ", ".join(f"{graph} {difference:.1e}" for graph, difference in per_graph.items()),
-    )
-    logger.debug("Differences per output: %s", differences)
-    return differences
 
 
 def _validate_search_graphs(run, model, rng, record, exact):

@@ -789,6 +789,24 @@ def test_bad_arguments_are_rejected_before_any_work(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_float32_export_of_another_model_is_not_quantized(exported, preset_dir, tmp_path):
+    # The int8 validation bounds no value, so the reused export is checked against the model first.
+    with pytest.raises(ValueError, match=r"float32_export='.*' is only read to quantize"):
+        onnx_export.export_onnx(preset_dir, tmp_path / "out", float32_export=exported)
+    with pytest.raises(ValidationError, match=r"is not a float32 ONNX export of this model: encoder\.onnx output "
+                                              r"encoder_outputs: largest difference from Keras"):
+        onnx_export.export_onnx(small_model(seed=7), tmp_path / "out", quantize="int8", float32_export=exported)
+    with pytest.raises(ValueError, match=r"was exported at opset 17; opset=16 was asked for \(pass --opset 17\)"):
+        onnx_export.export_onnx(preset_dir, tmp_path / "out", quantize="int8", opset=16, float32_export=exported)
+    quantized = tmp_path / "quantized"
+    shutil.copytree(exported, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps(dict(config, quantization="int8")))
+    with pytest.raises(ValidationError, match=r"config\.json has quantization='int8', not float32"):
+        onnx_export.export_onnx(preset_dir, tmp_path / "out", quantize="int8", float32_export=quantized)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quantized"]
+
+
 @pytest.mark.slow
 def test_a_failed_validation_leaves_no_directory(model, tmp_path, monkeypatch):
     def failing_validation(directory, model, atol):
