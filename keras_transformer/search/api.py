@@ -109,13 +109,13 @@ def generate(
       `TransformerModel`, or a wrapper forwarding them): the search
       (encoder, cache and a `keras.ops.while_loop` over the decoder step) is
       compiled, with `tf.function(jit_compile=True)` (XLA) or `jax.jit`,
-      and cached per model. A model with `grow_cache` runs it in segments
-      (`search/segments.py`): the cache starts short and grows with the
-      output, and in batches of 8 sources or more, rows that are done leave
-      the batch (one compilation per number of rows and cache length met);
-      otherwise, or with `generation.SEGMENTS = False`, the whole search is
-      one compiled loop, once per (batch size, source length bucket,
-      output length bucket, beam size);
+      and cached per model. Batches of 8 rows or more of a model with
+      `grow_cache` run it in segments (`search/segments.py`): rows that are
+      done leave the batch and the cache grows with the output (one
+      compilation per number of rows and cache length met); otherwise, or
+      with `generation.SEGMENTS = False`, the whole search is one compiled
+      loop, once per (batch size, source length bucket, output length
+      bucket, beam size);
     - TensorFlow and JAX, any other model (e.g. one whose `decode_step`
       calls another runtime with NumPy arrays): a Python loop
       calls `decode_step` eagerly and the search's own per-step work

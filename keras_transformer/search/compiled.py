@@ -141,7 +141,7 @@ def segmented_search(model):
     whole = compiled_search(model)
 
     def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None):
-        if not segments.pays(dim(encoder_token_ids, 0), length):
+        if not segments.pays(dim(encoder_token_ids, 0)):
             return whole(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name, options)
         return segments.run_segments(
             model, encoder_token_ids, max_lengths, alpha, beam_size, length, pieces, search_name, options or {}
