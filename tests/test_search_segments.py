@@ -86,7 +86,8 @@ def test_segments_give_the_whole_searchs_hypotheses(model, rng, spied, monkeypat
 def test_grow_cache_keeps_the_written_positions_and_refuses_to_shrink(model, rng):
     src = sources(rng, [5, 3])
     cache = model.init_cache(model.encode(src), src, 4)
-    cache = dict(cache, **{name: rng.normal(size=cache[name].shape).astype("float32") for name in ("self_key", "self_value")})
+    written = {name: rng.normal(size=cache[name].shape).astype("float32") for name in ("self_key", "self_value")}
+    cache = dict(cache, **written)
     grown = model.grow_cache(cache, 9)
     for name in ("self_key", "self_value"):
         before, after = to_numpy(cache[name]), to_numpy(grown[name])

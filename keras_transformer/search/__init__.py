@@ -11,6 +11,8 @@
 - `scoring.py`: teacher-forced scoring of given targets (NumPy: the ONNX
   Runtime server scores without Keras);
 - `loop.py`: the loop that runs either search, compiled (`while_loop`) or eager;
+- `segments.py`: the loop in compiled segments, between which done rows
+  leave and the cache grows (TensorFlow, JAX; batches of 8 rows or more);
 - `compiled.py`: compiling the loop (TensorFlow, JAX, PyTorch) and the caches.
 
 `keras_transformer.generation` re-exports the public names.

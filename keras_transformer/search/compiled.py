@@ -4,9 +4,10 @@ The settings are read at each call, from this module: set them on
 `keras_transformer.generation` (which forwards them here) or here.
 
 - TensorFlow and JAX: the search in compiled segments (`segments.py`: done
-  rows leave, the cache grows) or, where that cannot save anything, the
-  whole search (`loop.run` with `compiled=True`), under
-  `tf.function(jit_compile=TF_JIT_COMPILE)` or `jax.jit`, cached per model; and for models that cannot be traced, the search update alone
+  rows leave, the cache grows; batches of 8 rows or more) or the whole
+  search (`loop.run` with `compiled=True`), under
+  `tf.function(jit_compile=TF_JIT_COMPILE)` or `jax.jit`, cached per
+  model; and for models that cannot be traced, the search update alone
   (`loop.search_step`), cached per (backend, search, ids) and shared.
 - PyTorch (opt-in, `TORCH_COMPILE_BACKEND`): one step of the search captured
   with `torch.export` and compiled, cached per model and shape.
@@ -114,16 +115,22 @@ def _build_tensorflow_search(model_ref):
             search_name=search_name, options=options,
         )
 
+    call = _concrete_caller(traced)  # traced once per (batch, source bucket, beam size, L) by design
+
     def search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None):
-        # Traced once per (batch, source bucket, beam size, L) by design,
-        # and the bucket's concrete function is called directly: calling
-        # `traced` itself, TensorFlow would count each new bucket as a
-        # retrace and warn "N out of the last N calls ... triggered
-        # tf.function retracing" from the fifth on.
-        args = (encoder_token_ids, max_lengths, alpha, options or {}, beam_size, length, search_name)
-        return traced.get_concrete_function(*args)(*args)
+        return call(encoder_token_ids, max_lengths, alpha, options or {}, beam_size, length, search_name)
 
     return search
+
+
+def _concrete_caller(traced):
+    """Calls the `tf.function` `traced` through the concrete function of its arguments' shapes.
+
+    Called directly: calling `traced` itself, TensorFlow would count each
+    new shape as a retrace and warn "N out of the last N calls ...
+    triggered tf.function retracing" from the fifth on.
+    """
+    return lambda *args: traced.get_concrete_function(*args)(*args)
 
 
 def segmented_search(model):
@@ -189,8 +196,7 @@ def _build_jax_segments(model_ref):
 def _build_tensorflow_segments(model_ref):
     import tensorflow as tf
 
-    # As `_build_tensorflow_search`: no autograph, and each shape's concrete
-    # function called directly (no retracing warnings).
+    # As `_build_tensorflow_search`: no autograph, one concrete function per shape.
     @tf.function(jit_compile=TF_JIT_COMPILE, autograph=False)
     def start(encoder_token_ids, beam_size, cache_length, search_name, options):
         return segments.start(model_ref(), encoder_token_ids, beam_size, cache_length, search_name, options)
@@ -201,10 +207,7 @@ def _build_tensorflow_segments(model_ref):
             model_ref(), search_name, state, cache, max_lengths, alpha, length, cache_length, leave_at
         )
 
-    def concrete(function):
-        return lambda *args: function.get_concrete_function(*args)(*args)
-
-    return concrete(start), concrete(advance)
+    return _concrete_caller(start), _concrete_caller(advance)
 
 
 def hybrid_search(model, encoder_token_ids, max_lengths, alpha, beam_size, length, search_name=None, options=None):

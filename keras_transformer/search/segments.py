@@ -23,9 +23,9 @@ The state's output buffers grow with the cache (C + 1 positions). A
 segment stops when the search stops, when the cache is full, or when at
 most half of its rows are live. Shapes are fixed within a segment, so XLA
 compiles one segment per (rows, cache length, source bucket, beam size)
-that a call meets (L is an input, not a shape); powers of two keep them few. CTranslate2 (finished rows
-leave, the cache grows) and the ONNX Runtime step driver (`export/steps.py`)
-do the same per step.
+that a call meets (L is an input, not a shape); powers of two keep them
+few. CTranslate2 (finished rows leave, the cache grows) and the ONNX
+Runtime step driver (`export/steps.py`) do the same per step.
 
 The tokens are `loop.run`'s: each row's search is the same function of the
 row alone (the steps, the token rule and sampling's noise read nothing of
