@@ -589,7 +589,9 @@ def prepare_exports(preset_dir, work, engines):
                 if engine.startswith("ort"):
                     from export.onnx import export_onnx
 
-                    export_onnx(model, directory, quantize=quantization, overwrite=True)
+                    # int8 from the float32 export when it is here (one tf2onnx conversion, not two).
+                    float32 = directories.get("ort-float32") if quantization else None
+                    export_onnx(model, directory, quantize=quantization, overwrite=True, float32_export=float32)
                 else:
                     from export.ctranslate2 import export_ctranslate2
 
