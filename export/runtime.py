@@ -49,20 +49,25 @@ python -m export.runtime --model exported/onnx --src test.en.gz --output test.de
 """
 
 import argparse
-import hashlib
 import json
 import logging
 import os
 import pathlib
 import sys
 
-import numpy as np
+if __name__ == "__main__":
+    # A command, not an import: NumPy's OpenBLAS starts a thread (and its
+    # buffers) per core when NumPy loads, a large part of a one-sentence cold
+    # start, and the server does no BLAS work in NumPy (the graphs run in ONNX
+    # Runtime, with their own threads). A value the user has set is kept.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from export import contract
-from export.contract import CONFIG_FILE, ValidationError
-from export.steps import DRIVERS, step_search
-from export.validate import check_graph_signature
-from keras_transformer.decoding import (
+import numpy as np  # noqa: E402
+
+from export import contract  # noqa: E402
+from export.contract import CONFIG_FILE, ValidationError, check_graph_signature  # noqa: E402
+from export.steps import DRIVERS, step_search  # noqa: E402
+from keras_transformer.decoding import (  # noqa: E402
     check_hypotheses_args,
     check_search_args,
     collect_hypotheses,
@@ -71,10 +76,10 @@ from keras_transformer.decoding import (
     no_hypotheses,
     target_prefix_ids,
 )
-from keras_transformer.token_ids import check_id_range
-from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
-from keras_transformer.translate import add_file_arguments, check_file_arguments, translate_lines
-from keras_transformer.translator import Translator
+from keras_transformer.token_ids import check_id_range  # noqa: E402
+from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer  # noqa: E402
+from keras_transformer.translate import add_file_arguments, check_file_arguments, translate_lines  # noqa: E402
+from keras_transformer.translator import Translator  # noqa: E402
 
 # Named, not __name__, so that `python -m export.runtime` logs under the same name.
 logger = logging.getLogger("export.runtime")
@@ -382,6 +387,8 @@ class OnnxSeq2Seq:
         for file in (path, self.directory / weights) if weights else (path,):
             stat = file.stat()
             parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+        import hashlib
+
         key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
         return self._optimized_cache / f"{graph}-{key}.onnx"
 
