@@ -667,6 +667,42 @@ def test_runtime_cli_translates_src_to_output_and_refuses_a_missing_directory(ex
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.en", "out.de"]
 
 
+COLD_START_SCRIPT = """
+import sys
+from export import runtime
+
+sys.stdin = open(sys.argv[2], encoding="utf-8")
+status = runtime.main(["--model", sys.argv[1], "--beam-size", "2", "--max-extra-length", "3"])
+print("MODULES " + " ".join(sorted(sys.modules)), file=sys.stderr)
+sys.exit(status)
+"""
+
+
+def test_the_command_imports_no_progress_bar_or_export_validation_for_a_pipe(exported, tmp_path, monkeypatch):
+    """stderr not a terminal: no bar, so no tqdm; the graphs' signatures are checked without `export.validate`."""
+    import argparse
+
+    from keras_transformer.translate import show_progress
+
+    (tmp_path / "source.txt").write_text("the cat sees a dog.\n", encoding="utf-8")
+    (tmp_path / "cold.py").write_text(COLD_START_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "cold.py"), str(exported), str(tmp_path / "source.txt")],
+        capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(pathlib.Path(onnx_export.__file__).parents[1])},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") == 1 and "Translating" not in result.stderr
+    modules = set(result.stderr.split("MODULES ")[1].split())
+    assert "tqdm" not in modules and "export.validate" not in modules, sorted(modules)
+    assert {"onnxruntime", "sentencepiece", "export.contract"} <= modules
+    # On a terminal the bar is drawn unless --no-progress.
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert show_progress(argparse.Namespace(no_progress=False))
+    assert not show_progress(argparse.Namespace(no_progress=True))
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    assert not show_progress(argparse.Namespace(no_progress=False))
+
 # --------------------------------------------------------------------------- #
 # Validation
 # --------------------------------------------------------------------------- #
