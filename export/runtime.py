@@ -397,25 +397,28 @@ class OnnxSeq2Seq:
     def _optimized_path(self, graph):
         """Where the optimised copy of `graph` is cached for these files, this onnxruntime and these providers.
 
-        `<graph>-<export>-<version>.onnx`: `<export>` names the graph file's
-        path, `<version>` the graph and weights files (size, modification
-        time), onnxruntime's version, the providers and the optimisation
-        level. A copy of another version is never loaded (its name differs),
-        and writing a new one removes the older ones of the same graph file.
+        `<graph>-<export>-<files>-<runtime>.onnx`: `<export>` names the graph
+        file's path, `<files>` the graph and weights files (size,
+        modification time), `<runtime>` onnxruntime's version, the providers
+        and the optimisation level. A copy for other files or another
+        runtime is never loaded (its name differs); writing a copy removes
+        those of older files at the same path (`_keep_optimized`).
         """
         import hashlib
 
         import onnxruntime as ort
 
+        def key(parts):
+            return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
         path = self._graph_path(graph)
-        parts = [ort.__version__, repr(self._requested), str(int(self._session_options.graph_optimization_level))]
         weights = self.config.get("weights")
+        files = []
         for file in (path, self.directory / weights) if weights else (path,):
             stat = file.stat()
-            parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
-        export = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-        version = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
-        return self._optimized_cache / f"{graph}-{export}-{version}.onnx"
+            files.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+        runtime = [ort.__version__, repr(self._requested), str(int(self._session_options.graph_optimization_level))]
+        return self._optimized_cache / f"{graph}-{key([str(path.resolve())])}-{key(files)}-{key(runtime)}.onnx"
 
     def _cached_session(self, graph):
         """A session on the cached optimised copy of `graph`, not optimised again; None when there is none."""
@@ -459,20 +462,26 @@ class OnnxSeq2Seq:
         return options, temporary
 
     def _keep_optimized(self, graph, saved):
-        """Renames the optimised graph written at `saved` into place; removes older copies of the same graph file."""
+        """Renames the optimised graph written at `saved` into place; removes the copies of older files there.
+
+        Older files: another graph or weights file at the same path (a new
+        export in the same place). Copies of the same files for another
+        onnxruntime or providers stay.
+        """
         final = self._optimized_path(graph)
         try:
             os.replace(saved, final)  # complete: its weights are written first
         except OSError as error:
             logger.warning("Could not cache the optimised %s in %s: %s", graph, self._optimized_cache, error)
             return
-        export = final.stem.rsplit("-", 1)[0]
-        for old in final.parent.glob(f"{export}-*"):
-            if old.suffix in (".onnx", ".weights") and old.name.split(".")[0] != final.stem:
+        name, export, files, _ = final.stem.split("-")
+        for old in final.parent.glob(f"{name}-{export}-*"):
+            parts = old.name.split(".")[0].split("-")
+            if old.suffix in (".onnx", ".weights") and len(parts) == 4 and parts[2] != files:
                 try:
                     old.unlink()
                 except OSError:
-                    pass  # another process removed it, or may not: a stale copy is never loaded
+                    pass  # removed by another process; a copy of older files is never loaded anyway
 
     # ------------------------------------------------------------------ #
     # Running a graph
