@@ -37,7 +37,9 @@ and CPU ms per token (the worker's CPU time per call / tokens: with one
 thread, less sensitive to other load on the machine than the wall time).
 
 Then the serving paths as a user starts them, one sentence on stdin, each
-run `--cold-repeats` times (after one untimed run that fills the page cache):
+run `--cold-repeats` times (after one untimed run that fills the page cache,
+writes the repository's bytecode as an installed package has it, and fills
+`export.runtime`'s optimised-graph cache, kept in the work directory):
 `python -m export.runtime --threads 1`, `python -m keras_transformer.translate`
 and a minimal CTranslate2 + SentencePiece script (`CT2_SCRIPT`): seconds from
 process start to the first translation on stdout, and the process's peak
@@ -869,6 +871,12 @@ def cold_starts(directories, text, repeats, warm_page_cache, work):
     """The serving commands, interleaved; medians of `repeats` runs each (keyed as `PATHS`)."""
     python = sys.executable
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2", OMP_WAIT_POLICY="PASSIVE")
+    # export.runtime's optimised-graph cache (filled by the first, untimed run), here rather than in ~/.cache.
+    env["KERAS_TRANSFORMER_CACHE"] = str(work / "cache")
+    # Bytecode as an installed package has it (pip compiles at install; the first, untimed run writes it
+    # here): otherwise every start compiles the repository's modules again, which the installed
+    # CTranslate2 never does.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     commands = {}
     if "ort-float32" in directories:
         commands["ort"] = [

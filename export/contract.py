@@ -8,9 +8,10 @@ else is derived from it:
 - `export/graphs.py`: the TensorFlow input signatures of the traced
   functions, which tf2onnx converts (`export/onnx.py`) and the SavedModel
   saves (`export/saved_model.py`);
-- `export/validate.py`: the names, dtypes, dynamic axes and fixed sizes of
-  every ONNX graph (`check_tensors`), which `export/runtime.py` also checks
-  when it loads a graph, and the feeds it builds (`feeds`);
+- the names, dtypes, dynamic axes and fixed sizes of every ONNX graph
+  (`check_tensors`; `check_graph_signature` for an ONNX Runtime session),
+  which `export/validate.py` checks at export and `export/runtime.py` when
+  it loads a graph, and the feeds they build (`feeds`);
 - both exporters' `config.json`: the format and its version
   (`Format.header`), the model's ids and sizes (`model_fields`), the
   exporting versions (`versions`) and the SavedModel's signatures
@@ -361,6 +362,28 @@ def describe_graphs(export_format, compute_dtype):
         }
         for name, graph in export_format.graphs.items()
     }
+
+
+# ONNX Runtime's type names -> the contract's dtypes.
+ONNX_RUNTIME_DTYPES = {
+    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+    "tensor(double)": "float64", "tensor(int32)": "int32", "tensor(int64)": "int64", "tensor(bool)": "bool",
+    "tensor(string)": "string",
+}
+
+
+def check_graph_signature(session, graph, config):
+    """Checks one ONNX Runtime session of `ONNX.graphs[graph]` against the contract.
+
+    Names, dtypes, dynamic axes and the fixed axes' sizes (from the
+    directory's `config`) of its inputs and outputs.
+    """
+    for kind, values in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
+        actual = [(value.name, ONNX_RUNTIME_DTYPES.get(value.type, value.type), value.shape) for value in values]
+        check_tensors(
+            f"{graph}.onnx", ONNX.graphs[graph].expand(int(config["num_decoder_layers"])), kind, actual,
+            config, config["cache_dtype"],
+        )
 
 
 def check_tensors(where, graph, kind, actual, sizes, compute_dtype):

@@ -49,20 +49,25 @@ python -m export.runtime --model exported/onnx --src test.en.gz --output test.de
 """
 
 import argparse
-import hashlib
 import json
 import logging
 import os
 import pathlib
 import sys
 
-import numpy as np
+if __name__ == "__main__":
+    # A command, not an import: NumPy's OpenBLAS starts a thread (and its
+    # buffers) per core when NumPy loads, a large part of a one-sentence cold
+    # start, and the server does no BLAS work in NumPy (the graphs run in ONNX
+    # Runtime, with their own threads). A value the user has set is kept.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from export import contract
-from export.contract import CONFIG_FILE, ValidationError
-from export.steps import DRIVERS, step_search
-from export.validate import check_graph_signature
-from keras_transformer.decoding import (
+import numpy as np  # noqa: E402
+
+from export import contract  # noqa: E402
+from export.contract import CONFIG_FILE, ValidationError, check_graph_signature  # noqa: E402
+from export.steps import DRIVERS, step_search  # noqa: E402
+from keras_transformer.decoding import (  # noqa: E402
     check_hypotheses_args,
     check_search_args,
     collect_hypotheses,
@@ -71,10 +76,10 @@ from keras_transformer.decoding import (
     no_hypotheses,
     target_prefix_ids,
 )
-from keras_transformer.token_ids import check_id_range
-from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
-from keras_transformer.translate import add_file_arguments, check_file_arguments, translate_lines
-from keras_transformer.translator import Translator
+from keras_transformer.token_ids import check_id_range  # noqa: E402
+from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer  # noqa: E402
+from keras_transformer.translate import add_file_arguments, check_file_arguments, translate_lines  # noqa: E402
+from keras_transformer.translator import Translator  # noqa: E402
 
 # Named, not __name__, so that `python -m export.runtime` logs under the same name.
 logger = logging.getLogger("export.runtime")
@@ -197,6 +202,23 @@ def resolve_providers(providers=None, probe_path=None):
     return [CPU]
 
 
+def default_optimized_cache():
+    """Where `python -m export.runtime` keeps optimised graphs unless told otherwise.
+
+    `$KERAS_TRANSFORMER_CACHE/onnxruntime`, else `keras_transformer/onnxruntime`
+    under `$XDG_CACHE_HOME` or `~/.cache`; None when there is no home
+    directory to put it in. Never the export directory.
+    """
+    root = os.environ.get("KERAS_TRANSFORMER_CACHE")
+    if not root:
+        try:
+            base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path("~/.cache").expanduser()
+        except RuntimeError:  # no home directory
+            return None
+        root = pathlib.Path(base) / "keras_transformer"
+    return pathlib.Path(root) / "onnxruntime"
+
+
 def _session_options(intra_op_threads=None):
     """ONNX Runtime session options.
 
@@ -264,12 +286,17 @@ class OnnxSeq2Seq:
         optimized_cache: optional directory. Each graph's session, once
             ONNX Runtime has optimised the graph, is saved there (with its
             weights) and later sessions load that copy without optimising
-            again: the `small` beam search's session starts in a fraction of
-            the time (benchmarks/README.md). The copy is named after the
-            graph and weights files (size, time), onnxruntime's version, the
-            providers and the optimisation level, so a new export or
-            onnxruntime is optimised afresh; an unreadable copy is optimised
-            again with a warning. With the default session options only.
+            again (the step driver's three sessions start in about 0.06 s
+            of CPU instead of 0.08 s for `small`; benchmarks/README.md). The
+            copy is named after the graph file's path, the graph and weights
+            files (size, time), onnxruntime's version, the providers and the
+            optimisation level, so a new export or onnxruntime is optimised
+            afresh and the older copy of that graph file removed; an
+            unreadable copy is optimised again with a warning, and a
+            directory that cannot be created means no cache (a warning).
+            With the default session options only. `python -m
+            export.runtime` uses `default_optimized_cache()` unless told
+            otherwise.
         driver: "steps": `generate` and `generate_hypotheses` run the
             start graph, the fused decoder step and the update graph
             (`export.steps`: rows that are done leave the batch, the cache
@@ -352,11 +379,7 @@ class OnnxSeq2Seq:
                 except Exception as error:  # noqa: BLE001 - re-raised naming the file
                     raise ValueError(f"ONNX Runtime could not load {path}: {error}") from error
                 if saved is not None:
-                    try:
-                        os.replace(saved, self._optimized_path(graph))  # complete: its weights are written first
-                    except OSError as error:
-                        logger.warning("Could not cache the optimised %s in %s: %s", graph, self._optimized_cache,
-                                       error)
+                    self._keep_optimized(graph, saved)
             try:
                 check_graph_signature(session, graph, self.config)
             except ValidationError as error:
@@ -372,18 +395,30 @@ class OnnxSeq2Seq:
     # The optimised-graph cache (`optimized_cache`)
     # ------------------------------------------------------------------ #
     def _optimized_path(self, graph):
-        """Where the optimised copy of `graph` is cached for these files, this onnxruntime and these providers."""
+        """Where the optimised copy of `graph` is cached for these files, this onnxruntime and these providers.
+
+        `<graph>-<export>-<files>-<runtime>.onnx`: `<export>` names the graph
+        file's path, `<files>` the graph and weights files (size,
+        modification time), `<runtime>` onnxruntime's version, the providers
+        and the optimisation level. A copy for other files or another
+        runtime is never loaded (its name differs); writing a copy removes
+        those of older files at the same path (`_keep_optimized`).
+        """
+        import hashlib
+
         import onnxruntime as ort
 
+        def key(parts):
+            return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
         path = self._graph_path(graph)
-        parts = [ort.__version__, repr(self._requested), str(int(self._session_options.graph_optimization_level)),
-                 str(path.resolve())]
         weights = self.config.get("weights")
+        files = []
         for file in (path, self.directory / weights) if weights else (path,):
             stat = file.stat()
-            parts.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
-        key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
-        return self._optimized_cache / f"{graph}-{key}.onnx"
+            files.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+        runtime = [ort.__version__, repr(self._requested), str(int(self._session_options.graph_optimization_level))]
+        return self._optimized_cache / f"{graph}-{key([str(path.resolve())])}-{key(files)}-{key(runtime)}.onnx"
 
     def _cached_session(self, graph):
         """A session on the cached optimised copy of `graph`, not optimised again; None when there is none."""
@@ -405,9 +440,17 @@ class OnnxSeq2Seq:
 
         Its weights go to a file of their own whose name the graph records
         (unique per process); the graph is renamed into place once the
-        session exists, so a cached graph always has its weights.
+        session exists (`_keep_optimized`), so a cached graph always has its
+        weights. A cache directory that cannot be created is said once and
+        the graph is optimised as without a cache: `(default options, None)`.
         """
-        self._optimized_cache.mkdir(parents=True, exist_ok=True)
+        try:
+            self._optimized_cache.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            logger.warning("Cannot create the optimised-graph cache %s (%s); optimising without it",
+                           self._optimized_cache, error)
+            self._optimized_cache = None
+            return self._session_options, None
         final = self._optimized_path(graph)
         temporary = final.with_name(f".{final.stem}.{os.getpid()}.onnx")
         options = _session_options(self._intra_op_threads)
@@ -417,6 +460,28 @@ class OnnxSeq2Seq:
         )
         options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         return options, temporary
+
+    def _keep_optimized(self, graph, saved):
+        """Renames the optimised graph written at `saved` into place; removes the copies of older files there.
+
+        Older files: another graph or weights file at the same path (a new
+        export in the same place). Copies of the same files for another
+        onnxruntime or providers stay.
+        """
+        final = self._optimized_path(graph)
+        try:
+            os.replace(saved, final)  # complete: its weights are written first
+        except OSError as error:
+            logger.warning("Could not cache the optimised %s in %s: %s", graph, self._optimized_cache, error)
+            return
+        name, export, files, _ = final.stem.split("-")
+        for old in final.parent.glob(f"{name}-{export}-*"):
+            parts = old.name.split(".")[0].split("-")
+            if old.suffix in (".onnx", ".weights") and len(parts) == 4 and parts[2] != files:
+                try:
+                    old.unlink()
+                except OSError:
+                    pass  # removed by another process; a copy of older files is never loaded anyway
 
     # ------------------------------------------------------------------ #
     # Running a graph
@@ -695,9 +760,14 @@ def main(argv=None):
         "--threads", type=int, default=None,
         help="ONNX Runtime threads per session (default: one per core; 1 on a busy machine)",
     )
-    parser.add_argument(
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
         "--optimized-cache", default=None, metavar="DIR",
-        help="keep ONNX Runtime's optimised graphs in DIR: later starts skip the optimisation (faster cold start)",
+        help="keep ONNX Runtime's optimised graphs in DIR: later starts skip the optimisation (faster cold start); "
+             "default: $KERAS_TRANSFORMER_CACHE/onnxruntime or ~/.cache/keras_transformer/onnxruntime",
+    )
+    cache.add_argument(
+        "--no-optimized-cache", action="store_true", help="optimise the graphs at every start and write nothing",
     )
     add_file_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show ONNX Runtime's provider choice")
@@ -713,7 +783,8 @@ def main(argv=None):
     )
     try:
         check_file_arguments(args)
-        translator = OnnxTranslator(args.model, intra_op_threads=args.threads, optimized_cache=args.optimized_cache)
+        cache = None if args.no_optimized_cache else args.optimized_cache or default_optimized_cache()
+        translator = OnnxTranslator(args.model, intra_op_threads=args.threads, optimized_cache=cache)
         # Empty lines translate to empty lines, so the output lines up with the input.
         count = translate_lines(
             translator, args,

@@ -16,18 +16,12 @@ import pathlib
 import numpy as np
 
 from export import contract
-from export.contract import CONFIG_FILE, ValidationError
+from export.contract import CONFIG_FILE, ValidationError, check_graph_signature
 from keras_transformer.tokenizer import FIRST_ORDINARY_ID
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = (None, "int8")
-# ONNX Runtime's type names -> the contract's dtypes.
-_ONNX_DTYPES = {
-    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
-    "tensor(double)": "float64", "tensor(int32)": "int32", "tensor(int64)": "int64", "tensor(bool)": "bool",
-    "tensor(string)": "string",
-}
 
 # (batch, source length, cache length) at which values are compared: none
 # is a size a tracer would specialise on, and the first batch mixes lengths.
@@ -42,20 +36,6 @@ def _session(path):
     options.log_severity_level = 3
     # Validation is about the graph, so it runs on the CPU provider.
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def check_graph_signature(session, graph, config):
-    """Checks one ONNX Runtime session of `contract.ONNX.graphs[graph]` against the contract.
-
-    Names, dtypes, dynamic axes and the fixed axes' sizes (from the
-    directory's `config`) of its inputs and outputs.
-    """
-    for kind, values in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
-        actual = [(value.name, _ONNX_DTYPES.get(value.type, value.type), value.shape) for value in values]
-        contract.check_tensors(
-            f"{graph}.onnx", contract.ONNX.graphs[graph].expand(int(config["num_decoder_layers"])), kind, actual,
-            config, config["cache_dtype"],
-        )
 
 
 def _compare(graph, name, actual, expected, atol):

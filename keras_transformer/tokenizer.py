@@ -22,7 +22,6 @@ import sentencepiece as spm
 
 from keras_transformer.textio import iter_lines
 from keras_transformer.utils import atomic_path
-from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +134,8 @@ def train_tokenizer(
         or max_sentences <= 0
     ):
         raise ValueError(f"max_sentences={max_sentences!r} must be a positive int or None")
+
+    from tqdm.auto import tqdm  # here: the ONNX Runtime server loads this module and never trains
 
     sentences = tqdm(_sentences(texts_or_files), desc="Reading sentences", unit=" lines", disable=None)
     if max_sentences is not None:

@@ -5,7 +5,8 @@ per line to stdout (or `--output`), streaming: `--window` lines at a time
 are sorted by length into batches (`--batch-size` sentences or
 `--max-batch-tokens` source tokens), so a file of any size translates in
 bounded memory (`Translator.translate_file`). `--output` is written to a
-temporary beside it and renamed when complete. Progress goes to stderr.
+temporary beside it and renamed when complete. A progress bar goes to stderr
+when it is a terminal.
 
 ```
 echo "A sentence." | python -m keras_transformer.translate --preset runs/small
@@ -51,7 +52,8 @@ def add_file_arguments(parser):
                         help="padded source tokens per search (default: no limit)")
     parser.add_argument("--window", type=positive_int, default=DEFAULT_WINDOW,
                         help=f"lines sorted by length together (default {DEFAULT_WINDOW}; memory grows with it)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (by default one is drawn on stderr when it is a terminal)")
     parser.add_argument("--sampling-topk", type=int, default=1,
                         help="sample each token from the K most probable (0: all; default 1: no sampling; "
                              "with --beam-size 1)")
@@ -71,10 +73,19 @@ def check_file_arguments(args):
                           overwrite_name="--overwrite")
 
 
+def show_progress(args):
+    """Whether the commands draw a progress bar: on stderr when it is a terminal, unless `--no-progress`.
+
+    A bar redrawn into a log file or a pipe is noise, and tqdm takes a
+    noticeable part of a one-sentence start-up (`python -m export.runtime`).
+    """
+    return not args.no_progress and sys.stderr.isatty()
+
+
 def translate_lines(translator, args, **search):
     """Translates `args.src` (or stdin) into `args.output` (or stdout); returns the number of lines."""
     batching = dict(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, window=args.window,
-                    progress=not args.no_progress, sampling_topk=args.sampling_topk,
+                    progress=show_progress(args), sampling_topk=args.sampling_topk,
                     sampling_topp=args.sampling_topp, sampling_temperature=args.sampling_temperature,
                     seed=args.seed, **search)
     if args.output is not None:

@@ -10,7 +10,6 @@ import os
 from typing import NamedTuple
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from keras_transformer.decoding import LENGTH_BUCKET, check_hypotheses_args, check_prefix_length, check_search_args
 from keras_transformer.search.scoring import score_targets
@@ -57,6 +56,28 @@ class Hypothesis(NamedTuple):
     log_prob: float
     score: float
 
+
+
+class _NoBar:
+    """What `_progress_bar` returns without a bar: counts nothing, imports nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+    def update(self, n=1):
+        pass
+
+
+def _progress_bar(progress, **kwargs):
+    """A tqdm bar on stderr when `progress`; tqdm is imported only then (it adds to a server's start-up)."""
+    if not progress:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(**kwargs)
 
 def check_batch_limits(batch_size, max_batch_tokens):
     """Refuses a `batch_size` or `max_batch_tokens` that is neither None nor a positive integer."""
@@ -275,7 +296,7 @@ class Translator:
             sampling_temperature=sampling_temperature, seed=seed,
         )
         prefixes = self._prefixes(target_prefix, texts)
-        with tqdm(total=len(texts), desc="Translating", unit=" sentences", disable=not progress) as bar:
+        with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(texts, search, batch_size, max_batch_tokens, bar, prefixes=prefixes)
 
     def translate_hypotheses(
@@ -329,7 +350,7 @@ class Translator:
             if not text.strip():
                 raise ValueError(f"texts[{i}] is empty; translate_hypotheses needs a non-empty text")
         prefixes = self._prefixes(target_prefix, texts)
-        with tqdm(total=len(texts), desc="Translating", unit=" sentences", disable=not progress) as bar:
+        with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(
                 texts, search, batch_size, max_batch_tokens, bar, prefixes=prefixes, num_hypotheses=num_hypotheses
             )
@@ -493,7 +514,7 @@ class Translator:
         return prefixes if any(prefixes) else None
 
     def _stream(self, texts, search, batch_size, max_batch_tokens, window, progress, total):
-        with tqdm(total=total, desc="Translating", unit=" sentences", disable=not progress) as bar:
+        with _progress_bar(progress, total=total, desc="Translating", unit=" sentences") as bar:
             for first in itertools.count(0, window):
                 chunk = list(itertools.islice(texts, window))
                 if not chunk:
@@ -622,7 +643,7 @@ class Translator:
                 )
         results = [None] * len(sources)
         lengths = [max(len(s), len(t) - 1) for s, t in zip(source_ids, target_ids)]
-        with tqdm(total=len(sources), desc="Scoring", unit=" pairs", disable=not progress) as bar:
+        with _progress_bar(progress, total=len(sources), desc="Scoring", unit=" pairs") as bar:
             for batch in length_batches(lengths, batch_size, max_batch_tokens):
                 log_probs, token_log_probs = score_targets(
                     self.model, _padded([source_ids[i] for i in batch]), _padded([target_ids[i] for i in batch])

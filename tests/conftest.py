@@ -35,6 +35,12 @@ def random_ids(rng, batch, length, vocabulary_size=50, low=4):
     return rng.integers(low, vocabulary_size, size=(batch, length)).astype("int32")
 
 
+@pytest.fixture(autouse=True)
+def _user_cache_untouched(monkeypatch, tmp_path_factory):
+    """`python -m export.runtime` keeps optimised graphs in the user's cache: in the tests, a directory of their own."""
+    monkeypatch.setenv("KERAS_TRANSFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "keras_transformer_cache"))
+
+
 # PyTorch's thread count when a test first saw PyTorch imported.
 _TORCH_THREADS = []
 

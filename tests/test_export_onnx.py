@@ -438,6 +438,81 @@ def test_optimized_cache_loads_the_optimised_graph_without_optimising_again(expo
         OnnxSeq2Seq(exported, session_options=ort.SessionOptions(), optimized_cache=cache)
 
 
+
+def test_optimized_cache_never_loads_a_copy_of_an_older_export_and_removes_it(exported, onnx_model, tmp_path,
+                                                                               monkeypatch):
+    """A graph file written again (a new export in the same place) is optimised afresh; its old copies go."""
+    import onnxruntime as ort
+
+    export, cache = copy_of(exported, tmp_path), tmp_path / "cache"
+    ids = sources(np.random.default_rng(1), [5, 3])
+    expected = onnx_model.generate(ids, beam_size=2, max_extra_length=5)
+    first = OnnxSeq2Seq(export, providers=["CPUExecutionProvider"], optimized_cache=cache)
+    first.generate(ids, beam_size=2, max_extra_length=5)
+    stale = first._optimized_path("beam_start")
+    stale_weights = sorted(cache.glob(f"{stale.stem}.*.weights"))
+    assert stale.is_file() and stale_weights
+    graph = export / first.config["graphs"]["beam_start"]
+    graph.write_bytes(graph.read_bytes())  # the same graph, written again: a new modification time
+    os.utime(graph, ns=(graph.stat().st_atime_ns, graph.stat().st_mtime_ns + 10**9))
+    opened = []
+    real_session = ort.InferenceSession
+
+    def recording(path, options=None, **kwargs):
+        opened.append(pathlib.Path(path))
+        return real_session(path, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", recording)
+    second = OnnxSeq2Seq(export, providers=["CPUExecutionProvider"], optimized_cache=cache)
+    fresh = second._optimized_path("beam_start")
+    # Another onnxruntime's copy of the same files stays.
+    other_runtime = fresh.with_name(f"{fresh.stem.rsplit('-', 1)[0]}-000000000000.onnx")
+    other_runtime.write_bytes(b"another onnxruntime's copy")
+    np.testing.assert_array_equal(second.generate(ids, beam_size=2, max_extra_length=5), expected)
+    assert graph in opened and stale not in opened
+    assert fresh != stale and fresh.is_file() and other_runtime.is_file()
+    assert not stale.exists() and not any(path.exists() for path in stale_weights)
+    # The other graphs' copies were still current: loaded, not optimised again.
+    assert second._optimized_path("beam_update") in opened
+    assert export / first.config["graphs"]["beam_update"] not in opened
+
+
+def test_runtime_cli_keeps_optimised_graphs_in_the_user_cache_unless_told_not_to(exported, tmp_path, monkeypatch,
+                                                                                  capsys, caplog):
+    from export import runtime
+
+    export = copy_of(exported, tmp_path)
+    before = sorted(path.name for path in export.iterdir())
+    monkeypatch.setenv("KERAS_TRANSFORMER_CACHE", str(tmp_path / "user-cache"))
+    assert runtime.default_optimized_cache() == tmp_path / "user-cache" / "onnxruntime"
+    monkeypatch.delenv("KERAS_TRANSFORMER_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert runtime.default_optimized_cache() == tmp_path / "xdg" / "keras_transformer" / "onnxruntime"
+    search = ["--beam-size", "2", "--max-extra-length", "4"]
+    outputs = []
+    for options in ([], ["--no-optimized-cache"], ["--optimized-cache", str(tmp_path / "mine")]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("the cat sees a dog.\na red ball.\n"))
+        assert runtime.main(["--model", str(export), *search, *options]) == 0
+        outputs.append(capsys.readouterr().out)
+        if not options:
+            cached = sorted(path.name for path in (tmp_path / "xdg" / "keras_transformer" / "onnxruntime").iterdir())
+            assert {name.split("-")[0] for name in cached} == {"beam_start", "fused_decoder_step", "beam_update"}
+        elif options == ["--no-optimized-cache"]:
+            assert sorted(path.name for path in (tmp_path / "xdg" / "keras_transformer" / "onnxruntime").iterdir()) \
+                == cached
+    assert outputs[0] == outputs[1] == outputs[2] and outputs[0].count("\n") == 2
+    assert len(list((tmp_path / "mine").glob("*.onnx"))) == 3
+    assert sorted(path.name for path in export.iterdir()) == before  # the export directory is never written
+    # A cache that cannot be created: one warning, the same translations.
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat sees a dog.\na red ball.\n"))
+    with caplog.at_level(logging.WARNING, logger="export.runtime"):
+        assert runtime.main(["--model", str(export), *search, "--optimized-cache", str(tmp_path / "a-file")]) == 0
+    assert capsys.readouterr().out == outputs[0]
+    assert [r.getMessage() for r in caplog.records if "optimised-graph cache" in r.getMessage()] == [
+        f"Cannot create the optimised-graph cache {tmp_path / 'a-file'} ([Errno 17] File exists: "
+        f"'{tmp_path / 'a-file'}'); optimising without it"]
+
 # --------------------------------------------------------------------------- #
 # Scores and files on ONNX Runtime (Translator.score, translate_file)
 # --------------------------------------------------------------------------- #
@@ -594,6 +669,42 @@ def test_runtime_cli_translates_src_to_output_and_refuses_a_missing_directory(ex
     assert err.strip().split("\n")[-1].startswith("python -m export.runtime: error: --output: the directory of ")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.en", "out.de"]
 
+
+COLD_START_SCRIPT = """
+import sys
+from export import runtime
+
+sys.stdin = open(sys.argv[2], encoding="utf-8")
+status = runtime.main(["--model", sys.argv[1], "--beam-size", "2", "--max-extra-length", "3"])
+print("MODULES " + " ".join(sorted(sys.modules)), file=sys.stderr)
+sys.exit(status)
+"""
+
+
+def test_the_command_imports_no_progress_bar_or_export_validation_for_a_pipe(exported, tmp_path, monkeypatch):
+    """stderr not a terminal: no bar, so no tqdm; the graphs' signatures are checked without `export.validate`."""
+    import argparse
+
+    from keras_transformer.translate import show_progress
+
+    (tmp_path / "source.txt").write_text("the cat sees a dog.\n", encoding="utf-8")
+    (tmp_path / "cold.py").write_text(COLD_START_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "cold.py"), str(exported), str(tmp_path / "source.txt")],
+        capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(pathlib.Path(onnx_export.__file__).parents[1])},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") == 1 and "Translating" not in result.stderr
+    modules = set(result.stderr.split("MODULES ")[1].split())
+    assert "tqdm" not in modules and "export.validate" not in modules, sorted(modules)
+    assert {"onnxruntime", "sentencepiece", "export.contract"} <= modules
+    # On a terminal the bar is drawn unless --no-progress.
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert show_progress(argparse.Namespace(no_progress=False))
+    assert not show_progress(argparse.Namespace(no_progress=True))
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    assert not show_progress(argparse.Namespace(no_progress=False))
 
 # --------------------------------------------------------------------------- #
 # Validation

@@ -139,12 +139,19 @@ def test_long_sources_are_cut_to_max_sequence_length(tokenizer):
 def test_translate_cli_stdin_to_stdout(preset, monkeypatch, capsys):
     lines = ["Nobody sees it!", "", "A student finds two cats."]
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     translate_main(["--preset", preset, "--beam-size", "1", "--batch-size", "2"])
     captured = capsys.readouterr()
     expected = Translator.from_preset(preset).translate(lines, beam_size=1)
     assert captured.out.splitlines() == expected
     assert captured.out.splitlines()[1] == ""
-    assert "Translating" in captured.err  # progress on stderr
+    assert "Translating" in captured.err  # progress on stderr, a terminal
+    # stderr redirected to a file or a pipe: no bar.
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    translate_main(["--preset", preset, "--beam-size", "1", "--batch-size", "2"])
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == expected and captured.err == ""
 
 
 def test_translate_cli_files_and_refusal_to_overwrite(preset, tmp_path, capsys):
