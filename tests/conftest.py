@@ -67,33 +67,6 @@ def pytest_report_header(config):
 
 
 # ---------------------------------------------------------------------- #
-# JAX: one compilation per program, not one per model instance.
-# ---------------------------------------------------------------------- #
-# Each test builds its own models, and `jax.jit` caches by function object,
-# so the same search or train step (the same HLO: weights are arguments) was
-# compiled again by every test. JAX's persistent compilation cache is keyed
-# by the program, so a second model of the same config loads the executable
-# instead: the compiled beam search of a second tiny model took 1.9 s instead
-# of 12.2 s (2-core machine). Same executables, so the same numbers. A fresh
-# directory per pytest process (a run starts cold, as CI does); a
-# JAX_COMPILATION_CACHE_DIR of the caller's stands.
-JAX_CACHE_MIN_COMPILE_SECONDS = 0.2  # below it, writing the entry costs more than compiling
-
-
-def pytest_configure(config):
-    if BACKEND == "jax" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        import shutil
-        import tempfile
-
-        import jax
-
-        directory = tempfile.mkdtemp(prefix="kt-jax-compilation-cache-")
-        config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
-        jax.config.update("jax_compilation_cache_dir", directory)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", JAX_CACHE_MIN_COMPILE_SECONDS)
-
-
-# ---------------------------------------------------------------------- #
 # Tests whose behaviour does not depend on the Keras backend run once.
 # ---------------------------------------------------------------------- #
 # tests/run.sh runs the suite once per backend. What these tests check (text
