@@ -474,6 +474,8 @@ class TransformerModel(keras.Model):
     # The cache entries that are functions of the source only: the same for
     # every beam of a row, so beam search never reorders them (decoding protocol).
     beam_invariant_cache_keys = ("cross_key", "cross_value", "encoder_padding_mask")
+    # The cache entries with one tensor per decoder layer (stacked on axis 1, or apart: `split_cache`).
+    per_layer_cache_keys = ("self_key", "self_value", "cross_key", "cross_value")
 
     def init_cache(self, encoder_outputs, encoder_token_ids, max_length):
         """The decoding cache for `max_length` target positions.
@@ -508,17 +510,44 @@ class TransformerModel(keras.Model):
 
         The positions written so far stay; the new ones are zeros, as
         `init_cache` makes them. A search driver that starts with a short
-        cache grows it with the output (`search/segments.py`).
+        cache grows it with the output (`search/segments.py`). Either form
+        of the cache (stacked, or split per layer: `split_cache`).
         """
-        length = cache["self_key"].shape[3]
+        split = isinstance(cache["self_key"], (list, tuple))
+        axis = 2 if split else 3  # T in [B, N, T, H] or [B, L, N, T, H]
+        length = (cache["self_key"][0] if split else cache["self_key"]).shape[axis]
         if max_length < length:
             raise ValueError(f"max_length={max_length} is shorter than the cache's {length} positions")
-        padding = [[0, 0], [0, 0], [0, 0], [0, max_length - length], [0, 0]]  # [B, L, N, T, H]: T grows
+        padding = [[0, 0]] * (axis + 2)
+        padding[axis] = [0, max_length - length]
+
+        def grow(x):
+            return ops.pad(x, padding)
+
         return dict(
             cache,
-            self_key=ops.pad(cache["self_key"], padding),
-            self_value=ops.pad(cache["self_value"], padding),
+            self_key=tuple(map(grow, cache["self_key"])) if split else grow(cache["self_key"]),
+            self_value=tuple(map(grow, cache["self_value"])) if split else grow(cache["self_value"]),
         )
+
+    def split_cache(self, cache):
+        """The cache with each decoder layer's entries apart: tuples of one `[B, N, T, H]` tensor per layer.
+
+        `decode_step` takes either form and returns the one it was given;
+        `join_cache` stacks them back. A compiled search loop carries the
+        split form (`search/loop.py`): there each layer reads and writes its
+        own keys and values in place, where the stacked `[B, L, N, T, H]`
+        entries are sliced per layer at every step, and a slice on axis 1 is
+        a copy (XLA on CPU, `small`, batch 64 x beam 4: the slices took about
+        as long as the step's matrix products).
+        """
+        layers = len(self.decoder_layers)
+        split = {name: tuple(cache[name][:, i] for i in range(layers)) for name in self.per_layer_cache_keys}
+        return dict(cache, **split)
+
+    def join_cache(self, cache):
+        """The cache of `split_cache` stacked back into `init_cache`'s `[B, L, N, T, H]` entries."""
+        return dict(cache, **{name: ops.stack(cache[name], axis=1) for name in self.per_layer_cache_keys})
 
     def decode_step(self, token_ids, index, cache):
         """One cached decoder step.
@@ -526,10 +555,12 @@ class TransformerModel(keras.Model):
         Args:
             token_ids: `[B]` or `[B, 1]`, the target token at position `index`.
             index: int or scalar int tensor, its position (0 for the start id).
-            cache: from `init_cache` or the previous step.
+            cache: from `init_cache` or the previous step, stacked or split
+                per layer (`split_cache`).
 
         Returns:
-            `(logits [B, V] for position index + 1, updated cache)`.
+            `(logits [B, V] for position index + 1, updated cache)`, the
+            cache in the form it was given.
 
         Raises:
             ValueError: when concrete (outside a traced search), ids outside
@@ -541,22 +572,33 @@ class TransformerModel(keras.Model):
         if len(token_ids.shape) == 1:
             token_ids = token_ids[:, None]  # [B] -> [B, 1]
         token_ids = check_token_ids(token_ids, "token_ids", self.vocabulary_size)
-        check_batch_sizes(token_ids=token_ids, cache=cache["self_key"])
-        check_cache_index(index, cache["self_key"].shape[3])
+        split = isinstance(cache["self_key"], (list, tuple))
+        if split:
+            def entry(name, i):
+                return cache[name][i]  # [B, N, T, H]
+        else:
+            def entry(name, i):
+                return cache[name][:, i]  # [B, L, N, T, H] -> [B, N, T, H]
+        first_keys = entry("self_key", 0)
+        check_batch_sizes(token_ids=token_ids, cache=first_keys)
+        check_cache_index(index, first_keys.shape[2])
         x = self._embed(token_ids, self.decoder_position, self.decoder_embedding_dropout, start_index=index, training=False)
         keys, values = [], []
         for i, layer in enumerate(self.decoder_layers):
             x, (key, value) = layer.call_cached(
                 x,
-                self_attention_cache=(cache["self_key"][:, i], cache["self_value"][:, i]),
+                self_attention_cache=(entry("self_key", i), entry("self_value", i)),
                 self_attention_cache_update_index=index,
-                cross_attention_cache=(cache["cross_key"][:, i], cache["cross_value"][:, i]),
+                cross_attention_cache=(entry("cross_key", i), entry("cross_value", i)),
                 encoder_padding_mask=cache["encoder_padding_mask"],
                 training=False,
             )
             keys.append(key)
             values.append(value)
-        cache = dict(cache, self_key=ops.stack(keys, axis=1), self_value=ops.stack(values, axis=1))
+        if split:
+            cache = dict(cache, self_key=tuple(keys), self_value=tuple(values))
+        else:
+            cache = dict(cache, self_key=ops.stack(keys, axis=1), self_value=ops.stack(values, axis=1))
         return self._logits(x)[:, 0, :], cache
 
     def generate(self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50):

@@ -172,6 +172,28 @@ def test_cached_decoding_equals_uncached_during_generation(model, src, beam_size
     np.testing.assert_array_equal(ids, generate(model, src, beam_size=beam_size, max_extra_length=EXTRA))
 
 
+def test_a_cache_split_per_layer_decodes_as_the_stacked_one(model, src):
+    """`split_cache` (what the compiled loops carry): the same logits and keys, grown and joined back."""
+    stacked = model.init_cache(model.encode(src), src, 3)
+    split = model.split_cache(stacked)
+    assert len(split["self_key"]) == len(model.decoder_layers)
+    assert tuple(split["cross_key"][0].shape) == tuple(stacked["cross_key"][:, 0].shape)
+    tokens = np.full(len(src), START, "int32")
+    for step in range(5):
+        if step == 3:  # the positions written so far stay, in either form
+            stacked, split = model.grow_cache(stacked, 5), model.grow_cache(split, 5)
+        expected, stacked = model.decode_step(tokens, step, stacked)
+        logits, split = model.decode_step(tokens, step, split)
+        assert isinstance(split["self_key"], tuple)
+        np.testing.assert_allclose(to_numpy(logits), to_numpy(expected), rtol=1e-6, atol=1e-6)
+        tokens = np.argmax(to_numpy(logits), -1).astype("int32")
+    joined = model.join_cache(split)
+    for name in ("self_key", "self_value", "cross_key", "cross_value"):
+        np.testing.assert_allclose(to_numpy(joined[name]), to_numpy(stacked[name]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="outside"):
+        model.decode_step(tokens, 5, split)
+
+
 @pytest.mark.parametrize("length_penalty", [0.0, 0.6, 1.5])
 def test_beam_scores_are_full_model_log_probs_over_length_penalty(model, src, length_penalty):
     """The returned score is log P(Y|X) / lp(Y) of the returned tokens under the

@@ -14,6 +14,7 @@ A target prefix needs nothing of its own here: the token rule
 prefix, and beam 0, the only live beam at the start, follows it.
 """
 
+import keras
 from keras import ops
 
 from keras_transformer.search.common import (
@@ -199,7 +200,8 @@ def reorder_cache(cache, beam_indices, invariant=()):
     """Gives each new beam its parent's cache: `[B * K, ...] -> [B * K, ...]`.
 
     Args:
-        cache: dict of `[B * K, ...]` entries.
+        cache: dict of `[B * K, ...]` entries (or tuples of them: a cache
+            split per layer, `loop.split_cache`).
         beam_indices: int `[B, K]`, the parent beam (in `0..K-1`) of each
             new beam.
         invariant: names of entries equal for every beam of a row (tiled by
@@ -208,5 +210,6 @@ def reorder_cache(cache, beam_indices, invariant=()):
     """
     indices = ops.reshape(_flat_beam_indices(beam_indices, dim(beam_indices, 1)), (-1,))  # [B * K]
     return {
-        name: value if name in invariant else ops.take(value, indices, axis=0) for name, value in cache.items()
+        name: value if name in invariant else keras.tree.map_structure(lambda x: ops.take(x, indices, axis=0), value)
+        for name, value in cache.items()
     }

@@ -87,7 +87,7 @@ def _build_jax_search(model_ref):
         with keras.StatelessScope(state_mapping=list(zip(variables, values))):
             return loop.run(
                 model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True,
-                search_name=search_name, options=options,
+                search_name=search_name, options=options, split=True,
             )
 
     jitted = jax.jit(stateless_search, static_argnames=("beam_size", "length", "search_name"))
@@ -112,7 +112,7 @@ def _build_tensorflow_search(model_ref):
     def traced(encoder_token_ids, max_lengths, alpha, options, beam_size, length, search_name):
         return loop.run(
             model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True,
-            search_name=search_name, options=options,
+            search_name=search_name, options=options, split=True,
         )
 
     call = _concrete_caller(traced)  # traced once per (batch, source bucket, beam size, L) by design

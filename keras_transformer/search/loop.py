@@ -55,6 +55,24 @@ def step(model, search, state, cache, max_lengths, alpha):
     return state, cache
 
 
+def split_cache(model, cache):
+    """The cache as a compiled loop carries it: split per layer where the model can (`split_cache`).
+
+    Optional in the decoding protocol, with `join_cache`: a model whose
+    `decode_step` takes its cache split per layer (`TransformerModel`)
+    reads each layer's keys and values in place inside a compiled loop,
+    instead of slicing (copying) them out of stacked entries every step.
+    """
+    split = getattr(model, "split_cache", None)
+    return cache if split is None else split(cache)
+
+
+def join_cache(model, cache):
+    """The cache of `split_cache` in the model's own form again (`join_cache`)."""
+    join = getattr(model, "join_cache", None)
+    return cache if join is None else join(cache)
+
+
 def beam_invariant_keys(model):
     """The cache entries that are the same for every beam of a row (`beam_invariant_cache_keys`).
 
@@ -65,7 +83,10 @@ def beam_invariant_keys(model):
     return tuple(getattr(model, "beam_invariant_cache_keys", ()))
 
 
-def run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled, search_name=None, options=None):
+def run(
+    model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled, search_name=None, options=None,
+    split=False,
+):
     """Runs a search; returns its `hypotheses`: `(sequences [B, K, L], scores [B, K], log_probs [B, K])`.
 
     K is 1 for greedy search and sampling; hypotheses are best first.
@@ -80,9 +101,14 @@ def run(model, encoder_token_ids, max_lengths, alpha, beam_size, length, compile
             than a Python loop with a Python int index.
         search_name: "greedy", "beam" or "sample", or None to choose by `beam_size`.
         options: None or a dict of option tensors (see `start`).
+        split: carry the cache split per layer (`split_cache`): Keras'
+            compiled drivers (`search/compiled.py`); the exported graphs
+            keep the stacked cache.
     """
     index = ops.convert_to_tensor(0, "int32") if compiled else 0
     search, state, cache = start(model, encoder_token_ids, beam_size, length, index, search_name, options)
+    if split:
+        cache = split_cache(model, cache)
 
     def cond(loop):
         return search.keep_going(loop["state"], max_lengths, alpha, length)

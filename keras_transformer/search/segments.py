@@ -36,6 +36,7 @@ Shape legend: B batch (sources), R rows of a segment (a power of two after
 the first), K beam size, C cache length, L output buffer length.
 """
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -72,13 +73,15 @@ def start(model, encoder_token_ids, beam_size, cache_length, search_name, option
 
     The cache holds C = `cache_length` positions and the state's output
     buffers C + 1 (the last step of a segment, at index C - 1, writes the
-    token at position C), so that no compiled shape depends on L.
+    token at position C), so that no compiled shape depends on L. It is
+    split per layer where the model can (`loop.split_cache`) and stays so
+    through the segments, the rows that leave and the cache's growth.
     """
     index = ops.convert_to_tensor(0, "int32")
     search, state, cache = loop.start(
         model, encoder_token_ids, beam_size, cache_length + 1, index, search_name, options, cache_length=cache_length
     )
-    return state, cache
+    return state, loop.split_cache(model, cache)
 
 
 def advance(model, search_name, state, cache, max_lengths, alpha, length, cache_length, leave_at):
@@ -209,7 +212,7 @@ def _take_rows(search, state, cache, max_lengths, taken, rows):
     batch_fields = {field.name for field in search.STATE_SPEC if field.axes[:1] == ("B",)}
     state = {name: ops.take(x, indices, axis=0) if name in batch_fields else x for name, x in state.items()}
     if cache:
-        per_row = dim(next(iter(cache.values())), 0) // rows  # K for beam search's tiled cache, else 1
+        per_row = dim(keras.tree.flatten(cache)[0], 0) // rows  # K for beam search's tiled cache, else 1
         cache_rows = ops.convert_to_tensor((taken[:, None] * per_row + np.arange(per_row)).reshape(-1), "int32")
-        cache = {name: ops.take(x, cache_rows, axis=0) for name, x in cache.items()}
+        cache = keras.tree.map_structure(lambda x: ops.take(x, cache_rows, axis=0), cache)
     return state, cache, ops.take(max_lengths, indices, axis=0)
