@@ -72,8 +72,11 @@ def pytest_report_header(config):
 # tests/run.sh runs the suite once per backend. What these tests check (text
 # and file handling, the corpus, the tokenizer, tf.data batching, directory
 # and resume bookkeeping, command-line plumbing, benchmark arithmetic) is the
-# same code on every backend, so they run once (on TensorFlow, or beside the
-# own_processes tests: INDEPENDENT_WITH_PROCESS_TESTS); the model, the
+# same code on every backend, so they run once, beside the own_processes tests
+# below (in the run of KT_PROCESS_TESTS_BACKEND: PyTorch's, in the second lane,
+# under tests/run.sh, which runs their small models eagerly where TensorFlow
+# and JAX compile each new model's search first, and leaves the TensorFlow
+# lane to the exports; TensorFlow's when pytest runs alone); the model, the
 # layers, the search, the losses, the schedule, training steps and the
 # optimizer state round trip run on all three. A name listed here that no
 # longer matches a test only makes that test run on every backend again.
@@ -143,20 +146,6 @@ BACKEND_INDEPENDENT = {
 }
 
 
-# The backend-independent tests of these files run beside the own_processes
-# tests (in the run of KT_PROCESS_TESTS_BACKEND: PyTorch's, in the second
-# lane, under tests/run.sh; TensorFlow's when pytest runs alone), not in the
-# TensorFlow lane, which carries the exports. They build, train or translate
-# with small models, which PyTorch runs eagerly while TensorFlow and JAX
-# compile every new model's search and step first (these 226 tests, side by
-# side on a busy 2-core machine: 901 s and 336 s of CPU on TensorFlow, 718 s
-# and 183 s of CPU on PyTorch, the Marian stand-ins' build included).
-INDEPENDENT_WITH_PROCESS_TESTS = {
-    "test_model.py", "test_export_ctranslate2.py", "test_translator.py", "test_translate_file.py", "test_inputs.py",
-    "test_finetune.py", "test_training_durability.py", "test_scoring.py", "test_convert_marian.py",
-}
-
-
 def _backend_independent(item):
     import fnmatch
 
@@ -174,10 +163,10 @@ def pytest_collection_modifyitems(config, items):
                     reason=f"runs its own processes once, in the {PROCESS_TESTS_BACKEND} run (KT_PROCESS_TESTS_BACKEND)"
                 ))
         elif _backend_independent(item):
-            home = PROCESS_TESTS_BACKEND if item.path.name in INDEPENDENT_WITH_PROCESS_TESTS else "tensorflow"
-            if BACKEND != home:
+            if BACKEND != PROCESS_TESTS_BACKEND:
                 item.add_marker(pytest.mark.skip(
-                    reason=f"backend-independent: runs once, on the {home} backend (KT_ALL_BACKENDS=1 to run)"
+                    reason=f"backend-independent: runs once, in the {PROCESS_TESTS_BACKEND} run "
+                    "(KT_PROCESS_TESTS_BACKEND; KT_ALL_BACKENDS=1 to run)"
                 ))
 
 
