@@ -78,7 +78,11 @@ def pytest_report_header(config):
 # tests/run.sh runs the suite once per backend. What these tests check (text
 # and file handling, the corpus, the tokenizer, tf.data batching, directory
 # and resume bookkeeping, command-line plumbing, benchmark arithmetic) is the
-# same code on every backend, so they run on TensorFlow only; the model, the
+# same code on every backend, so they run once, beside the own_processes tests
+# below (in the run of KT_PROCESS_TESTS_BACKEND: PyTorch's, in the second lane,
+# under tests/run.sh, which runs their small models eagerly where TensorFlow
+# and JAX compile each new model's search first, and leaves the TensorFlow
+# lane to the exports; TensorFlow's when pytest runs alone); the model, the
 # layers, the search, the losses, the schedule, training steps and the
 # optimizer state round trip run on all three. A name listed here that no
 # longer matches a test only makes that test run on every backend again.
@@ -126,6 +130,17 @@ BACKEND_INDEPENDENT = {
         "test_init_from_refuses_*", "test_init_from_a_preset_directory_*", "test_init_from_a_pretrained_*",
         "test_preset_directory_*", "test_train_cli_*", "test_translate_cli_*",
     ],
+    # Configurations, shapes and parameter counts (base- and big-size models: slow to build on any backend);
+    # the layers' numbers with key_dim != value_dim and one head run on every backend (tests/layers).
+    "test_model.py": ["test_parameter_counts_*", "test_table_3_*"],
+    # The export from every backend's weights, validated against that backend's search, runs on every backend
+    # (the `exported` fixture); CTranslate2's side of the comparisons, the variants' weight mapping, int8 and
+    # the refusals are the same on every backend.
+    "test_export_ctranslate2.py": [
+        "test_text_in_text_out_*", "test_beam_search_with_length_penalty_zero", "test_int8_*",
+        "test_half_split_sinusoids_*", "test_variants_*", "test_empty_outputs_*", "test_unsupported_*",
+        "test_old_format_*", "test_cli_*", "test_bad_quantization_*",
+    ],
     # All but the two tests of the resumed optimizer state.
     "test_training_durability.py": [
         "test_train_cli_*", "test_average_checkpoints_cli_*", "test_run_training_refuses_*", "test_overwrite_*",
@@ -153,10 +168,12 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(
                     reason=f"runs its own processes once, in the {PROCESS_TESTS_BACKEND} run (KT_PROCESS_TESTS_BACKEND)"
                 ))
-        elif BACKEND != "tensorflow" and _backend_independent(item):
-            item.add_marker(pytest.mark.skip(
-                reason="backend-independent: runs once, on the TensorFlow backend (KT_ALL_BACKENDS=1 to run)"
-            ))
+        elif _backend_independent(item):
+            if BACKEND != PROCESS_TESTS_BACKEND:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"backend-independent: runs once, in the {PROCESS_TESTS_BACKEND} run "
+                    "(KT_PROCESS_TESTS_BACKEND; KT_ALL_BACKENDS=1 to run)"
+                ))
 
 
 # ---------------------------------------------------------------------- #

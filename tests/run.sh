@@ -29,9 +29,10 @@ if [[ "$lanes" -lt 2 || "${#backends[@]}" -lt 2 ]]; then
 fi
 
 # The tests that run their own processes (tests/conftest.py: the notebooks,
-# the device smoke run) go to the second lane's last backend, so that the
-# lanes take about as long: TensorFlow runs the exports and the backend-
-# independent tests, JAX then PyTorch the rest. A caller's value stands.
+# the device smoke run) go to the second lane's last backend, and with them
+# the backend-independent tests (PyTorch runs their small models without
+# compiling), so that the lanes take about as long: TensorFlow runs the
+# exports, JAX then PyTorch the rest. A caller's value stands.
 export KT_PROCESS_TESTS_BACKEND=${KT_PROCESS_TESTS_BACKEND:-${backends[-1]}}
 # Two lanes share the cores: OpenMP threads (PyTorch's) that spin while they
 # wait take the core from the other lane's work. Passive waiting: PyTorch's
