@@ -513,7 +513,7 @@ class TransformerModel(keras.Model):
         cache grows it with the output (`search/segments.py`). Either form
         of the cache (stacked, or split per layer: `split_cache`).
         """
-        split = isinstance(cache["self_key"], (list, tuple))
+        split = self._is_split(cache)
         axis = 2 if split else 3  # T in [B, N, T, H] or [B, L, N, T, H]
         length = (cache["self_key"][0] if split else cache["self_key"]).shape[axis]
         if max_length < length:
@@ -533,8 +533,8 @@ class TransformerModel(keras.Model):
     def split_cache(self, cache):
         """The cache with each decoder layer's entries apart: tuples of one `[B, N, T, H]` tensor per layer.
 
-        `decode_step` takes either form and returns the one it was given;
-        `join_cache` stacks them back. A compiled search loop carries the
+        `decode_step` and `grow_cache` take either form and return the one
+        they were given. A compiled search loop carries the
         split form (`search/loop.py`): there each layer reads and writes its
         own keys and values in place, where the stacked `[B, L, N, T, H]`
         entries are sliced per layer at every step, and a slice on axis 1 is
@@ -545,9 +545,10 @@ class TransformerModel(keras.Model):
         split = {name: tuple(cache[name][:, i] for i in range(layers)) for name in self.per_layer_cache_keys}
         return dict(cache, **split)
 
-    def join_cache(self, cache):
-        """The cache of `split_cache` stacked back into `init_cache`'s `[B, L, N, T, H]` entries."""
-        return dict(cache, **{name: ops.stack(cache[name], axis=1) for name in self.per_layer_cache_keys})
+    @staticmethod
+    def _is_split(cache):
+        """Whether `cache` is split per layer (`split_cache`) rather than stacked."""
+        return isinstance(cache["self_key"], (list, tuple))
 
     def decode_step(self, token_ids, index, cache):
         """One cached decoder step.
@@ -572,16 +573,14 @@ class TransformerModel(keras.Model):
         if len(token_ids.shape) == 1:
             token_ids = token_ids[:, None]  # [B] -> [B, 1]
         token_ids = check_token_ids(token_ids, "token_ids", self.vocabulary_size)
-        split = isinstance(cache["self_key"], (list, tuple))
-        if split:
-            def entry(name, i):
-                return cache[name][i]  # [B, N, T, H]
-        else:
-            def entry(name, i):
-                return cache[name][:, i]  # [B, L, N, T, H] -> [B, N, T, H]
-        first_keys = entry("self_key", 0)
-        check_batch_sizes(token_ids=token_ids, cache=first_keys)
-        check_cache_index(index, first_keys.shape[2])
+        split = self._is_split(cache)
+
+        def entry(name, i):  # [B, N, T, H], from a split or a stacked [B, L, N, T, H] entry
+            return cache[name][i] if split else cache[name][:, i]
+
+        keys = cache["self_key"][0] if split else cache["self_key"]  # no slice copy for the checks
+        check_batch_sizes(token_ids=token_ids, cache=keys)
+        check_cache_index(index, keys.shape[2 if split else 3])
         x = self._embed(token_ids, self.decoder_position, self.decoder_embedding_dropout, start_index=index, training=False)
         keys, values = [], []
         for i, layer in enumerate(self.decoder_layers):

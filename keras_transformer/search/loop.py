@@ -58,19 +58,13 @@ def step(model, search, state, cache, max_lengths, alpha):
 def split_cache(model, cache):
     """The cache as a compiled loop carries it: split per layer where the model can (`split_cache`).
 
-    Optional in the decoding protocol, with `join_cache`: a model whose
+    Optional in the decoding protocol: a model whose
     `decode_step` takes its cache split per layer (`TransformerModel`)
     reads each layer's keys and values in place inside a compiled loop,
     instead of slicing (copying) them out of stacked entries every step.
     """
     split = getattr(model, "split_cache", None)
     return cache if split is None else split(cache)
-
-
-def join_cache(model, cache):
-    """The cache of `split_cache` in the model's own form again (`join_cache`)."""
-    join = getattr(model, "join_cache", None)
-    return cache if join is None else join(cache)
 
 
 def beam_invariant_keys(model):
