@@ -57,7 +57,6 @@ class Hypothesis(NamedTuple):
     score: float
 
 
-
 class _NoBar:
     """What `_progress_bar` returns without a bar: counts nothing, imports nothing."""
 
@@ -78,6 +77,7 @@ def _progress_bar(progress, **kwargs):
     from tqdm.auto import tqdm
 
     return tqdm(**kwargs)
+
 
 def check_batch_limits(batch_size, max_batch_tokens):
     """Refuses a `batch_size` or `max_batch_tokens` that is neither None nor a positive integer."""
