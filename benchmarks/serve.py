@@ -99,12 +99,14 @@ SEARCHES = {"greedy": 1, "beam4": 4}
 LENGTH_PENALTY = 0.6
 BATCH_SIZES = (1, 16)
 
-# The issue's goals (issue 12), on the same run.
-GOAL_ORT_SPEEDUP = 1.5  # ORT float32 over Keras/XLA, batch 1 greedy and batch 16 beam 4
-GOAL_ORT_CT2_FLOAT32 = 1.1  # ORT float32 time / CTranslate2 float32 time, at most
-GOAL_ORT_CT2_INT8 = 1.5  # ORT int8 time / CTranslate2 int8 time, at most
-GOAL_COLD_START_SECONDS = 0.6
-GOAL_RSS_MB = 200
+# The issue's goals (issue 25), on the same run (1 thread).
+GOAL_ORT_SPEEDUP = 2.0  # ORT float32 and int8 over Keras/XLA, every forced-length setting, at least
+GOAL_ORT_CT2_FLOAT32 = 1.0  # ORT float32 time / CTranslate2 float32 time, every setting, at most
+GOAL_ORT_CT2_INT8 = 1.2  # ORT int8 time / CTranslate2 int8 time, every setting, at most
+GOAL_COLD_START_SECONDS = 0.5
+GOAL_RSS_MB = 150
+GOAL_NATURAL_OVER_CT2 = 1.0  # natural lengths: ORT float32 and Keras sentences/s over CTranslate2's, at least
+GOAL_NATURAL_SCALING = 4.0  # natural lengths: batch 64 sentences/s over batch 1's, at least
 
 # The natural-length table (`--natural`): a trained model's own output lengths.
 NATURAL_ENGINES = ("ort-float32", "keras", "ct2-float32")
@@ -1107,33 +1109,51 @@ def add_roofline(row, decoded, sizes, rates):
 # ---------------------------------------------------------------------- #
 # Report
 # ---------------------------------------------------------------------- #
-def goals(rows, cold):
-    """The issue's goals, checked on the 1-thread rows of this run."""
+def goals(rows, cold, natural=None):
+    """The issue's goals (issue 25), checked on the 1-thread rows of this run; each names its worst setting."""
     index = {(r["batch"], r["search"], r["system"]): r for r in rows if r["threads"] == 1}
     checks = []
 
     def add(name, value, target, met, where):
         checks.append({"goal": name, "value": value, "target": target, "met": met, "where": where})
 
-    for batch, search in ((1, "greedy"), (max(b for b, _, _ in index) if index else 16, "beam4")):
-        row = index.get((batch, search, "ort-float32"))
-        if row and row["speedup_vs_keras"]:
-            value = row["speedup_vs_keras"]
-            add(f"ORT float32 vs Keras/XLA, batch {batch} {search}", value, f">= {GOAL_ORT_SPEEDUP}x",
-                value >= GOAL_ORT_SPEEDUP, f"B={batch} {search}")
+    def worst(values, at_least):
+        return (min if at_least else max)(values) if values else None
+
+    for system in ("ort-float32", "ort-int8"):
+        speedups = [(r["speedup_vs_keras"], f"B={r['batch']} {r['search']}") for r in index.values()
+                    if r["system"] == system and r.get("speedup_vs_keras")]
+        value = worst(speedups, at_least=True)
+        if value:
+            add(f"{system} vs Keras/XLA (worst setting)", value[0], f">= {GOAL_ORT_SPEEDUP}x",
+                value[0] >= GOAL_ORT_SPEEDUP, value[1])
     for system, limit in (("ort-float32", GOAL_ORT_CT2_FLOAT32), ("ort-int8", GOAL_ORT_CT2_INT8)):
         ratios = [(r["time_over_ct2"], f"B={r['batch']} {r['search']}") for r in index.values()
                   if r["system"] == system and r.get("time_over_ct2")]
-        if ratios:
-            worst = max(ratios)
-            add(f"{system} time / ct2-{system[4:]} time (worst setting)", worst[0], f"<= {limit}x",
-                worst[0] <= limit, worst[1])
+        value = worst(ratios, at_least=False)
+        if value:
+            add(f"{system} time / ct2-{system[4:]} time (worst setting)", value[0], f"<= {limit}x",
+                value[0] <= limit, value[1])
     for entry in cold:
         if entry["path"] == "ort" and "seconds" in entry:
             add("export.runtime cold start, one sentence", entry["seconds"], f"<= {GOAL_COLD_START_SECONDS} s",
                 entry["seconds"] <= GOAL_COLD_START_SECONDS, "process start to first line")
             add("export.runtime peak resident memory", entry["peak_rss_mb"], f"<= {GOAL_RSS_MB} MB",
                 entry["peak_rss_mb"] <= GOAL_RSS_MB, "one sentence")
+    if natural:
+        by = {(r["system"], r["batch"]): r for r in natural["rows"]}
+        for system in ("ort-float32", KERAS):
+            ratios = [(by[system, batch]["sentences_per_second"] / by["ct2-float32", batch]["sentences_per_second"],
+                       f"natural B={batch}") for (name, batch) in by if name == system and ("ct2-float32", batch) in by]
+            value = worst(ratios, at_least=True)
+            if value:
+                add(f"{system} sentences/s over ct2-float32's, natural lengths (worst batch)", value[0],
+                    f">= {GOAL_NATURAL_OVER_CT2}x", value[0] >= GOAL_NATURAL_OVER_CT2, value[1])
+            scaling = natural["scaling"].get(system)
+            if scaling:
+                add(f"{system} batch {scaling['batches'][1]} over batch {scaling['batches'][0]} sentences/s, natural",
+                    scaling["ratio"], f">= {GOAL_NATURAL_SCALING}x", scaling["ratio"] >= GOAL_NATURAL_SCALING,
+                    "natural lengths")
     return checks
 
 
@@ -1371,7 +1391,7 @@ def run_benchmark(args):
         "cold_start": cold,
         "installed": installed_sizes(),
         "profile": profile,
-        "goals": goals(rows, cold),
+        "goals": goals(rows, cold, natural),
     }
 
 
@@ -1430,7 +1450,7 @@ def print_report(results):
             for op in report["ops"][:12]:
                 print(f"    {op['op']:48s} {op['share']:6.1%}  {op['us'] / 1e3 / calls:8.2f} ms/call"
                       f"  {op['nodes_run'] // calls:6d} node runs/call")
-    print("\nGoals (issue 12, 1 thread, this run):")
+    print("\nGoals (issue 25, 1 thread, this run):")
     for goal in results["goals"]:
         print(f"  [{'met' if goal['met'] else 'NOT met'}] {goal['goal']}: {goal['value']:.2f} "
               f"(goal {goal['target']}; {goal['where']})")

@@ -80,13 +80,29 @@ def test_summary_ratios_and_goals():
     assert big["ms_per_token"] == pytest.approx(1e3 * 0.32 / 160)
 
     cold = [{"path": "ort", "seconds": 0.5, "peak_rss_mb": 250.0}]
-    checks = {c["goal"]: c["met"] for c in serve.goals(rows, cold)}
-    assert checks["ORT float32 vs Keras/XLA, batch 1 greedy"] is True  # 1.6x
-    assert checks["ORT float32 vs Keras/XLA, batch 16 beam4"] is True
+    natural_rows = [
+        {"system": system, "batch": batch, "sentences_per_second": rate}
+        for system, rates in {"ort-float32": (10.0, 45.0), "keras": (5.0, 12.0), "ct2-float32": (9.0, 40.0)}.items()
+        for batch, rate in zip((1, 64), rates)
+    ]
+    natural = {"rows": natural_rows, "scaling": {"ort-float32": {"batches": [1, 64], "ratio": 4.5},
+                                                  "keras": {"batches": [1, 64], "ratio": 2.4}}}
+    goals = {c["goal"]: c for c in serve.goals(rows, cold, natural)}
+    checks = {name: goal["met"] for name, goal in goals.items()}
+    assert checks["ort-float32 vs Keras/XLA (worst setting)"] is False  # 1.6x < 2x
+    assert goals["ort-float32 vs Keras/XLA (worst setting)"]["value"] == pytest.approx(1.6)
+    assert checks["ort-int8 vs Keras/XLA (worst setting)"] is True  # 3.2x
     assert checks["ort-float32 time / ct2-float32 time (worst setting)"] is False  # 2.0x
-    assert checks["ort-int8 time / ct2-int8 time (worst setting)"] is True  # 1.25x
-    assert checks["export.runtime cold start, one sentence"] is True
-    assert checks["export.runtime peak resident memory"] is False
+    assert checks["ort-int8 time / ct2-int8 time (worst setting)"] is False  # 1.25x > 1.2x
+    assert checks["export.runtime cold start, one sentence"] is True  # 0.5 s
+    assert checks["export.runtime peak resident memory"] is False  # 250 MB
+    ort_natural = goals["ort-float32 sentences/s over ct2-float32's, natural lengths (worst batch)"]
+    assert ort_natural["met"] is True and ort_natural["value"] == pytest.approx(10 / 9)
+    keras_natural = goals["keras sentences/s over ct2-float32's, natural lengths (worst batch)"]
+    assert keras_natural["met"] is False and keras_natural["where"] == "natural B=64"  # 12 / 40
+    assert checks["ort-float32 batch 64 over batch 1 sentences/s, natural"] is True
+    assert checks["keras batch 64 over batch 1 sentences/s, natural"] is False
+    assert not any("natural" in name for name in (c["goal"] for c in serve.goals(rows, cold)))
 
 
 def test_agreement_counts_rows_identical_to_keras():
