@@ -219,6 +219,24 @@ def default_optimized_cache():
     return pathlib.Path(root) / "onnxruntime"
 
 
+def add_optimized_cache_arguments(parser):
+    """`--optimized-cache DIR` / `--no-optimized-cache`, for the commands that serve an export (`optimized_cache`)."""
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--optimized-cache", default=None, metavar="DIR",
+        help="keep ONNX Runtime's optimised graphs in DIR: later starts skip the optimisation (faster cold start); "
+             "default: $KERAS_TRANSFORMER_CACHE/onnxruntime or ~/.cache/keras_transformer/onnxruntime",
+    )
+    cache.add_argument(
+        "--no-optimized-cache", action="store_true", help="optimise the graphs at every start and write nothing",
+    )
+
+
+def optimized_cache(args):
+    """The optimised-graph cache directory that `add_optimized_cache_arguments`' options name, or None."""
+    return None if args.no_optimized_cache else args.optimized_cache or default_optimized_cache()
+
+
 def _session_options(intra_op_threads=None):
     """ONNX Runtime session options.
 
@@ -760,15 +778,7 @@ def main(argv=None):
         "--threads", type=int, default=None,
         help="ONNX Runtime threads per session (default: one per core; 1 on a busy machine)",
     )
-    cache = parser.add_mutually_exclusive_group()
-    cache.add_argument(
-        "--optimized-cache", default=None, metavar="DIR",
-        help="keep ONNX Runtime's optimised graphs in DIR: later starts skip the optimisation (faster cold start); "
-             "default: $KERAS_TRANSFORMER_CACHE/onnxruntime or ~/.cache/keras_transformer/onnxruntime",
-    )
-    cache.add_argument(
-        "--no-optimized-cache", action="store_true", help="optimise the graphs at every start and write nothing",
-    )
+    add_optimized_cache_arguments(parser)
     add_file_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show ONNX Runtime's provider choice")
     args = parser.parse_args(argv)
@@ -783,8 +793,7 @@ def main(argv=None):
     )
     try:
         check_file_arguments(args)
-        cache = None if args.no_optimized_cache else args.optimized_cache or default_optimized_cache()
-        translator = OnnxTranslator(args.model, intra_op_threads=args.threads, optimized_cache=cache)
+        translator = OnnxTranslator(args.model, intra_op_threads=args.threads, optimized_cache=optimized_cache(args))
         # Empty lines translate to empty lines, so the output lines up with the input.
         count = translate_lines(
             translator, args,

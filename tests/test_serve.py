@@ -595,7 +595,11 @@ def test_after_kill_9_a_restart_is_ready_and_no_answer_was_partial(tmp_path, exp
     texts = sentences()
     pool_of_requests = [{"text": texts[i: i + 3], "beam_size": 1 + i % 3} for i in range(6)]
     expected = [reference(p["text"], beam_size=p["beam_size"]) for p in pool_of_requests]
-    server = ServerProcess(tmp_path, exported)
+    cache = tmp_path / "optimized"
+    server = ServerProcess(tmp_path, exported, "--optimized-cache", str(cache))
+    # The warm-up made the sessions, so their optimised graphs are in the cache.
+    optimized = {path.name: path.stat().st_mtime_ns for path in cache.glob("*.onnx")}
+    assert any(name.startswith("fused_decoder_step-") for name in optimized), sorted(optimized)
     outcomes, stop = [], threading.Event()
 
     def client(seed):
@@ -629,13 +633,15 @@ def test_after_kill_9_a_restart_is_ready_and_no_answer_was_partial(tmp_path, exp
             assert response.status_code == 200, response.text
             assert response.json()["translations"] == expected[which]
         assert {o for _, o in outcomes if isinstance(o, str)} <= {"ConnectError", "ReadError", "WriteError", "RemoteProtocolError"}
-        restarted = ServerProcess(tmp_path, exported, port=server.port)
+        restarted = ServerProcess(tmp_path, exported, "--optimized-cache", str(cache), port=server.port)
         try:
             assert post(restarted.url, pool_of_requests[0]).json()["translations"] == expected[0]
             restarted.process.send_signal(signal.SIGTERM)
             assert restarted.wait(30) == 0
         finally:
             restarted.kill()
+        # The restart loaded the cached graphs (none optimised and written again).
+        assert {path.name: path.stat().st_mtime_ns for path in cache.glob("*.onnx")} == optimized
         assert "BLOCKED IMPORT" not in restarted.text()
     finally:
         stop.set()

@@ -19,15 +19,19 @@ class OnnxRuntimeEngine:
         directory: written by `python -m export.onnx` from a preset with a tokenizer.
         threads: ONNX Runtime intra-op threads, or None (one per core).
         providers: as `OnnxSeq2Seq` (None: CUDA when it works, else CPU).
+        optimized_cache: as `OnnxSeq2Seq`: a directory for ONNX Runtime's
+            optimised graphs (later starts skip the optimisation), or None.
     """
 
     name = "onnxruntime"
 
-    def __init__(self, directory, threads=None, providers=None):
+    def __init__(self, directory, threads=None, providers=None, optimized_cache=None):
         from export.runtime import OnnxTranslator
 
         self.directory = pathlib.Path(directory)
-        self.translator = OnnxTranslator(directory, providers=providers, intra_op_threads=threads)
+        self.translator = OnnxTranslator(
+            directory, providers=providers, intra_op_threads=threads, optimized_cache=optimized_cache
+        )
         self.max_sequence_length = self.translator.model.max_sequence_length
 
     def count_tokens(self, texts):
@@ -113,7 +117,7 @@ class CTranslate2Engine:
         return results
 
 
-def load_engine(directory, engine="onnxruntime", threads=None):
+def load_engine(directory, engine="onnxruntime", threads=None, optimized_cache=None):
     """The translation engine for an exported directory.
 
     Args:
@@ -121,12 +125,14 @@ def load_engine(directory, engine="onnxruntime", threads=None):
             `python -m export.ctranslate2` output (engine "ctranslate2").
         engine: one of `ENGINES`.
         threads: intra-op threads of the engine, or None (its default).
+        optimized_cache: ONNX Runtime's optimised-graph cache directory
+            (`OnnxRuntimeEngine`), or None; CTranslate2 has none.
 
     Raises:
         FileNotFoundError, ValueError: the directory is not such an export.
     """
     if engine == "onnxruntime":
-        return OnnxRuntimeEngine(directory, threads=threads)
+        return OnnxRuntimeEngine(directory, threads=threads, optimized_cache=optimized_cache)
     if engine == "ctranslate2":
         return CTranslate2Engine(directory, threads=threads)
     raise ValueError(f"engine={engine!r} must be one of {ENGINES}")

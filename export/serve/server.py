@@ -93,6 +93,7 @@ def serve(model, engine="onnxruntime", host="127.0.0.1", port=8000, settings=Non
 
 
 def main(argv=None):
+    from export.runtime import add_optimized_cache_arguments, optimized_cache
     from keras_transformer.utils import non_negative_int, positive_float, positive_int
 
     defaults = ServerSettings()
@@ -106,6 +107,7 @@ def main(argv=None):
     parser.add_argument("--port", type=non_negative_int, default=8000, help="default 8000; 0 picks a free port")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="engine intra-op threads (default: ONNX Runtime one per core, CTranslate2 1)")
+    add_optimized_cache_arguments(parser)
     group = parser.add_argument_group("batching")
     group.add_argument("--max-batch-tokens", type=positive_int, default=defaults.max_batch_tokens,
                        help=f"padded source tokens per search (default {defaults.max_batch_tokens})")
@@ -152,7 +154,8 @@ def main(argv=None):
         parser.error(str(error).replace("_", "-"))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = load_engine(args.model, args.engine, threads=args.threads)
+        cache = optimized_cache(args) if args.engine == "onnxruntime" else None
+        engine = load_engine(args.model, args.engine, threads=args.threads, optimized_cache=cache)
         sock = bind(args.host, args.port)
     except (FileNotFoundError, ValueError, ImportError, OSError) as error:
         parser.exit(2, f"error: {error}\n")
