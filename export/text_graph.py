@@ -853,10 +853,10 @@ def build_tokenizer_graphs(tokenizer, config, opset=17):
 def _session(path):
     import onnxruntime as ort
 
+    from export.runtime import _session_options
+
     extensions = _require_extensions()
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options = _session_options()
     options.register_custom_ops_library(extensions.get_library_path())
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 

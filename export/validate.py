@@ -32,10 +32,11 @@ DECODER_STEPS = 3
 def _session(path):
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    # Validation is about the graph, so it runs on the CPU provider.
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    from export.runtime import _session_options
+
+    # Validation is about the graph, so it runs on the CPU provider; its threads do not spin (an export
+    # beside other work, e.g. the test suite's second lane, would lose a core to them).
+    return ort.InferenceSession(str(path), _session_options(), providers=["CPUExecutionProvider"])
 
 
 def _compare(graph, name, actual, expected, atol):
