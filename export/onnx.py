@@ -66,6 +66,7 @@ of an export's time); the export is checked to be the preset's first.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -191,6 +192,52 @@ CUSTOM_OP_HANDLERS = {
 }
 
 
+def _extract_sub_graph_nodes(graph, outputs_name, input_checker=None, remove_unused_inputs=True):
+    """tf2onnx's `Graph.extract_sub_graph_nodes` in one walk: the nodes the outputs `outputs_name` depend on.
+
+    tf2onnx 1.17 walks the graph once per output (and per graph input with
+    `remove_unused_inputs=False`), each walk listing a Loop's outer-scope
+    inputs again: after every optimizer pass, `delete_unused_nodes` did
+    about forty walks of a search's Loop body, a third of the conversion
+    time of a whole-search graph. One walk with one visited set finds the
+    same nodes (the union of the walks'), so the graph is the same.
+    """
+    outputs_to_keep = list(outputs_name)
+    if not remove_unused_inputs:
+        # tf2onnx keeps the placeholders that no output reads (a Loop body's inputs).
+        outputs_to_keep += [placeholder.output[0] for placeholder in graph.inputs]
+
+    def wanted(node):
+        return node is not None and not (input_checker and input_checker(node) is False)
+
+    found, pending = set(), [graph.get_node_by_output(name, search_in_parent_graphs=False) for name in outputs_to_keep]
+    pending = [node for node in pending if wanted(node)]
+    while pending:
+        node = pending.pop()
+        if node in found:
+            continue
+        found.add(node)
+        # A node with a body (Loop, If) also reads the values its body takes from this graph.
+        for name in node.input + list(node.get_implicit_inputs()):
+            producer = graph.get_node_by_output(name, search_in_parent_graphs=False)
+            if producer not in found and wanted(producer):
+                pending.append(producer)
+    return list(found)
+
+
+@contextlib.contextmanager
+def _one_walk_subgraph_extraction():
+    """Within the block, tf2onnx's graphs find the nodes their outputs need with `_extract_sub_graph_nodes`."""
+    from tf2onnx.graph import Graph
+
+    original = Graph.extract_sub_graph_nodes
+    Graph.extract_sub_graph_nodes = _extract_sub_graph_nodes
+    try:
+        yield
+    finally:
+        Graph.extract_sub_graph_nodes = original
+
+
 def _optimizers():
     """tf2onnx's optimizers without the pass that miscompiles attention (`model.tf2onnx_optimizers`)."""
     from keras_transformer.model import tf2onnx_optimizers
@@ -201,9 +248,10 @@ def _optimizers():
 def _convert(function, input_signature, opset, path):
     """Converts one tf.function with tf2onnx and writes it to `path`.
 
-    The steps of `tf2onnx.convert.from_function`, with three changes: an
+    The steps of `tf2onnx.convert.from_function`, with four changes: an
     op tf2onnx cannot convert is an error (tf2onnx logs it and leaves it in
-    the graph), the optimizer list of `_optimizers()`, and
+    the graph), the optimizer list of `_optimizers()`, unused nodes found
+    in one walk (`_extract_sub_graph_nodes`), and
     `_fold_tensordot_reshapes` afterwards.
     """
     import onnx
@@ -220,7 +268,7 @@ def _convert(function, input_signature, opset, path):
     renames = convert.tensor_names_from_structed(concrete, input_names, output_names)
     with tf.device("/cpu:0"):
         graph_def = tf_loader.from_function(concrete, input_names, output_names)
-    with tf.Graph().as_default() as tf_graph:
+    with tf.Graph().as_default() as tf_graph, _one_walk_subgraph_extraction():
         tf.import_graph_def(graph_def, name="")
 
         def onnx_graph():
