@@ -238,6 +238,60 @@ def _one_walk_subgraph_extraction():
         Graph.extract_sub_graph_nodes = original
 
 
+def _optimize_in_place(graph, optimizers):
+    """tf2onnx's `optimizer.optimize_graph(graph, catch_errors=False, optimizers=optimizers)`, with less bookkeeping.
+
+    After every pass tf2onnx writes each node's ONNX proto again (for a
+    Loop, its whole body, sorted and pruned) and prunes the unused nodes,
+    whether or not the pass changed anything; most passes of a round change
+    nothing, and this bookkeeping was a third of the conversion time of a
+    whole-search graph. Here it runs after a pass only if the nodes, their
+    inputs, outputs or attributes (in the bodies too: `_structure`) differ
+    from when it last ran, so each pass sees the graph it would see in
+    tf2onnx's loop, and the passes, their order and the rounds until none
+    changes the graph are tf2onnx's.
+    """
+    from tf2onnx.optimizer.optimizer_base import GraphOptimizerBase
+
+    synced = None  # `_structure(graph)` when the protos were last written and unused nodes pruned
+    iteration, again = 0, True
+    while again:
+        again = False
+        for factory in optimizers.values():
+            optimizer = factory()
+            if isinstance(optimizer, GraphOptimizerBase):
+                optimizer.opt_iteration = iteration
+                graph = optimizer._optimize(graph)
+                if _structure(graph) != synced:
+                    graph.update_proto()
+                    graph.delete_unused_nodes(graph.outputs)
+                    synced = _structure(graph)
+            else:  # another kind of pass: tf2onnx's own call
+                graph = optimizer.optimize(graph, iteration)
+                synced = None
+            again = again or optimizer.graph_been_opt
+        iteration += 1
+    graph.topological_sort(graph.get_nodes())
+    return graph
+
+
+def _structure(graph):
+    """What tf2onnx's `update_proto` and `delete_unused_nodes` read of a graph: its nodes and outputs, and each body's."""
+    from onnx import AttributeProto
+
+    items = [tuple(graph.outputs)]
+    for node in graph.get_nodes():
+        bodies = node.get_body_graphs() or {}
+        # Attributes by object (a pass sets a new one), strings by value (the einsum pass edits one in place).
+        attributes = tuple(
+            (name, id(value), value.s if value.type == AttributeProto.STRING else None)
+            for name, value in node.attr.items() if name not in bodies
+        )
+        items.append((id(node), node.type, node.domain, tuple(node.input), tuple(node.output), attributes))
+        items.extend((name, _structure(body)) for name, body in sorted(bodies.items()))
+    return items
+
+
 def _optimizers():
     """tf2onnx's optimizers without the pass that miscompiles attention (`model.tf2onnx_optimizers`)."""
     from keras_transformer.model import tf2onnx_optimizers
@@ -250,8 +304,9 @@ def _convert(function, input_signature, opset, path):
 
     The steps of `tf2onnx.convert.from_function`, with four changes: an
     op tf2onnx cannot convert is an error (tf2onnx logs it and leaves it in
-    the graph), the optimizer list of `_optimizers()`, unused nodes found
-    in one walk (`_extract_sub_graph_nodes`), and
+    the graph), the optimizer list of `_optimizers()` (run by
+    `_optimize_in_place`), unused nodes found in one walk
+    (`_extract_sub_graph_nodes`), and
     `_fold_tensordot_reshapes` afterwards.
     """
     import onnx
@@ -292,7 +347,7 @@ def _convert(function, input_signature, opset, path):
         # careful way (the same result where no pass fails).
         graph = onnx_graph()
         try:
-            graph = optimizer.optimize_graph(graph, catch_errors=False, optimizers=_optimizers())
+            graph = _optimize_in_place(graph, _optimizers())
         except Exception:  # a tf2onnx optimizer pass failed on this graph
             logger.debug("tf2onnx optimizer failed in place on %s; optimizing a fresh copy pass by pass", path.name)
             graph = optimizer.optimize_graph(onnx_graph(), catch_errors=True, optimizers=_optimizers())
