@@ -66,6 +66,7 @@ of an export's time); the export is checked to be the preset's first.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -191,6 +192,106 @@ CUSTOM_OP_HANDLERS = {
 }
 
 
+def _extract_sub_graph_nodes(graph, outputs_name, input_checker=None, remove_unused_inputs=True):
+    """tf2onnx's `Graph.extract_sub_graph_nodes` in one walk: the nodes the outputs `outputs_name` depend on.
+
+    tf2onnx 1.17 walks the graph once per output (and per graph input with
+    `remove_unused_inputs=False`), each walk listing a Loop's outer-scope
+    inputs again: after every optimizer pass, `delete_unused_nodes` did
+    about forty walks of a search's Loop body, a third of the conversion
+    time of a whole-search graph. One walk with one visited set finds the
+    same nodes (the union of the walks'), so the graph is the same.
+    """
+    outputs_to_keep = list(outputs_name)
+    if not remove_unused_inputs:
+        # tf2onnx keeps the placeholders that no output reads (a Loop body's inputs).
+        outputs_to_keep += [placeholder.output[0] for placeholder in graph.inputs]
+
+    def wanted(node):
+        return node is not None and not (input_checker and input_checker(node) is False)
+
+    found, pending = set(), [graph.get_node_by_output(name, search_in_parent_graphs=False) for name in outputs_to_keep]
+    pending = [node for node in pending if wanted(node)]
+    while pending:
+        node = pending.pop()
+        if node in found:
+            continue
+        found.add(node)
+        # A node with a body (Loop, If) also reads the values its body takes from this graph.
+        for name in node.input + list(node.get_implicit_inputs()):
+            producer = graph.get_node_by_output(name, search_in_parent_graphs=False)
+            if producer not in found and wanted(producer):
+                pending.append(producer)
+    return list(found)
+
+
+@contextlib.contextmanager
+def _one_walk_subgraph_extraction():
+    """Within the block, tf2onnx's graphs find the nodes their outputs need with `_extract_sub_graph_nodes`."""
+    from tf2onnx.graph import Graph
+
+    original = Graph.extract_sub_graph_nodes
+    Graph.extract_sub_graph_nodes = _extract_sub_graph_nodes
+    try:
+        yield
+    finally:
+        Graph.extract_sub_graph_nodes = original
+
+
+def _optimize_in_place(graph, optimizers):
+    """tf2onnx's `optimizer.optimize_graph(graph, catch_errors=False, optimizers=optimizers)`, with less bookkeeping.
+
+    After every pass tf2onnx writes each node's ONNX proto again (for a
+    Loop, its whole body, sorted and pruned) and prunes the unused nodes,
+    whether or not the pass changed anything; most passes of a round change
+    nothing, and this bookkeeping was a third of the conversion time of a
+    whole-search graph. Here it runs after a pass only if the nodes, their
+    inputs, outputs or attributes (in the bodies too: `_structure`) differ
+    from when it last ran, so each pass sees the graph it would see in
+    tf2onnx's loop, and the passes, their order and the rounds until none
+    changes the graph are tf2onnx's.
+    """
+    from tf2onnx.optimizer.optimizer_base import GraphOptimizerBase
+
+    synced = None  # `_structure(graph)` when the protos were last written and unused nodes pruned
+    iteration, again = 0, True
+    while again:
+        again = False
+        for factory in optimizers.values():
+            optimizer = factory()
+            if isinstance(optimizer, GraphOptimizerBase):
+                optimizer.opt_iteration = iteration
+                graph = optimizer._optimize(graph)
+                if _structure(graph) != synced:
+                    graph.update_proto()
+                    graph.delete_unused_nodes(graph.outputs)
+                    synced = _structure(graph)
+            else:  # another kind of pass: tf2onnx's own call
+                graph = optimizer.optimize(graph, iteration)
+                synced = None
+            again = again or optimizer.graph_been_opt
+        iteration += 1
+    graph.topological_sort(graph.get_nodes())
+    return graph
+
+
+def _structure(graph):
+    """What tf2onnx's `update_proto` and `delete_unused_nodes` read of a graph: its nodes and outputs, and each body's."""
+    from onnx import AttributeProto
+
+    items = [tuple(graph.outputs)]
+    for node in graph.get_nodes():
+        bodies = node.get_body_graphs() or {}
+        # Attributes by object (a pass sets a new one), strings by value (the einsum pass edits one in place).
+        attributes = tuple(
+            (name, id(value), value.s if value.type == AttributeProto.STRING else None)
+            for name, value in node.attr.items() if name not in bodies
+        )
+        items.append((id(node), node.type, node.domain, tuple(node.input), tuple(node.output), attributes))
+        items.extend((name, _structure(body)) for name, body in sorted(bodies.items()))
+    return items
+
+
 def _optimizers():
     """tf2onnx's optimizers without the pass that miscompiles attention (`model.tf2onnx_optimizers`)."""
     from keras_transformer.model import tf2onnx_optimizers
@@ -201,9 +302,11 @@ def _optimizers():
 def _convert(function, input_signature, opset, path):
     """Converts one tf.function with tf2onnx and writes it to `path`.
 
-    The steps of `tf2onnx.convert.from_function`, with three changes: an
+    The steps of `tf2onnx.convert.from_function`, with four changes: an
     op tf2onnx cannot convert is an error (tf2onnx logs it and leaves it in
-    the graph), the optimizer list of `_optimizers()`, and
+    the graph), the optimizer list of `_optimizers()` (run by
+    `_optimize_in_place`), unused nodes found in one walk
+    (`_extract_sub_graph_nodes`), and
     `_fold_tensordot_reshapes` afterwards.
     """
     import onnx
@@ -220,7 +323,7 @@ def _convert(function, input_signature, opset, path):
     renames = convert.tensor_names_from_structed(concrete, input_names, output_names)
     with tf.device("/cpu:0"):
         graph_def = tf_loader.from_function(concrete, input_names, output_names)
-    with tf.Graph().as_default() as tf_graph:
+    with tf.Graph().as_default() as tf_graph, _one_walk_subgraph_extraction():
         tf.import_graph_def(graph_def, name="")
 
         def onnx_graph():
@@ -244,7 +347,7 @@ def _convert(function, input_signature, opset, path):
         # careful way (the same result where no pass fails).
         graph = onnx_graph()
         try:
-            graph = optimizer.optimize_graph(graph, catch_errors=False, optimizers=_optimizers())
+            graph = _optimize_in_place(graph, _optimizers())
         except Exception:  # a tf2onnx optimizer pass failed on this graph
             logger.debug("tf2onnx optimizer failed in place on %s; optimizing a fresh copy pass by pass", path.name)
             graph = optimizer.optimize_graph(onnx_graph(), catch_errors=True, optimizers=_optimizers())
