@@ -11,6 +11,8 @@ TensorFlow backend.
 
 import inspect
 
+from keras import ops
+
 from export import contract
 from keras_transformer.generation import hypotheses_graph, search_graph, start_graph, update_graph
 from keras_transformer.search.loop import SEARCHES
@@ -152,7 +154,7 @@ def _update_function(model, search_name, graph):
         for name, value in zip(_HYPOTHESES_OUTPUTS, outputs["hypotheses"]):
             tensor = outputs_by_name[f"hypotheses_{name}"]
             # Sampling's update graph drops the hypotheses axis of size 1 (the contract says which).
-            named[f"hypotheses_{name}"] = value if "hypotheses" in tensor.axes else value[:, 0]
+            named[f"hypotheses_{name}"] = value if "hypotheses" in tensor.axes else ops.squeeze(value, 1)
         named.update({name: outputs[name] for name in ("decoder_token_ids", "rows_done", "keep_going", "parents")
                       if name in outputs})
         return {name: named[name] for name in graph.output_names()}

@@ -188,6 +188,26 @@ def _recording_steps(monkeypatch):
     return calls
 
 
+def test_rows_that_leave_are_filled_from_the_tail_in_place():
+    """`fill_holes`: the live rows, those among the first n where they are, the holes taken by later live rows;
+    the buffers move only those rows, in place, and only the positions written so far."""
+    from export import steps
+
+    live = np.array([True, False, True, True, False, True, False, True])
+    kept = steps.fill_holes(live)
+    np.testing.assert_array_equal(kept, [0, 5, 2, 3, 7])
+    np.testing.assert_array_equal(steps.beam_rows(kept[:2], 3), [0, 1, 2, 15, 16, 17])
+    np.testing.assert_array_equal(steps.fill_holes(np.ones(3, bool)), [0, 1, 2])
+    assert len(steps.fill_holes(np.zeros(3, bool))) == 0
+    cache = np.arange(8 * 2 * 4 * 1, dtype=np.float32).reshape(8, 2, 4, 1)
+    before = cache.copy()
+    kept_cache = steps._fill_holes(cache, kept, positions=3)
+    assert np.shares_memory(kept_cache, cache) and kept_cache.shape == (5, 2, 4, 1)
+    np.testing.assert_array_equal(kept_cache[:, :, :3], before[kept][:, :, :3])
+    np.testing.assert_array_equal(kept_cache[1, :, 3:], before[1, :, 3:])  # positions not written yet: untouched
+    np.testing.assert_array_equal(cache[5:], before[5:])  # the rows after the first n are left as they were
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_rows_that_are_done_leave_the_batch_and_the_cache_grows(model, exported, beam_size, monkeypatch):

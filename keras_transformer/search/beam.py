@@ -70,17 +70,21 @@ def init(model, batch, beam_size, length, index, cache, options=None):
 
 def tokens(state):
     """The ids to feed at the state's index, `[B * K]`."""
-    live = state["live_sequences"]
-    batch, beam_size = dim(live, 0), dim(live, 1)
-    return ops.reshape(read_position(live, state["index"]), (batch * beam_size,))  # [B * K]
+    return ops.reshape(read_position(state["live_sequences"], state["index"]), (-1,))  # [B * K]
 
 
 def update(model, state, logits, max_lengths, alpha):
     """Extends the live beams by `logits` `[B * K, V]`; returns `(state, parents [B, K])`."""
     index = state["index"]
     live = state["live_sequences"]
-    batch, beam_size = dim(live, 0), dim(live, 1)
+    # Each dynamic size once (in an exported graph, each is a chain of shape nodes).
+    batch, beam_size, length = dim(live, 0), dim(live, 1), dim(live, 2)
     vocabulary_size = model.vocabulary_size
+    first_rows = ops.expand_dims(ops.arange(batch, dtype="int32"), 1)  # [B, 1]
+
+    def flat_rows(choice, old_beams):
+        """`[B, K_new]` beams of `[B, old_beams, ...]` -> their rows in the `[B * old_beams, ...]` layout."""
+        return ops.cast(choice, "int32") + first_rows * old_beams
 
     # [B * K, V] -> [B, K, V]
     logits = ops.reshape(ops.convert_to_tensor(logits), (batch, beam_size, vocabulary_size))
@@ -93,13 +97,15 @@ def update(model, state, logits, max_lengths, alpha):
     top_log_probs, top_indices = top_k(candidates, 2 * beam_size, unit=vocabulary_size)  # [B, 2K], in two stages
     top_parents = ops.floor_divide(top_indices, vocabulary_size)  # [B, 2K], beam in 0..K-1
     top_tokens = ops.mod(top_indices, vocabulary_size)  # [B, 2K]
-    top_sequences = write_position(gather_beams(live, top_parents), index + 1, top_tokens)  # [B, 2K, L]
+    top_sequences = _take_beams(live, flat_rows(top_parents, beam_size), (length,))  # [B, 2K, L]
+    top_sequences = write_position(top_sequences, index + 1, top_tokens)
     top_ended = ops.equal(top_tokens, model.end_id)
 
     # Live: the best K extensions that did not end.
     live_log_probs, live_choice = ops.top_k(ops.where(top_ended, NEG_INF, top_log_probs), beam_size)  # [B, K]
-    live_sequences = gather_beams(top_sequences, live_choice)  # [B, K, L]
-    parents = gather_beams(top_parents, live_choice)  # [B, K]
+    live_choice = flat_rows(live_choice, 2 * beam_size)
+    live_sequences = _take_beams(top_sequences, live_choice, (length,))  # [B, K, L]
+    parents = _take_beams(top_parents, live_choice, ())  # [B, K]
 
     # Finished: merge the extensions that ended, scored with the length
     # penalty, into the best K finished so far.
@@ -109,15 +115,16 @@ def update(model, state, logits, max_lengths, alpha):
     all_sequences = ops.concatenate([state["finished_sequences"], top_sequences], axis=1)  # [B, 3K, L]
     all_log_probs = ops.concatenate([state["finished_log_probs"], top_log_probs], axis=1)  # [B, 3K]
     finished_scores, finished_choice = ops.top_k(all_scores, beam_size)  # [B, K]
+    finished_choice = flat_rows(finished_choice, 3 * beam_size)
 
     state = dict(
         state,
         index=index + 1,
         live_sequences=live_sequences,
         live_log_probs=live_log_probs,
-        finished_sequences=gather_beams(all_sequences, finished_choice),
+        finished_sequences=_take_beams(all_sequences, finished_choice, (length,)),
         finished_scores=finished_scores,
-        finished_log_probs=gather_beams(all_log_probs, finished_choice),
+        finished_log_probs=_take_beams(all_log_probs, finished_choice, ()),
     )
     return state, parents
 
@@ -166,14 +173,19 @@ def hypotheses(state):
 def gather_beams(x, beam_indices):
     """Selects beams: `[B, K_old, ...]` and `[B, K_new]` -> `[B, K_new, ...]`.
 
-    One `ops.take` on the flattened beams:
-    `[B, K_old, ...] -> [B * K_old, ...] -> [B * K_new, ...] -> [B, K_new, ...]`.
+    One `ops.take` on the flattened beams with `[B, K_new]` indices:
+    `[B, K_old, ...] -> [B * K_old, ...] -> [B, K_new, ...]`. (The flat
+    rows' shape is `-1` and the axes after the beam's, and the output needs
+    no reshape: in an exported graph each dynamic size is a chain of shape
+    nodes.)
     """
-    batch, old_beams, *rest = (dim(x, axis) for axis in range(len(x.shape)))
-    flat = ops.reshape(x, (batch * old_beams, *rest))
-    indices = ops.reshape(_flat_beam_indices(beam_indices, old_beams), (-1,))
-    # K_new rather than -1: the beam axis stays static when the batch is not.
-    return ops.reshape(ops.take(flat, indices, axis=0), (batch, dim(beam_indices, 1), *rest))
+    rest = tuple(dim(x, axis) for axis in range(2, len(x.shape)))
+    return _take_beams(x, _flat_beam_indices(beam_indices, dim(x, 1)), rest)
+
+
+def _take_beams(x, rows, rest):
+    """`[B, K_old, *rest]` -> `[B, K_new, *rest]`: `rows` `[B, K_new]` of the `[B * K_old, *rest]` layout."""
+    return ops.take(ops.reshape(x, (-1, *rest)), rows, axis=0)
 
 
 def _flat_beam_indices(beam_indices, beam_size):

@@ -124,12 +124,18 @@ def top_k(x, k, unit=None):
     rows = ops.reshape(x, (-1, chunk))  # chunk j of row b is row b * count + j
     count = dim(rows, 0) // batch if length is None else length // chunk
     _, best = ops.top_k(ops.reshape(ops.max(rows, axis=-1), (batch, -1)), k)  # [B, k]
-    best = ops.sort(ops.cast(best, "int32"), axis=-1)  # index order: ties go to the lower index
-    picked = ops.take(rows, ops.reshape(best + _row_offsets(batch, count), (-1,)), axis=0)  # [B * k, c]
-    values, positions = ops.top_k(ops.reshape(picked, (batch, k * chunk)), k)  # [B, k]
+    best = ops.cast(best, "int32")
+    if k_known != 1:  # one chunk needs no order
+        # Index order: ties go to the lower index. The chunk numbers are
+        # distinct and >= 0, so a top-k of their negatives sorts them (in
+        # ONNX 3 nodes; `ops.sort` converts to a dozen).
+        best = -ops.top_k(-best, k)[0]
+    # Indices `[B, k]` take `[B, k, ...]` at once: no reshape of a dynamic shape (a chain of shape nodes in ONNX).
+    picked = ops.take(rows, best + _row_offsets(batch, count), axis=0)  # [B, k, c]
+    values, positions = ops.top_k(ops.reshape(picked, (batch, -1)), k)  # [B, k]
     positions = ops.cast(positions, "int32")
-    chosen = ops.take(ops.reshape(best, (-1,)), ops.reshape(positions // chunk + _row_offsets(batch, k), (-1,)), axis=0)
-    return values, ops.reshape(chosen, (batch, k)) * chunk + positions % chunk  # chunk * c + place in it
+    chosen = ops.take(ops.reshape(best, (-1,)), positions // chunk + _row_offsets(batch, k), axis=0)  # [B, k]
+    return values, chosen * chunk + positions % chunk  # chunk * c + place in it
 
 
 def _row_offsets(batch, width):
