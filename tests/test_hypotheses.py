@@ -15,7 +15,7 @@ from conftest import tiny_model, to_numpy
 from keras_transformer.decoding import sample_keys
 from keras_transformer.generation import Hypotheses, generate, generate_hypotheses, length_penalty_factor
 from keras_transformer.search import sample
-from keras_transformer.search.log_probs import token_log_probs, token_log_probs_numpy
+from keras_transformer.search.log_probs import FORCED_END_LOG_PROB, token_log_probs, token_log_probs_numpy
 from keras_transformer.search.scoring import score_targets
 from keras_transformer.tokenizer import train_tokenizer
 from keras_transformer.translator import Hypothesis, Translator
@@ -145,6 +145,27 @@ def test_the_twin_token_rules_agree_with_a_prefix(model, shape):
     assert np.isneginf(np.delete(rule[0], 8, axis=-1)).all()
     np.testing.assert_array_equal(rule[0, ..., 8], plain[0, ..., 8])
     np.testing.assert_array_equal(rule[1], plain[1])
+
+
+def test_the_twin_token_rules_agree_where_a_prefix_meets_the_row_limit(model):
+    """Rows held twice (at their maximum length inside their prefix, which callers refuse) or to an id the
+    search never generates (start in a prefix): the keras.ops rule excludes and floors what the NumPy twin
+    does."""
+    logits = np.random.default_rng(2).normal(0.0, 4.0, (4, 50)).astype("float32")
+    logits[1, END] = -1e30  # the forced end id with probability 0: floored
+    max_lengths = np.array([2, 2, 2, 9], "int32")
+    prefix = np.array([[7, 8], [7, END], [START, 0], [5, START]], "int32")
+    for generated_length in (1, 2):
+        expected = token_log_probs_numpy(model, logits, generated_length, max_lengths, prefix)
+        actual = to_numpy(token_log_probs(model, keras.ops.convert_to_tensor(logits), generated_length,
+                                          keras.ops.convert_to_tensor(max_lengths), keras.ops.convert_to_tensor(prefix)))
+        np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(actual[finite], expected[finite], rtol=1e-6, atol=1e-5)
+    rule = token_log_probs_numpy(model, logits, 2, max_lengths, prefix)
+    assert np.isneginf(rule[0]).all() and np.isneginf(rule[3]).all()  # 8 is not the end id; start never
+    assert rule[1, END] == np.float32(FORCED_END_LOG_PROB) and np.isneginf(np.delete(rule[1], END)).all()
+    assert np.isfinite(rule[2, END]) and np.isneginf(np.delete(rule[2], END)).all()  # the prefix has ended
 
 
 # ---------------------------------------------------------------------- #
