@@ -673,7 +673,10 @@ class OnnxSeq2Seq:
         def run(graph, values):
             return contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
 
-        return step_search(run, self._session("fused_decoder_step"), plan, length_penalty, max_extra_length)
+        update = self._session(contract.STEP_GRAPHS[plan.search_name][1])
+        return step_search(
+            run, self._session("fused_decoder_step"), plan, length_penalty, max_extra_length, update_session=update
+        )
 
     def generate_hypotheses(
         self,

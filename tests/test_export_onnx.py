@@ -188,6 +188,39 @@ def _recording_steps(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_the_update_graph_runs_into_bound_buffers_with_the_plain_runs_results(exported, beam_size, monkeypatch):
+    """The step driver's update writes into two sets of bound buffers that take turns; it runs the plain way
+    only at the first step and when rows leave, and gives the plain runs' tokens and scores."""
+    from export import steps
+
+    onnx_model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
+    src = sources(np.random.default_rng(10), [3, 20, 7, 12])
+    runs = {"plain": 0, "all": 0}
+
+    class Counting(steps.BoundUpdate):
+        def __init__(self, session, graph, plain):
+            def counted(feeds):
+                runs["plain"] += 1
+                return plain(feeds)
+
+            super().__init__(session, graph, counted)
+
+        def __call__(self, feeds):
+            runs["all"] += 1
+            return super().__call__(feeds)
+
+    monkeypatch.setattr(steps, "BoundUpdate", Counting)
+    monkeypatch.setattr(steps, "INITIAL_CACHE_LENGTH", 2)  # the cache grows: the logits stay bound
+    ids, scores = onnx_model.generate(src, beam_size=beam_size, max_extra_length=8, return_scores=True)
+    assert runs["all"] > 10 and 1 <= runs["plain"] <= 1 + len(src)  # the first step, then once per departure
+    monkeypatch.setattr(steps, "BoundUpdate", lambda session, graph, plain: plain)
+    plain_ids, plain_scores = onnx_model.generate(src, beam_size=beam_size, max_extra_length=8, return_scores=True)
+    np.testing.assert_array_equal(ids, plain_ids)
+    np.testing.assert_array_equal(scores, plain_scores)
+
+
 def test_rows_that_leave_are_filled_from_the_tail_in_place():
     """`fill_holes`: the live rows, those among the first n where they are, the holes taken by later live rows;
     the buffers move only those rows, in place, and only the positions written so far."""
