@@ -105,7 +105,9 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     decoder_session = sessions.get("fused_decoder_step")
     if decoder_session is not None:
         _validate_fused_step(decoder_session, model, rng, record)
-    _validate_hypotheses_graphs(run, model, rng, record, exact=atol is not None, decoder_session=decoder_session)
+    _validate_hypotheses_graphs(
+        run, model, rng, record, exact=atol is not None, decoder_session=decoder_session, sessions=sessions
+    )
     per_graph = {}
     for key, difference in differences.items():
         graph = key.split("/")[0]
@@ -292,7 +294,7 @@ def _validate_fused_step(session, model, rng, record, batch=3, beam_size=3, sour
         decoder.reorder(parents, step)
 
 
-def _validate_hypotheses_graphs(run, model, rng, record, exact, decoder_session=None):
+def _validate_hypotheses_graphs(run, model, rng, record, exact, decoder_session=None, sessions=None):
     """`beam_hypotheses` and `sample_search` against `generation.generate_hypotheses`.
 
     Both sides run the same plan (`decoding.hypotheses_plan`); rows with and
@@ -301,8 +303,9 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact, decoder_session=
     (`sampling_topk` 1). With `decoder_session`, each plan also runs step
     by step (`export.steps.step_search`: the start and update graphs of
     `contract.STEP_GRAPHS` around the fused decoder step, rows leaving the
-    batch, a cache of 2 positions grown past several doublings), recorded
-    as the update graph. With `exact`, ids equal and scores and log-probabilities within
+    batch, a cache of 2 positions grown past several doublings, the update
+    in bound buffers as the server runs it, with the update graph's
+    session from `sessions`), recorded as the update graph. With `exact`, ids equal and scores and log-probabilities within
     1e-4; otherwise well-formed rows.
     """
     from export.contract import STEP_GRAPHS, hypotheses_feeds
@@ -330,8 +333,10 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact, decoder_session=
         outputs = run(graph, **values)
         results = {graph: (outputs["sequences"], outputs["scores"], outputs["log_probs"])}
         if decoder_session is not None:
-            results[STEP_GRAPHS[plan.search_name][1]] = step_search(
-                lambda name, feeds: run(name, **feeds), decoder_session, plan, 0.6, 5, initial_cache_length=2
+            update_name = STEP_GRAPHS[plan.search_name][1]
+            results[update_name] = step_search(
+                lambda name, feeds: run(name, **feeds), decoder_session, plan, 0.6, 5, initial_cache_length=2,
+                update_session=(sessions or {}).get(update_name),
             )
         expected = None
         for name, result in results.items():
