@@ -477,11 +477,12 @@ def test_optimized_cache_loads_the_optimised_graph_without_optimising_again(expo
     first = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(first.generate(ids, beam_size=2, max_extra_length=6), expected)
     cached = first._optimized_path("beam_update")
-    assert cached.is_file() and opened[-1][0] == exported / first.config["graphs"]["beam_update"]
+    assert cached.is_file() and exported / first.config["graphs"]["beam_update"] in [path for path, _ in opened]
     assert not list(cache.glob(".*"))  # no temporary graph left behind
+    before = len(opened)
     second = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
     np.testing.assert_array_equal(second.generate(ids, beam_size=2, max_extra_length=6), expected)
-    assert opened[-1] == (cached, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    assert (cached, ort.GraphOptimizationLevel.ORT_DISABLE_ALL) in opened[before:]
     # A damaged copy is optimised again from the export, with a warning.
     cached.write_bytes(b"not a graph")
     third = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], optimized_cache=cache)
