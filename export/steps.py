@@ -15,8 +15,9 @@ The self-attention cache is never copied per step: the fused step writes
 each step's keys and values in place (its `present_*` outputs are bound to
 its `self_*` inputs' buffers with I/O binding), and beam search moves the
 small `cache_indirection` table (`fused_step.update_indirection`) instead of
-the cache. The buffers are copied only when the cache grows; when rows leave, the
-live rows move up within them.
+the cache. The buffers are copied only when the cache grows; when rows leave,
+live rows from the batch's end take their places (`fill_holes`). The update
+graph writes into bound buffers too (`BoundUpdate`).
 
 Framework-free (NumPy, onnxruntime and `export.contract`): the ONNX Runtime
 server (`export/runtime.py`) and the export's validation
@@ -199,9 +200,10 @@ def fill_holes(live):
     where it is, and each hole left there by a departing row takes one of
     the live rows after the first n. A departure then moves as many rows as
     leave from the first n (`FusedDecoder.keep`), not every row after the
-    first that leaves: at batch 64 x beam 4, with rows leaving one by one,
-    keeping the rows' order cost 5% of the search. Rows are independent, so
-    their order changes no result (`run_steps` tracks each row's place).
+    first that leaves: at batch 64 x beam 4 at natural lengths, rows
+    leaving one by one, keeping the rows' order cost 81 ms of a 1.85 s
+    search (this, 17 ms). Rows are independent, so their order changes no
+    result (`run_steps` tracks each row's place).
 
     Returns:
         int `[n]`: `kept[i]` is the old row that becomes row i.
