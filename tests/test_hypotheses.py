@@ -126,19 +126,24 @@ def test_a_prefix_longer_than_the_row_limit_extends_it_to_the_end_id(model, src)
     assert list(tokens_of(found.sequences[0, 0])) == prefix + [END]
 
 
-@pytest.mark.parametrize("shape", [(4, 50), (2, 3, 50)])
-def test_the_twin_token_rules_agree_with_a_prefix(model, shape):
-    rng = np.random.default_rng(1)
-    logits = rng.normal(0.0, 4.0, shape).astype("float32")
-    max_lengths = np.array([5, 3, 9, 6][: shape[0]], "int32")
-    prefix = np.array([[7, 8, 0], [9, 0, 0], [0, 0, 0], [5, 6, 7]][: shape[0]], "int32")
-    for generated_length in (1, 2, 3, 4):
+def assert_twin_rules_agree(model, logits, generated_lengths, max_lengths, prefix):
+    """The keras.ops token rule excludes what the NumPy twin does and gives its values."""
+    for generated_length in generated_lengths:
         expected = token_log_probs_numpy(model, logits, generated_length, max_lengths, prefix)
         actual = to_numpy(token_log_probs(model, keras.ops.convert_to_tensor(logits), generated_length,
                                           keras.ops.convert_to_tensor(max_lengths), keras.ops.convert_to_tensor(prefix)))
         np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected))
         finite = np.isfinite(expected)
         np.testing.assert_allclose(actual[finite], expected[finite], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(4, 50), (2, 3, 50)])
+def test_the_twin_token_rules_agree_with_a_prefix(model, shape):
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0.0, 4.0, shape).astype("float32")
+    max_lengths = np.array([5, 3, 9, 6][: shape[0]], "int32")
+    prefix = np.array([[7, 8, 0], [9, 0, 0], [0, 0, 0], [5, 6, 7]][: shape[0]], "int32")
+    assert_twin_rules_agree(model, logits, (1, 2, 3, 4), max_lengths, prefix)
     rule = token_log_probs_numpy(model, logits, 2, max_lengths, prefix)
     plain = token_log_probs_numpy(model, logits, 2, max_lengths)
     # Row 0 at its second token: only 8, with its own log-probability; row 1's prefix has ended.
@@ -155,13 +160,7 @@ def test_the_twin_token_rules_agree_where_a_prefix_meets_the_row_limit(model):
     logits[1, END] = -1e30  # the forced end id with probability 0: floored
     max_lengths = np.array([2, 2, 2, 9], "int32")
     prefix = np.array([[7, 8], [7, END], [START, 0], [5, START]], "int32")
-    for generated_length in (1, 2):
-        expected = token_log_probs_numpy(model, logits, generated_length, max_lengths, prefix)
-        actual = to_numpy(token_log_probs(model, keras.ops.convert_to_tensor(logits), generated_length,
-                                          keras.ops.convert_to_tensor(max_lengths), keras.ops.convert_to_tensor(prefix)))
-        np.testing.assert_array_equal(np.isneginf(actual), np.isneginf(expected))
-        finite = np.isfinite(expected)
-        np.testing.assert_allclose(actual[finite], expected[finite], rtol=1e-6, atol=1e-5)
+    assert_twin_rules_agree(model, logits, (1, 2), max_lengths, prefix)
     rule = token_log_probs_numpy(model, logits, 2, max_lengths, prefix)
     assert np.isneginf(rule[0]).all() and np.isneginf(rule[3]).all()  # 8 is not the end id; start never
     assert rule[1, END] == np.float32(FORCED_END_LOG_PROB) and np.isneginf(np.delete(rule[1], END)).all()
