@@ -434,31 +434,14 @@ def feeds(graph, values, compute_dtype):
 
     Every input but the graph's `optional` ones must be given.
     """
-    names, required, dtypes = _input_dtypes(graph, compute_dtype)
-    if not required <= values.keys() <= names:
+    required = set(graph.input_names()) - set(graph.optional)
+    if not required <= set(values) <= set(graph.input_names()):
         raise ValueError(f"{graph.method} takes {graph.input_names()}, received {sorted(values)}")
-    return {name: np.asarray(values[name], dtype) for name, dtype in dtypes if name in values}
-
-
-def _input_dtypes(graph, compute_dtype):
-    """`feeds`' view of a graph, made once (the step driver feeds its update graph every step).
-
-    Cached by the graph's identity: hashing a `Graph` hashes every tensor,
-    which cost more than the view.
-
-    Returns:
-        `(input names, required input names, ((name, NumPy dtype), ...))`.
-    """
-    key = (id(graph), compute_dtype)
-    cached = _INPUT_DTYPES.get(key)
-    if cached is None or cached[0] is not graph:
-        names = frozenset(graph.input_names())
-        dtypes = tuple((tensor.name, numpy_dtype(tensor, compute_dtype)) for tensor in graph.inputs)
-        cached = _INPUT_DTYPES[key] = (graph, (names, names - set(graph.optional), dtypes))
-    return cached[1]
-
-
-_INPUT_DTYPES = {}  # (id(graph), compute dtype) -> (graph, `_input_dtypes`' value); the graph keeps its id
+    return {
+        tensor.name: np.asarray(values[tensor.name], numpy_dtype(tensor, compute_dtype))
+        for tensor in graph.inputs
+        if tensor.name in values
+    }
 
 
 def run(session, graph, values, compute_dtype):

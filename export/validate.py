@@ -105,9 +105,7 @@ def validate_onnx(directory, model, atol=1e-4, shapes=VALIDATION_SHAPES, steps=D
     decoder_session = sessions.get("fused_decoder_step")
     if decoder_session is not None:
         _validate_fused_step(decoder_session, model, rng, record)
-    _validate_hypotheses_graphs(
-        run, model, rng, record, exact=atol is not None, decoder_session=decoder_session, sessions=sessions
-    )
+    _validate_hypotheses_graphs(run, model, rng, record, exact=atol is not None, sessions=sessions)
     per_graph = {}
     for key, difference in differences.items():
         graph = key.split("/")[0]
@@ -294,25 +292,28 @@ def _validate_fused_step(session, model, rng, record, batch=3, beam_size=3, sour
         decoder.reorder(parents, step)
 
 
-def _validate_hypotheses_graphs(run, model, rng, record, exact, decoder_session=None, sessions=None):
+def _validate_hypotheses_graphs(run, model, rng, record, exact, sessions=None):
     """`beam_hypotheses` and `sample_search` against `generation.generate_hypotheses`.
 
     Both sides run the same plan (`decoding.hypotheses_plan`); rows with and
     without a target prefix together; three best of a beam of 4; three
     samples (top-k 5, top-p 0.9, temperature 0.8) and greedy search
-    (`sampling_topk` 1). With `decoder_session`, each plan also runs step
-    by step (`export.steps.step_search`: the start and update graphs of
+    (`sampling_topk` 1). Where `sessions` (`{graph name: session}`) has
+    the fused decoder step, each plan also runs step by step
+    (`export.steps.step_search`: the start and update graphs of
     `contract.STEP_GRAPHS` around the fused decoder step, rows leaving the
     batch, a cache of 2 positions grown past several doublings, the update
-    in bound buffers as the server runs it, with the update graph's
-    session from `sessions`), recorded as the update graph. With `exact`, ids equal and scores and log-probabilities within
-    1e-4; otherwise well-formed rows.
+    in bound buffers as the server runs it), recorded as the update graph.
+    With `exact`, ids equal and scores and log-probabilities within 1e-4;
+    otherwise well-formed rows.
     """
     from export.contract import STEP_GRAPHS, hypotheses_feeds
     from export.steps import step_search
     from keras_transformer.decoding import collect_hypotheses, hypotheses_plan, target_prefix_ids
     from keras_transformer.generation import generate_hypotheses
 
+    sessions = sessions or {}
+    decoder_session = sessions.get("fused_decoder_step")
     batch, source_length = 3, 9
     ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
     ids[np.arange(batch), np.count_nonzero(ids, axis=1) - 1] = model.end_id
@@ -336,7 +337,7 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact, decoder_session=
             update_name = STEP_GRAPHS[plan.search_name][1]
             results[update_name] = step_search(
                 lambda name, feeds: run(name, **feeds), decoder_session, plan, 0.6, 5, initial_cache_length=2,
-                update_session=(sessions or {}).get(update_name),
+                update_session=sessions.get(update_name),
             )
         expected = None
         for name, result in results.items():

@@ -23,6 +23,7 @@ from keras_transformer.search.common import (
     constant_field,
     dim,
     read_position,
+    row_offsets,
     start_sequences,
     target_prefix,
     top_k,
@@ -80,11 +81,6 @@ def update(model, state, logits, max_lengths, alpha):
     # Each dynamic size once (in an exported graph, each is a chain of shape nodes).
     batch, beam_size, length = dim(live, 0), dim(live, 1), dim(live, 2)
     vocabulary_size = model.vocabulary_size
-    first_rows = ops.expand_dims(ops.arange(batch, dtype="int32"), 1)  # [B, 1]
-
-    def flat_rows(choice, old_beams):
-        """`[B, K_new]` beams of `[B, old_beams, ...]` -> their rows in the `[B * old_beams, ...]` layout."""
-        return ops.cast(choice, "int32") + first_rows * old_beams
 
     # [B * K, V] -> [B, K, V]
     logits = ops.reshape(ops.convert_to_tensor(logits), (batch, beam_size, vocabulary_size))
@@ -97,13 +93,13 @@ def update(model, state, logits, max_lengths, alpha):
     top_log_probs, top_indices = top_k(candidates, 2 * beam_size, unit=vocabulary_size)  # [B, 2K], in two stages
     top_parents = ops.floor_divide(top_indices, vocabulary_size)  # [B, 2K], beam in 0..K-1
     top_tokens = ops.mod(top_indices, vocabulary_size)  # [B, 2K]
-    top_sequences = _take_beams(live, flat_rows(top_parents, beam_size), (length,))  # [B, 2K, L]
+    top_sequences = _take_beams(live, _flat_beam_indices(top_parents, beam_size, batch), (length,))  # [B, 2K, L]
     top_sequences = write_position(top_sequences, index + 1, top_tokens)
     top_ended = ops.equal(top_tokens, model.end_id)
 
     # Live: the best K extensions that did not end.
     live_log_probs, live_choice = ops.top_k(ops.where(top_ended, NEG_INF, top_log_probs), beam_size)  # [B, K]
-    live_choice = flat_rows(live_choice, 2 * beam_size)
+    live_choice = _flat_beam_indices(live_choice, 2 * beam_size, batch)
     live_sequences = _take_beams(top_sequences, live_choice, (length,))  # [B, K, L]
     parents = _take_beams(top_parents, live_choice, ())  # [B, K]
 
@@ -115,7 +111,7 @@ def update(model, state, logits, max_lengths, alpha):
     all_sequences = ops.concatenate([state["finished_sequences"], top_sequences], axis=1)  # [B, 3K, L]
     all_log_probs = ops.concatenate([state["finished_log_probs"], top_log_probs], axis=1)  # [B, 3K]
     finished_scores, finished_choice = ops.top_k(all_scores, beam_size)  # [B, K]
-    finished_choice = flat_rows(finished_choice, 3 * beam_size)
+    finished_choice = _flat_beam_indices(finished_choice, 3 * beam_size, batch)
 
     state = dict(
         state,
@@ -188,11 +184,14 @@ def _take_beams(x, rows, rest):
     return ops.take(ops.reshape(x, (-1, *rest)), rows, axis=0)
 
 
-def _flat_beam_indices(beam_indices, beam_size):
-    """`[B, K_new]` beam numbers -> `[B, K_new]` rows of the `[B * K, ...]` layout."""
-    batch = dim(beam_indices, 0)
-    offsets = ops.expand_dims(ops.arange(batch, dtype="int32") * beam_size, 1)  # [B, 1]
-    return ops.cast(beam_indices, "int32") + offsets
+def _flat_beam_indices(beam_indices, beam_size, batch=None):
+    """`[B, K_new]` beam numbers -> `[B, K_new]` rows of the `[B * K, ...]` layout.
+
+    `batch`: B, where the caller has it (in an exported graph each size read
+    from a tensor is a chain of shape nodes).
+    """
+    batch = dim(beam_indices, 0) if batch is None else batch
+    return ops.cast(beam_indices, "int32") + row_offsets(batch, beam_size)
 
 
 def tile_cache(cache, beam_size):

@@ -131,14 +131,14 @@ def top_k(x, k, unit=None):
         # ONNX 3 nodes; `ops.sort` converts to a dozen).
         best = -ops.top_k(-best, k)[0]
     # Indices `[B, k]` take `[B, k, ...]` at once: no reshape of a dynamic shape (a chain of shape nodes in ONNX).
-    picked = ops.take(rows, best + _row_offsets(batch, count), axis=0)  # [B, k, c]
+    picked = ops.take(rows, best + row_offsets(batch, count), axis=0)  # [B, k, c]
     values, positions = ops.top_k(ops.reshape(picked, (batch, -1)), k)  # [B, k]
     positions = ops.cast(positions, "int32")
-    chosen = ops.take(ops.reshape(best, (-1,)), positions // chunk + _row_offsets(batch, k), axis=0)  # [B, k]
+    chosen = ops.take(ops.reshape(best, (-1,)), positions // chunk + row_offsets(batch, k), axis=0)  # [B, k]
     return values, chosen * chunk + positions % chunk  # chunk * c + place in it
 
 
-def _row_offsets(batch, width):
+def row_offsets(batch, width):
     """`[B, 1]` int32: `b * width`, the flat index of row b's first element in a `[B, width]` layout."""
     return ops.expand_dims(ops.arange(batch, dtype="int32") * ops.cast(width, "int32"), 1)
 
