@@ -8,9 +8,12 @@ step: shape arithmetic, the cache re-stacked and copied). Per decoder layer
 (post-LN, the paper's section 5.4):
 
     q, k, v = Split(x W_qkv + b_qkv)
-    x = SkipLayerNorm(DecoderMaskedMultiHeadAttention(q, k, v, past) W_o, x, b_o)
-    x = SkipLayerNorm(MultiHeadAttention(x W_q + b_q, cross keys, values) W_o, x, b_o)
-    x = SkipLayerNorm(act(x W_1 + b_1) W_2, x, b_2)
+    x = LayerNorm(x + DecoderMaskedMultiHeadAttention(q, k, v, past) W_o + b_o)
+    x = LayerNorm(x + MultiHeadAttention(x W_q + b_q, cross keys, values) W_o + b_o)
+    x = LayerNorm(x + act(x W_1 + b_1) W_2 + b_2)
+
+(each `LayerNorm(x + y)` an `Add` and a `LayerNormalization`; below opset
+17, ONNX Runtime's `SkipLayerNormalization`).
 
 - The self-attention cache is one `[B*K, N, T, H]` buffer per layer for
   keys and one for values; `DecoderMaskedMultiHeadAttention` writes the
@@ -193,7 +196,7 @@ def build_fused_step(weights, quantize=None, opset=17):
     inputs, outputs = [value_info(t) for t in graph_spec.inputs], [value_info(t) for t in graph_spec.outputs]
 
     # Shapes used by every layer: [B*K, 1, D] for the self-attention, [B, K, D] for the cross-attention.
-    step_shape = const("step_shape", np.array([-1, 1, hidden], np.int64))
+    qkv_shape = const("qkv_shape", np.array([-1, 1, 3 * hidden], np.int64))
     row_shape = const("row_shape", np.array([-1, hidden], np.int64))
     beam_size = node("Slice", [node("Shape", ["cache_indirection"]), const("one", np.array([1], np.int64)),
                                const("two", np.array([2], np.int64))])
@@ -203,40 +206,47 @@ def build_fused_step(weights, quantize=None, opset=17):
     beam_width = node("Cast", [beam_size], to=TensorProto.INT32)
 
     # Embedding: E[token] * sqrt(d_model) + PE[index] (section 3.4, 3.5); no dropout at inference.
-    embedding = const("embedding", weights["embedding"])
-    x = node("Mul", [node("Gather", [embedding, "decoder_token_ids"]),
-                     const("embedding_scale", np.array(math.sqrt(hidden), np.float32))])
+    scale = np.float32(math.sqrt(hidden))
+    if quantize == "int8":  # the float32 matrix serves the lookup only: scaled once here (same products)
+        x = node("Gather", [const("scaled_embedding", weights["embedding"] * scale), "decoder_token_ids"])
+    else:  # one matrix for the lookup and the output layer (section 3.4)
+        embedding = const("embedding", weights["embedding"])
+        x = node("Mul", [node("Gather", [embedding, "decoder_token_ids"]), const("embedding_scale", scale)])
     x = node("Add", [x, node("Gather", [const("positions", weights["positions"]), "index"])])  # [B*K, D]
     epsilon = weights["epsilon"]
 
-    def skip_norm(sublayer_output, residual, norm, bias, name):
-        # LayerNorm(x + Sublayer(x)), the sub-layer's output bias folded in (post-LN).
-        gamma, beta = norm
-        return node("SkipLayerNormalization", [
-            sublayer_output, residual, const(f"{name}_gamma", gamma), const(f"{name}_beta", beta),
-            const(f"{name}_bias", bias),
-        ], domain=MS_DOMAIN, epsilon=epsilon)
+    def residual_norm(sublayer_output, residual, norm, name):
+        # LayerNorm(x + Sublayer(x)) (post-LN): an Add and a LayerNormalization, not ONNX Runtime's
+        # fused SkipLayerNormalization, whose CPU kernel took 4-6x their time here from 16 rows up
+        # (onnxruntime 1.32, one thread: 88 us vs 18 us at [64, 256]; benchmarks/README.md). Below
+        # opset 17, which has no LayerNormalization, the fused op.
+        gamma, beta = (const(f"{name}_{part}", value) for part, value in zip(("gamma", "beta"), norm))
+        if opset < 17:
+            return node("SkipLayerNormalization", [sublayer_output, residual, gamma, beta], domain=MS_DOMAIN,
+                        epsilon=epsilon)
+        return node("LayerNormalization", [node("Add", [sublayer_output, residual]), gamma, beta], axis=-1,
+                    epsilon=epsilon)
 
     for i, layer in enumerate(layers):
         p = f"layer_{i}"
         qkv = linear(x, f"{p}_self_qkv", layer["self_qkv"], layer["self_qkv_bias"])
-        q, k, v = node("Split", [qkv, const("qkv_split", np.array([hidden] * 3, np.int64))], outputs=3, axis=1)
-        q, k, v = (node("Reshape", [t, step_shape]) for t in (q, k, v))  # [B*K, 1, D]
+        qkv = node("Reshape", [qkv, qkv_shape])  # [B*K, 1, 3D]: one reshape, not one each for q, k and v
+        q, k, v = node("Split", [qkv, const("qkv_split", np.array([hidden] * 3, np.int64))], outputs=3, axis=2)
         attended = node("DecoderMaskedMultiHeadAttention", [
             q, k, v, "", "", f"self_key_{i}", f"self_value_{i}", past_length, beam_width, "cache_indirection",
         ], outputs=[f"{p}_self_attention", f"present_self_key_{i}", f"present_self_value_{i}"], domain=MS_DOMAIN,
             num_heads=heads, past_present_share_buffer=1, scale=float(head_dim**-0.5))[0]
         attended = node("Reshape", [attended, row_shape])
-        x = skip_norm(linear(attended, f"{p}_self_out", layer["self_out"]), x, layer["self_norm"],
-                      layer["self_out_bias"], f"{p}_self_norm")
+        x = residual_norm(linear(attended, f"{p}_self_out", layer["self_out"], layer["self_out_bias"]), x,
+                          layer["self_norm"], f"{p}_self_norm")
         query = linear(x, f"{p}_cross_query", layer["cross_query"], layer["cross_query_bias"])
         attended = node("MultiHeadAttention", [
             node("Reshape", [query, source_shape]), f"cross_key_{i}", f"cross_value_{i}", "",
             "encoder_padding_mask",
         ], domain=MS_DOMAIN, num_heads=heads, scale=float(head_dim**-0.5))  # [B, K, D]
         attended = node("Reshape", [attended, row_shape])
-        x = skip_norm(linear(attended, f"{p}_cross_out", layer["cross_out"]), x,
-                      layer["cross_norm"], layer["cross_out_bias"], f"{p}_cross_norm")
+        x = residual_norm(linear(attended, f"{p}_cross_out", layer["cross_out"], layer["cross_out_bias"]), x,
+                          layer["cross_norm"], f"{p}_cross_norm")
         hidden_units = linear(x, f"{p}_ffn_in", layer["ffn_in"], layer["ffn_in_bias"])
         if weights["activation"] == "relu":
             hidden_units = node("Relu", [hidden_units])
@@ -244,8 +254,8 @@ def build_fused_step(weights, quantize=None, opset=17):
             hidden_units = node("Mul", [hidden_units, node("Sigmoid", [hidden_units])])
         else:
             hidden_units = node("Gelu", [hidden_units], domain=MS_DOMAIN)
-        x = skip_norm(linear(hidden_units, f"{p}_ffn_out", layer["ffn_out"]), x, layer["ffn_norm"],
-                      layer["ffn_out_bias"], f"{p}_ffn_norm")
+        x = residual_norm(linear(hidden_units, f"{p}_ffn_out", layer["ffn_out"], layer["ffn_out_bias"]), x,
+                          layer["ffn_norm"], f"{p}_ffn_norm")
     # The pre-softmax projection with the embedding matrix (section 3.4): x E^T (+ an imported model's bias).
     logits_bias = weights["logits_bias"]
     if quantize == "int8":

@@ -357,6 +357,7 @@ def _convert(function, input_signature, opset, path):
         _fold_tensordot_reshapes(subgraph)
         _drop_negative_index_fixes(subgraph)
     _remove_dead_nodes(model_proto.graph)
+    _drop_no_op_pairs(model_proto)
     _fold_constants(model_proto)
     if opset >= 17:  # ONNX's LayerNormalization
         _fuse_layer_norms(model_proto)
@@ -501,6 +502,87 @@ def _remove_dead_nodes(graph):
             graph.node.remove(node)
 
 
+def _drop_no_op_pairs(model_proto):
+    """Drops what tf2onnx's conversion leaves that computes nothing, in every graph; returns the count.
+
+    - `Squeeze(Unsqueeze(x, axes), axes)` is x: greedy search's hypotheses get
+      a beam axis of 1 that its update graph squeezes off again;
+    - `Not(Not(x))` is x: tf2onnx converts `all` to a negated `any`, which
+      the search negates;
+    - `Less` / `Greater` of two integer tensors of one type, each cast to
+      float: tf2onnx 1.17 converts them for opset 7 (float only) at every
+      opset; ONNX compares integers since opset 9, and the same way for
+      values below 2**24 (ids, lengths, positions).
+
+    The Squeeze or the outer Not becomes an `Identity` of x (ONNX Runtime
+    removes it when it loads the graph, unless it gives a graph output); the
+    nodes no longer read go with `_remove_dead_nodes`. One node costs about
+    0.5 us per run in ONNX Runtime on one thread: an update graph runs once
+    per decoder step.
+    """
+    import onnx
+    from onnx import TensorProto
+
+    try:
+        typed = onnx.shape_inference.infer_shapes(model_proto)
+    except Exception:  # noqa: BLE001 - without types, the comparisons stay as they are
+        typed = model_proto
+    types = {}
+    for graph in _graphs(typed.graph):
+        for info in (*graph.input, *graph.value_info, *graph.output):
+            types[info.name] = info.type.tensor_type.elem_type
+        types.update({tensor.name: tensor.data_type for tensor in graph.initializer})
+    constants = {tensor.name: tensor for graph in _graphs(model_proto.graph) for tensor in graph.initializer}
+    integers, floats = {TensorProto.INT32, TensorProto.INT64}, {TensorProto.FLOAT, TensorProto.DOUBLE}
+    dropped = 0
+    for graph in _graphs(model_proto.graph):
+        producers = {output: node for node in graph.node for output in node.output}
+        for node in graph.node:
+            source = producers.get(node.input[0]) if node.input else None
+            if source is None:
+                continue
+            if node.op_type == "Squeeze" and source.op_type == "Unsqueeze":
+                if not len(node.input) == 2 == len(source.input) or not _same_constant(
+                    node.input[1], source.input[1], constants
+                ):
+                    continue
+            elif not (node.op_type == "Not" and source.op_type == "Not"):
+                casts = [producers.get(name) for name in node.input]
+                if node.op_type in ("Less", "Greater") and all(
+                    cast is not None and cast.op_type == "Cast" and _attribute(cast, "to") in floats for cast in casts
+                ):
+                    original = {types.get(cast.input[0]) for cast in casts}
+                    if len(original) == 1 and original <= integers:
+                        node.input[:] = [cast.input[0] for cast in casts]
+                        dropped += 1
+                continue
+            x = source.input[0]
+            node.op_type, node.domain = "Identity", ""
+            del node.input[:], node.attribute[:]
+            node.input.append(x)
+            dropped += 1
+    _remove_dead_nodes(model_proto.graph)
+    return dropped
+
+
+def _same_constant(first, second, constants):
+    """Whether two value names are one value or two initializers of the same contents."""
+    from onnx import numpy_helper
+
+    if first == second:
+        return True
+    if first not in constants or second not in constants:
+        return False
+    a, b = (numpy_helper.to_array(constants[name]) for name in (first, second))
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
+
+
+def _attribute(node, name):
+    from onnx import helper
+
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
+
+
 def _fold_constants(model_proto):
     """Computes Reshape and Transpose nodes of initializers ahead of time, in every graph.
 
@@ -513,7 +595,7 @@ def _fold_constants(model_proto):
     Returns:
         int, the number of nodes folded.
     """
-    from onnx import helper, numpy_helper
+    from onnx import numpy_helper
 
     top = model_proto.graph
     initializers = {tensor.name: tensor for tensor in top.initializer}
@@ -529,7 +611,7 @@ def _fold_constants(model_proto):
                 shape = [value.shape[i] if size == 0 else size for i, size in enumerate(shape)]
                 value = value.reshape(shape)
             else:
-                permutation = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "perm"), None)
+                permutation = _attribute(node, "perm")
                 value = np.transpose(value, permutation)
             tensor = numpy_helper.from_array(np.ascontiguousarray(value), node.output[0])
             top.initializer.append(tensor)

@@ -29,9 +29,14 @@ import numpy as np
 from export import contract
 from export.fused_step import update_indirection
 
-# The self-attention cache's first length; doubled (up to the output buffer
-# length) whenever the output reaches it.
+# The self-attention cache's first length: as many positions as fit in
+# FIRST_CACHE_BYTES (the whole buffer at small batches: the fused step's
+# time does not depend on the buffer's length, only on the positions
+# written, while each growth copies the cache and binds it again), at least
+# INITIAL_CACHE_LENGTH; doubled (up to the output buffer length) whenever
+# the output reaches it.
 INITIAL_CACHE_LENGTH = 16
+FIRST_CACHE_BYTES = 32 << 20
 # `OnnxSeq2Seq(driver=...)`: this module's loop, or the whole-search graphs.
 DRIVERS = ("steps", "whole")
 _HYPOTHESES = ("sequences", "scores", "log_probs")
@@ -45,7 +50,8 @@ class FusedDecoder:
         start: the start graph's outputs (`cross_key`, `cross_value` `[B,
             L, N, S, H]`, `encoder_padding_mask` `[B, S]`, `buffer_length`).
         beam_size: K (1 for greedy search and sampling).
-        initial_length: the self-attention cache's first length.
+        initial_length: the self-attention cache's first length (default:
+            `FIRST_CACHE_BYTES`' worth, at least `INITIAL_CACHE_LENGTH`).
     """
 
     def __init__(self, session, start, beam_size, initial_length=None):
@@ -58,7 +64,11 @@ class FusedDecoder:
             self.source[f"cross_key_{i}"] = np.ascontiguousarray(cross_key[:, i])
             self.source[f"cross_value_{i}"] = np.ascontiguousarray(cross_value[:, i])
         batch, _, heads, _, head_dim = cross_key.shape
-        rows, length = batch * self.beam_size, min(initial_length or INITIAL_CACHE_LENGTH, self.buffer_length)
+        rows = batch * self.beam_size
+        if initial_length is None:  # the positions that fit in FIRST_CACHE_BYTES (keys and values of every layer)
+            position_bytes = rows * heads * head_dim * np.dtype(np.float32).itemsize * 2 * self.num_layers
+            initial_length = max(INITIAL_CACHE_LENGTH, FIRST_CACHE_BYTES // position_bytes)
+        length = min(initial_length, self.buffer_length)
         self.cache = {
             f"self_{kind}_{i}": np.zeros((rows, heads, length, head_dim), np.float32)
             for i in range(self.num_layers) for kind in ("key", "value")
@@ -75,11 +85,10 @@ class FusedDecoder:
         self.binding = self.session.io_binding()
         # The OrtValues share the arrays' memory (CPU); kept here so that both stay alive.
         self._values = {}
-        for name, array in {**self.source, **self.cache, "cache_indirection": self.indirection}.items():
+        for name, array in self.source.items():
             self._values[name] = value = ort.OrtValue.ortvalue_from_numpy(array)
             self.binding.bind_ortvalue_input(name, value)
-            if name in self.cache:
-                self.binding.bind_ortvalue_output(f"present_{name}", value)  # written in place
+        self._bind_cache()
         rows = next(iter(self.cache.values())).shape[0]
         # The step's token ids and index: buffers bound once, written in place by `step`.
         self._token_ids, self._index = np.zeros((rows,), np.int32), np.zeros((), np.int32)
@@ -94,8 +103,18 @@ class FusedDecoder:
         self._values["logits"] = value = ort.OrtValue.ortvalue_from_numpy(self.logits)
         self.binding.bind_ortvalue_output("logits", value)
 
+    def _bind_cache(self):
+        """Binds the self-attention cache (input and in-place output) and the cache indirection."""
+        import onnxruntime as ort
+
+        for name, array in {**self.cache, "cache_indirection": self.indirection}.items():
+            self._values[name] = value = ort.OrtValue.ortvalue_from_numpy(array)
+            self.binding.bind_ortvalue_input(name, value)
+            if name in self.cache:
+                self.binding.bind_ortvalue_output(f"present_{name}", value)  # written in place
+
     def _grow(self, length):
-        """New self-attention buffers of `length` positions; rebinds.
+        """New self-attention buffers of `length` positions; binds them (the other buffers stay bound).
 
         Only the positions written so far are copied: the fused step reads
         positions below its index only, and writes the index before it reads it.
@@ -106,7 +125,7 @@ class FusedDecoder:
             self.cache[name] = new
         extra = length - self.indirection.shape[2]
         self.indirection = np.ascontiguousarray(np.pad(self.indirection, ((0, 0), (0, 0), (0, extra))))
-        self._bind()
+        self._bind_cache()
 
     def step(self, token_ids, index):
         """The logits `[B*K, V]` of position `index + 1` (a buffer overwritten by the next step)."""
@@ -123,7 +142,8 @@ class FusedDecoder:
 
     def reorder(self, parents, index):
         """Beam search picked `parents` `[B, K]` after the step at `index`."""
-        self.indirection[...] = update_indirection(self.indirection, parents, index)
+        written = self.indirection[:, :, : index + 1]  # the positions after it are not read yet
+        written[...] = update_indirection(written, parents, index)
 
     def keep(self, kept):
         """Keeps the sources `kept` (`fill_holes`' order) and their beams; rebinds.
@@ -266,15 +286,16 @@ def run_steps(update, graph, decoder, values):
     places = np.arange(batch)  # each live row's place in the batch
     outputs_by_name = {tensor.name: tensor for tensor in graph.outputs}
     hypotheses_axes = {f"hypotheses_{name}": outputs_by_name[f"hypotheses_{name}"].axes for name in _HYPOTHESES}
+    carried = [(name, name.removeprefix("updated_")) for name in outputs_by_name if name.startswith("updated_")]
+    reorders = "parents" in outputs_by_name
     results = None
     while True:
         index = int(values["index"])
         outputs = update(dict(values, logits=decoder.step(token_ids, index)))
-        for name, value in outputs.items():
-            if name.startswith("updated_"):
-                values[name.removeprefix("updated_")] = value
+        for output, name in carried:
+            values[name] = outputs[output]
         token_ids = outputs["decoder_token_ids"]
-        if "parents" in outputs:
+        if reorders:
             decoder.reorder(outputs["parents"], index)
         keep_going = bool(outputs["keep_going"])
         done = np.asarray(outputs["rows_done"], bool) if keep_going else np.ones(len(places), bool)
@@ -315,7 +336,7 @@ def step_search(
             `contract.STEP_GRAPHS[plan.search_name]`.
         length_penalty, max_extra_length: as `generate_hypotheses`.
         initial_cache_length: the self-attention cache's first length
-            (default `INITIAL_CACHE_LENGTH`).
+            (default: as `FusedDecoder`'s).
         update_session: the update graph's ONNX Runtime session: its runs
             then write into bound buffers (`BoundUpdate`); without it, each
             step's update is one call of `run`.

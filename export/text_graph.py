@@ -851,14 +851,12 @@ def build_tokenizer_graphs(tokenizer, config, opset=17):
 
 
 def _session(path):
-    import onnxruntime as ort
-
-    from export.runtime import _session_options
+    from export.runtime import _session_options, new_session
 
     extensions = _require_extensions()
     options = _session_options()
     options.register_custom_ops_library(extensions.get_library_path())
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return new_session(path, options, ["CPUExecutionProvider"])
 
 
 def translate_texts(session, texts, **inputs):

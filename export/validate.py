@@ -30,13 +30,11 @@ DECODER_STEPS = 3
 
 
 def _session(path):
-    import onnxruntime as ort
-
-    from export.runtime import _session_options
+    from export.runtime import _session_options, new_session
 
     # Validation is about the graph, so it runs on the CPU provider; its threads do not spin (an export
     # beside other work, e.g. the test suite's second lane, would lose a core to them).
-    return ort.InferenceSession(str(path), _session_options(), providers=["CPUExecutionProvider"])
+    return new_session(path, _session_options(), ["CPUExecutionProvider"])
 
 
 def _compare(graph, name, actual, expected, atol):

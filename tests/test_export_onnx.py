@@ -188,6 +188,24 @@ def _recording_steps(monkeypatch):
     return calls
 
 
+def test_the_first_cache_holds_what_fits_in_its_budget(exported, monkeypatch):
+    """The self-attention cache starts as long as `FIRST_CACHE_BYTES` allow (a small batch: the whole buffer,
+    never grown); past the budget it starts at `INITIAL_CACHE_LENGTH` positions and grows, same tokens."""
+    from export import steps
+
+    onnx_model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
+    src = sources(np.random.default_rng(3), [9, 4])
+    calls = _recording_steps(monkeypatch)
+    expected = onnx_model.generate(src, beam_size=2, max_extra_length=12)
+    lengths = {length for _, _, length in calls}
+    assert len(lengths) == 1 and lengths.pop() >= len(calls) > 2  # one buffer from the first step
+    calls.clear()
+    monkeypatch.setattr(steps, "FIRST_CACHE_BYTES", 1)
+    monkeypatch.setattr(steps, "INITIAL_CACHE_LENGTH", 2)
+    np.testing.assert_array_equal(onnx_model.generate(src, beam_size=2, max_extra_length=12), expected)
+    assert calls[0][2] == 2 and len({length for _, _, length in calls}) > 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_the_update_graph_runs_into_bound_buffers_with_the_plain_runs_results(exported, beam_size, monkeypatch):
@@ -213,6 +231,7 @@ def test_the_update_graph_runs_into_bound_buffers_with_the_plain_runs_results(ex
 
     monkeypatch.setattr(steps, "BoundUpdate", Counting)
     monkeypatch.setattr(steps, "INITIAL_CACHE_LENGTH", 2)  # the cache grows: the logits stay bound
+    monkeypatch.setattr(steps, "FIRST_CACHE_BYTES", 0)
     ids, scores = onnx_model.generate(src, beam_size=beam_size, max_extra_length=8, return_scores=True)
     assert runs["all"] > 10 and 1 <= runs["plain"] <= 1 + len(src)  # the first step, then once per departure
     monkeypatch.setattr(steps, "BoundUpdate", lambda session, graph, plain: plain)
@@ -250,6 +269,7 @@ def test_rows_that_are_done_leave_the_batch_and_the_cache_grows(model, exported,
     from keras_transformer import generation
 
     monkeypatch.setattr(steps, "INITIAL_CACHE_LENGTH", 2)
+    monkeypatch.setattr(steps, "FIRST_CACHE_BYTES", 0)
     onnx_model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
     whole = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], driver="whole")
     src = sources(np.random.default_rng(8), [2, 30, 5, 17, 3, 9])
@@ -292,6 +312,7 @@ def test_rows_leaving_the_batch_give_the_whole_search_hypotheses(model, exported
     from keras_transformer.generation import generate_hypotheses
 
     monkeypatch.setattr(steps, "INITIAL_CACHE_LENGTH", 4)
+    monkeypatch.setattr(steps, "FIRST_CACHE_BYTES", 0)
     onnx_model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
     whole = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"], driver="whole")
     src = sources(np.random.default_rng(9), [3, 25, 6, 2, 14, 8])
