@@ -921,6 +921,42 @@ def test_dense_on_3d_inputs_exports_as_one_matmul(tmp_path):
         np.testing.assert_allclose(session.run(None, {"x": x})[0], to_numpy(layer(x)), atol=1e-6)
 
 
+def test_no_op_node_pairs_that_tf2onnx_writes_are_dropped(tmp_path):
+    """`_drop_no_op_pairs`: a squeeze of an `expand_dims`, a negated `all` (tf2onnx writes `Not(Not(...))`)
+    and integers compared through casts to float leave those nodes out; the same values."""
+    import onnx
+    import tensorflow as tf
+
+    def function(x, a, b):
+        return {
+            "doubled": keras.ops.squeeze(keras.ops.expand_dims(x, 1), 1) * 2.0,
+            "not_all": keras.ops.logical_not(keras.ops.all(keras.ops.greater(x, 0.0), axis=1)),
+            "less": keras.ops.less(a, b),
+        }
+
+    path = tmp_path / "pairs.onnx"
+    signature = [tf.TensorSpec([None, 3], tf.float32, name="x"), tf.TensorSpec([None], tf.int32, name="a"),
+                 tf.TensorSpec([None], tf.int32, name="b")]
+    onnx_export._convert(function, signature, onnx_export.DEFAULT_OPSET, path)
+    nodes = onnx.load(str(path)).graph.node
+    producers = {output: node for node in nodes for output in node.output}
+    kinds = [node.op_type for node in nodes]
+    assert "Unsqueeze" not in kinds and "Squeeze" not in kinds, kinds
+    assert not any(node.op_type == "Not" and producers.get(node.input[0]) is not None
+                   and producers[node.input[0]].op_type == "Not" for node in nodes), kinds
+    less = next(node for node in nodes if node.op_type == "Less")
+    assert list(less.input) == ["a", "b"], kinds
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(4, 3)).astype(np.float32), "a": np.array([1, 5, -3, 7], np.int32),
+             "b": np.array([2, 5, -4, 8], np.int32)}
+    feeds["x"][2] = np.abs(feeds["x"][2])  # one row with every value > 0
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    np.testing.assert_array_equal(outputs["doubled"], feeds["x"] * 2.0)
+    np.testing.assert_array_equal(outputs["not_all"], ~(feeds["x"] > 0).all(axis=1))
+    np.testing.assert_array_equal(outputs["less"], feeds["a"] < feeds["b"])
+
+
 def test_an_unconvertible_op_fails_the_export_and_leaves_nothing(model, tmp_path, monkeypatch):
     monkeypatch.setattr(onnx_export, "CUSTOM_OP_HANDLERS", {})
     function, signature = graphs.graph_functions(model)["decoder_step"]
