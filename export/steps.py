@@ -24,6 +24,8 @@ server (`export/runtime.py`) and the export's validation
 (`export/validate.py`) run it.
 """
 
+import operator
+
 import numpy as np
 
 from export import contract
@@ -184,18 +186,21 @@ class BoundUpdate:
         outputs = set(graph.output_names())
         # Each state input and the output that is its next value.
         self.carried = {name: f"updated_{name}" for name in graph.input_names() if f"updated_{name}" in outputs}
-        self.bindings = []  # two `(inputs by identity, binding, outputs, OrtValues kept alive)`
+        # Two `(input names, their arrays, binding, outputs, OrtValues kept alive)`; `turn` the one likelier next.
+        self.bindings, self.turn = [], 0
 
     def __call__(self, feeds):
-        for turn, (inputs, binding, outputs, _) in enumerate(self.bindings):
-            if all(feeds[name] is value for name, value in inputs.items()):
+        for turn in (self.turn, 1 - self.turn) if self.bindings else ():
+            names, arrays, binding, outputs, _ = self.bindings[turn]
+            # By identity, in C (`map`): between two ONNX Runtime runs each Python step runs with cold caches.
+            if all(map(operator.is_, map(feeds.__getitem__, names), arrays)):
                 self.session.run_with_iobinding(binding)
-                self.bindings.append(self.bindings.pop(turn))  # the other set is likelier next
+                self.turn = 1 - turn  # its outputs are the other set's inputs
                 return outputs
         first = {name: np.array(array, order="C") for name, array in self.plain(feeds).items()}
         second = {name: np.empty_like(array) for name, array in first.items()}
         fixed = {name: value for name, value in feeds.items() if name not in self.carried}  # as fed, for identity
-        self.bindings = [self._bind(fixed, first, second), self._bind(fixed, second, first)]
+        self.bindings, self.turn = [self._bind(fixed, first, second), self._bind(fixed, second, first)], 1
         return first
 
     def _bind(self, fixed, source, target):
@@ -210,7 +215,7 @@ class BoundUpdate:
         for name, array in target.items():
             kept.append(ort.OrtValue.ortvalue_from_numpy(array))  # shares the array's memory: written in place
             binding.bind_ortvalue_output(name, kept[-1])
-        return inputs, binding, target, kept
+        return tuple(inputs), tuple(inputs.values()), binding, target, kept
 
 
 def fill_holes(live):
@@ -299,7 +304,7 @@ def run_steps(update, graph, decoder, values):
             decoder.reorder(outputs["parents"], index)
         keep_going = bool(outputs["keep_going"])
         done = np.asarray(outputs["rows_done"], bool) if keep_going else np.ones(len(places), bool)
-        any_done = done.any()
+        any_done = np.count_nonzero(done) > 0  # (`done.any()` goes through a ufunc reduction)
         if any_done:  # the hypotheses are read only for rows that are done
             hypotheses = [
                 outputs[name] if "hypotheses" in axes else np.expand_dims(outputs[name], 1)
