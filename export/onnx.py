@@ -538,29 +538,27 @@ def _drop_no_op_pairs(model_proto):
     for graph in _graphs(model_proto.graph):
         producers = {output: node for node in graph.node for output in node.output}
         for node in graph.node:
-            source = producers.get(node.input[0]) if node.input else None
-            if source is None:
-                continue
-            if node.op_type == "Squeeze" and source.op_type == "Unsqueeze":
-                if not len(node.input) == 2 == len(source.input) or not _same_constant(
-                    node.input[1], source.input[1], constants
-                ):
-                    continue
-            elif not (node.op_type == "Not" and source.op_type == "Not"):
-                casts = [producers.get(name) for name in node.input]
-                if node.op_type in ("Less", "Greater") and all(
-                    cast is not None and cast.op_type == "Cast" and _attribute(cast, "to") in floats for cast in casts
-                ):
-                    original = {types.get(cast.input[0]) for cast in casts}
+            sources = [producers.get(name) for name in node.input]
+            if node.op_type in ("Less", "Greater"):
+                if all(cast is not None and cast.op_type == "Cast" and _attribute(cast, "to") in floats
+                       for cast in sources):
+                    original = {types.get(cast.input[0]) for cast in sources}
                     if len(original) == 1 and original <= integers:
-                        node.input[:] = [cast.input[0] for cast in casts]
+                        node.input[:] = [cast.input[0] for cast in sources]
                         dropped += 1
                 continue
-            x = source.input[0]
-            node.op_type, node.domain = "Identity", ""
-            del node.input[:], node.attribute[:]
-            node.input.append(x)
-            dropped += 1
+            source = sources[0] if sources else None
+            undone = source is not None and (
+                (node.op_type == "Not" and source.op_type == "Not")
+                or (node.op_type == "Squeeze" and source.op_type == "Unsqueeze" and len(node.input) == 2
+                    and len(source.input) == 2 and _same_constant(node.input[1], source.input[1], constants))
+            )
+            if undone:
+                x = source.input[0]
+                node.op_type, node.domain = "Identity", ""
+                del node.input[:], node.attribute[:]
+                node.input.append(x)
+                dropped += 1
     _remove_dead_nodes(model_proto.graph)
     return dropped
 

@@ -183,9 +183,7 @@ class BoundUpdate:
 
     def __init__(self, session, graph, plain):
         self.session, self.graph, self.plain = session, graph, plain
-        outputs = set(graph.output_names())
-        # Each state input and the output that is its next value.
-        self.carried = {name: f"updated_{name}" for name in graph.input_names() if f"updated_{name}" in outputs}
+        self.carried = carried_state(graph)
         # Two `(input names, their arrays, binding, outputs, OrtValues kept alive)`; `turn` the one likelier next.
         self.bindings, self.turn = [], 0
 
@@ -216,6 +214,12 @@ class BoundUpdate:
             kept.append(ort.OrtValue.ortvalue_from_numpy(array))  # shares the array's memory: written in place
             binding.bind_ortvalue_output(name, kept[-1])
         return tuple(inputs), tuple(inputs.values()), binding, target, kept
+
+
+def carried_state(graph):
+    """`{state input: the update graph's output that is its next value}` (`x` and `updated_x`)."""
+    outputs = set(graph.output_names())
+    return {name: f"updated_{name}" for name in graph.input_names() if f"updated_{name}" in outputs}
 
 
 def fill_holes(live):
@@ -291,13 +295,13 @@ def run_steps(update, graph, decoder, values):
     places = np.arange(batch)  # each live row's place in the batch
     outputs_by_name = {tensor.name: tensor for tensor in graph.outputs}
     hypotheses_axes = {f"hypotheses_{name}": outputs_by_name[f"hypotheses_{name}"].axes for name in _HYPOTHESES}
-    carried = [(name, name.removeprefix("updated_")) for name in outputs_by_name if name.startswith("updated_")]
+    carried = tuple(carried_state(graph).items())
     reorders = "parents" in outputs_by_name
     results = None
     while True:
         index = int(values["index"])
         outputs = update(dict(values, logits=decoder.step(token_ids, index)))
-        for output, name in carried:
+        for name, output in carried:
             values[name] = outputs[output]
         token_ids = outputs["decoder_token_ids"]
         if reorders:
