@@ -114,6 +114,10 @@ NATURAL_SENTENCES = 128
 NATURAL_BATCH_SIZES = (1, 16, 64)
 NATURAL_BEAM_SIZE = 4
 NATURAL_MAX_EXTRA_LENGTH = 50  # the paper's and the commands' default
+# Beam search's `patience` per natural-length system: None is ours (the exact search: a row stops when no
+# live beam can win); 1 is CTranslate2's rule with a length penalty (a row stops once K hypotheses ended),
+# which CTranslate2 always runs (its default patience). Ours also run it: the same stop rule as CTranslate2.
+NATURAL_PATIENCE = {"ort-float32": (None, 1), "keras": (None, 1), "ct2-float32": (None,)}
 
 # Each timed measurement runs a system this long at least (several calls when one is short).
 MIN_MEASUREMENT_SECONDS = 0.3
@@ -205,11 +209,13 @@ def generated_tokens(rows, start_id, end_id):
 class _ModelSystem:
     """A system whose model has `generate` with `TransformerModel.generate`'s arguments."""
 
+    patience = None  # beam search's (`_translate_pass` sets it)
+
     def generate(self, sources, beam_size):
         model = self.model
         rows = model.generate(
             id_batch(sources, model.end_id), beam_size=beam_size, length_penalty=LENGTH_PENALTY,
-            max_extra_length=self.max_extra_length,
+            max_extra_length=self.max_extra_length, patience=self.patience,
         )
         return generated_tokens(rows, model.start_id, model.end_id)
 
@@ -304,13 +310,16 @@ def _time_calls(system, sources, beam_size, calls):
     return times, _cpu_seconds() - cpu, tokens
 
 
-def _translate_pass(system, batches, beam_size, max_extra_length):
+def _translate_pass(system, batches, beam_size, max_extra_length, patience=None):
     """Translates `batches` (lists of rows of piece ids, any lengths) one after another.
 
-    Returns the seconds and CPU seconds of the whole pass and the tokens of
-    every row, in order.
+    `patience`: beam search's, for our systems (None: the exact search);
+    CTranslate2 runs its own rule. Returns the seconds and CPU seconds of
+    the whole pass and the tokens of every row, in order.
     """
     saved, system.max_extra_length = system.max_extra_length, max_extra_length
+    if patience is not None:
+        system.patience = patience
     try:
         tokens, cpu = [], _cpu_seconds()
         start = time.perf_counter()
@@ -319,6 +328,8 @@ def _translate_pass(system, batches, beam_size, max_extra_length):
         seconds = time.perf_counter() - start
     finally:
         system.max_extra_length = saved
+        if patience is not None:
+            del system.patience
     return {"seconds": seconds, "cpu_seconds": _cpu_seconds() - cpu, "tokens": tokens}
 
 
@@ -414,7 +425,8 @@ def worker_main(system, directory, threads, max_extra_length):
                 times, cpu, tokens = _time_calls(runner, request["sources"], request["beam_size"], request["calls"])
                 answer({"seconds": times, "cpu_seconds": cpu, "tokens": tokens})
             elif request["op"] == "pass":
-                answer(_translate_pass(runner, request["batches"], request["beam_size"], request["max_extra_length"]))
+                answer(_translate_pass(runner, request["batches"], request["beam_size"], request["max_extra_length"],
+                                       request.get("patience")))
             elif request["op"] == "profile":
                 sources = {int(batch): rows for batch, rows in request["sources_by_batch"].items()}
                 answer({"profile": profile_search(
@@ -745,17 +757,21 @@ def natural_sources(preset_dir, count):
 def measure_natural(workers, sources, batch_sizes, beam_size, rounds, max_extra_length):
     """Every system translates all of `sources`, in consecutive batches of each size, `rounds` times.
 
-    One untimed pass per batch size first (Keras compiles a search per
-    length bucket). Then in each round each system translates the whole
-    list once per batch size, the order of the systems rotating. Returns
-    `{(worker name, batch): {"seconds": [per round], "cpu_seconds": [...], "tokens": rows}}`.
+    Each system runs once per `NATURAL_PATIENCE` entry (ours: the exact
+    search and CTranslate2's stop rule). One untimed pass per batch size
+    first (Keras compiles a search per length bucket). Then in each round
+    each system translates the whole list once per batch size, the order of
+    the systems rotating. Returns `{(worker name, patience, batch):
+    {"seconds": [per round], "cpu_seconds": [...], "tokens": rows}}`.
     """
-    names, measured = list(workers), {}
+    names, measured = [(name, patience) for name, worker in workers.items()
+                       for patience in NATURAL_PATIENCE.get(worker.system_name, (None,))], {}
 
-    def translate(name, batch):
+    def translate(variant, batch):
+        name, patience = variant
         batches = [sources[i: i + batch] for i in range(0, len(sources), batch)]
         return workers[name].request(op="pass", batches=batches, beam_size=beam_size,
-                                     max_extra_length=max_extra_length)
+                                     max_extra_length=max_extra_length, patience=patience)
 
     logger.info("Natural lengths: one untimed pass per system and batch size (Keras compiles its searches)")
     for batch in batch_sizes:
@@ -766,21 +782,21 @@ def measure_natural(workers, sources, batch_sizes, beam_size, rounds, max_extra_
                 logger.error("%s", error)
                 names.remove(name)
                 continue
-            measured[name, batch] = {"seconds": [], "cpu_seconds": [], "tokens": answer["tokens"],
-                                     "warmup_seconds": answer["seconds"]}
+            measured[(*name, batch)] = {"seconds": [], "cpu_seconds": [], "tokens": answer["tokens"],
+                                        "warmup_seconds": answer["seconds"]}
     for round_index in range(rounds):
         logger.info("Natural lengths: round %d of %d", round_index + 1, rounds)
         for batch in batch_sizes:
             shift = round_index % max(len(names), 1)
             for name in names[shift:] + names[:shift]:
-                if (name, batch) not in measured:
+                if (*name, batch) not in measured:
                     continue
                 try:
                     answer = translate(name, batch)
                 except RuntimeError as error:
                     logger.error("%s", error)
                     continue
-                entry = measured[name, batch]
+                entry = measured[(*name, batch)]
                 entry["seconds"].append(answer["seconds"])
                 entry["cpu_seconds"].append(answer["cpu_seconds"])
                 if answer["tokens"] != entry["tokens"]:
@@ -809,17 +825,21 @@ def summarize_natural(measured, workers, beam_size):
 
     Returns `(rows, scaling)`: per (system, batch) the median seconds for
     all the sentences, sentences/s, tokens, CPU / wall and the rows with
-    tokens identical to Keras' at the same batch size; `scaling[system]` is
-    sentences/s at the largest batch over sentences/s at the smallest.
+    tokens identical to Keras' at the same batch size and patience (and,
+    with a patience, to the same system's exact search); `scaling[system]`
+    is sentences/s at the largest batch over sentences/s at the smallest.
+    A system run with a patience is named `<system> patience=<p>`.
     """
     rows = []
-    for (name, batch), entry in measured.items():
+    for (name, patience, batch), entry in measured.items():
         if not entry["seconds"]:
             continue
         seconds = statistics.median(entry["seconds"])
         lengths = [len(tokens) for tokens in entry["tokens"]]
+        system = workers[name].system_name + (f" patience={patience:g}" if patience is not None else "")
         rows.append({
-            "system": workers[name].system_name, "threads": workers[name].threads, "batch": batch,
+            "system": system, "engine": workers[name].system_name, "patience": patience,
+            "threads": workers[name].threads, "batch": batch,
             "beam_size": beam_size, "seconds": seconds, "seconds_per_round": entry["seconds"],
             "sentences": len(lengths), "sentences_per_second": len(lengths) / seconds, "tokens": sum(lengths),
             "token_counts": lengths, "mean_tokens": sum(lengths) / max(len(lengths), 1),
@@ -829,12 +849,18 @@ def summarize_natural(measured, workers, beam_size):
             "deterministic": not entry.get("nondeterministic", False),
             "_tokens": entry["tokens"],
         })
-    keras = {r["batch"]: r["_tokens"] for r in rows if r["system"] == KERAS}
+    keras = {(r["batch"], r["patience"]): r["_tokens"] for r in rows if r["engine"] == KERAS}
+    exact = {(r["engine"], r["batch"]): r["_tokens"] for r in rows if r["patience"] is None}
     for row in rows:
-        reference = keras.get(row["batch"])
+        # CTranslate2 runs its own rule: compared with Keras' exact search.
+        reference = keras.get((row["batch"], row["patience"]))
         row["rows_identical_to_keras"] = (
             sum(a == b for a, b in zip(row["_tokens"], reference)) if reference is not None else None
         )
+        if row["patience"] is not None and (row["engine"], row["batch"]) in exact:
+            row["rows_identical_to_exact_search"] = sum(
+                a == b for a, b in zip(row["_tokens"], exact[row["engine"], row["batch"]])
+            )
     for row in rows:
         del row["_tokens"]
     scaling = {}
@@ -844,7 +870,7 @@ def summarize_natural(measured, workers, beam_size):
             scaling[system] = {"batches": [own[0]["batch"], own[-1]["batch"]],
                                "ratio": own[-1]["sentences_per_second"] / own[0]["sentences_per_second"]}
     order = {name: i for i, name in enumerate(NATURAL_ENGINES)}
-    rows.sort(key=lambda r: (r["batch"], order.get(r["system"], len(order))))
+    rows.sort(key=lambda r: (r["batch"], r["patience"] is not None, order.get(r["engine"], len(order))))
     return rows, scaling
 
 
@@ -1142,7 +1168,8 @@ def goals(rows, cold, natural=None):
                 entry["peak_rss_mb"] <= GOAL_RSS_MB, "one sentence")
     if natural:
         by = {(r["system"], r["batch"]): r for r in natural["rows"]}
-        for system in ("ort-float32", KERAS):
+        # Ours with their exact search, and with CTranslate2's stop rule (patience 1, as CTranslate2 runs).
+        for system in ("ort-float32", KERAS, "ort-float32 patience=1", f"{KERAS} patience=1"):
             ratios = [(by[system, batch]["sentences_per_second"] / by["ct2-float32", batch]["sentences_per_second"],
                        f"natural B={batch}") for (name, batch) in by if name == system and ("ct2-float32", batch) in by]
             value = worst(ratios, at_least=True)

@@ -175,7 +175,10 @@ BEAM_SEARCH = Graph("generation.search_graph(model, 'beam')", (_SOURCE_IDS, *_SE
 # n-best beam search with target prefixes; sampling (and greedy search: `sampling_topk` 1) with them.
 BEAM_HYPOTHESES = Graph(
     "generation.hypotheses_graph(model, 'beam')",
-    (_SOURCE_IDS, _TARGET_PREFIX, _SEARCH_ARGUMENTS[0], _scalar("num_hypotheses"), *_SEARCH_ARGUMENTS[1:]),
+    (
+        _SOURCE_IDS, _TARGET_PREFIX, _SEARCH_ARGUMENTS[0], _scalar("num_hypotheses"), _scalar("ended_to_stop"),
+        *_SEARCH_ARGUMENTS[1:],
+    ),
     _HYPOTHESES_OUTPUTS,
 )
 # One hypothesis per row: the outputs of `hypotheses_graph(model, 'sample')` without their axis of size 1.
@@ -198,8 +201,9 @@ _BEAM_STATE = (
     _ids("finished_sequences", "batch", "beam", "output_length"),
     Tensor("finished_scores", "float32", ("batch", "beam")),
     Tensor("finished_log_probs", "float32", ("batch", "beam")),
+    _ids("ended", "batch"),
 )
-_BEAM_OPTIONS = (_TARGET_PREFIX, _scalar("num_hypotheses"))
+_BEAM_OPTIONS = (_TARGET_PREFIX, _scalar("num_hypotheses"), _scalar("ended_to_stop"))
 _SAMPLE_STATE = (
     _INDEX,
     _ids("sequences", "batch", "output_length"),
@@ -311,6 +315,7 @@ TEXT_GRAPH = Graph(
 )
 
 # An ONNX export: graph name -> Graph; the file is `{name}.onnx` (config.json `graphs`).
+# 7: beam search's `patience` (`ended_to_stop` input of beam_update and beam_hypotheses, `ended` state);
 # 6: the fused decoder step (a cache updated in place, cross-attention once per source) and each
 #    search's update graph replace the step graphs; the start graphs give the source's cache;
 # 5: the start and step graphs of beam search, sampling and greedy search (rows leave the batch when done);
@@ -319,7 +324,7 @@ TEXT_GRAPH = Graph(
 # 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
 ONNX = Format(
     "keras_transformer.onnx",
-    6,
+    7,
     {
         "encoder": ENCODE, "init_cache": INIT_CACHE, "decoder_step": DECODE_STEP,
         "greedy_search": GREEDY_SEARCH, "beam_search": BEAM_SEARCH,
@@ -467,7 +472,10 @@ def hypotheses_feeds(plan, length_penalty, max_extra_length):
         "target_prefix": options.get("target_prefix", np.zeros((rows, 1), np.int32)),
     }
     if plan.search_name == "beam":
-        values.update(beam_size=plan.beam_size, num_hypotheses=options["num_hypotheses"])
+        values.update(
+            beam_size=plan.beam_size, num_hypotheses=options["num_hypotheses"],
+            ended_to_stop=options.get("ended_to_stop", 0),
+        )
         return "beam_hypotheses", values
     values.update(
         sample_key=options.get("sample_key", np.zeros((rows,), np.int32)), seed=options.get("seed", 0),

@@ -58,7 +58,10 @@ export); beam search with `length_penalty=0` mostly does, but CTranslate2
 finishes a hypothesis only from its best `beam_size` candidates (ours from
 the best `2 * beam_size`, as tensor2tensor) and at the maximum length keeps
 unfinished hypotheses (ours forces the end id); with alpha > 0 the penalties
-differ too. Its `translate_batch` defaults are not ours either:
+differ too. With a length penalty it stops a row once `beam_size *
+patience` hypotheses ended (`patience=1` by default); ours stops when no
+live beam can beat the best finished hypothesis, unless given the same
+`patience` (`generation.generate(..., patience=1)`). Its `translate_batch` defaults are not ours either:
 `beam_size=2`, `length_penalty=1`, `min_decoding_length=1` (ours allows an
 empty output), `max_decoding_length=256` for the whole batch (ours: each
 row's source length + 50) and `max_input_length=1024`.
@@ -397,7 +400,7 @@ def model_spec(model, tokens):
 # ---------------------------------------------------------------------- #
 # Export
 # ---------------------------------------------------------------------- #
-def translation_options(beam_size=4, length_penalty=0.6, max_sequence_length=None):
+def translation_options(beam_size=4, length_penalty=0.6, max_sequence_length=None, patience=None):
     """`translate_batch` keyword arguments closest to our `generate` (besides `max_decoding_length`).
 
     `length_penalty` is passed through, but CTranslate2 divides by
@@ -405,7 +408,9 @@ def translation_options(beam_size=4, length_penalty=0.6, max_sequence_length=Non
     for greedy search and for alpha = 0 only. With `max_sequence_length`,
     longer sources are cut to it (the end id kept last; CTranslate2 counts
     the appended end id), which keeps them inside the position table; our
-    model refuses them instead.
+    model refuses them instead. `patience`: passed on when given (our
+    `patience`, the same rule); None leaves CTranslate2's default, 1: it
+    has no exact search.
     """
     return {
         "beam_size": beam_size,
@@ -413,6 +418,7 @@ def translation_options(beam_size=4, length_penalty=0.6, max_sequence_length=Non
         "min_decoding_length": 0,  # ours allows an empty output (the end id first); CTranslate2's default is 1
         "max_input_length": max_sequence_length or 0,  # 0: no truncation (CTranslate2's default is 1024)
         "return_end_token": False,
+        **({"patience": patience} if patience is not None else {}),
     }
 
 

@@ -64,8 +64,10 @@ def graph_functions(model, names=None):
 
     beam_n_best, sample = hypotheses_graph(model, "beam"), hypotheses_graph(model, "sample")
 
-    def beam_hypotheses(encoder_token_ids, target_prefix, beam_size, num_hypotheses, alpha, max_extra_length):
-        options = {"target_prefix": target_prefix, "num_hypotheses": num_hypotheses}
+    def beam_hypotheses(
+        encoder_token_ids, target_prefix, beam_size, num_hypotheses, ended_to_stop, alpha, max_extra_length
+    ):
+        options = {"target_prefix": target_prefix, "num_hypotheses": num_hypotheses, "ended_to_stop": ended_to_stop}
         outputs = beam_n_best(encoder_token_ids, beam_size, alpha, max_extra_length, options)
         return dict(zip(_HYPOTHESES_OUTPUTS, outputs))
 

@@ -643,7 +643,8 @@ class OnnxSeq2Seq:
         return outputs["logits"], dict(cache, **updated)
 
     def generate(
-        self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False
+        self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False,
+        patience=None,
     ):
         """Greedy (`beam_size=1`) or beam search.
 
@@ -653,21 +654,26 @@ class OnnxSeq2Seq:
         `beam_start` / `beam_update` graphs and greedy search `sample_start`
         / `greedy_update` around the fused decoder step (`export.steps`);
         with `driver="whole"`, the `beam_search` / `greedy_search` graph in
-        one call.
+        one call (`beam_hypotheses` with a `patience`).
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s;
             with `return_scores=True`, also the float32 scores `[B]`.
         """
-        check_search_args(beam_size, length_penalty, max_extra_length)
+        check_search_args(beam_size, length_penalty, max_extra_length, patience)
         ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
         if ids.shape[0] == 0:
             empty = np.zeros((0, 0), np.int32)
             return (empty, np.zeros((0,), np.float32)) if return_scores else empty
-        if self.driver == "steps":
-            plan = hypotheses_plan(ids, None, beam_size, 1, 1, 1.0, 1.0, 0)
-            sequences, scores, _ = self._step_search(plan, length_penalty, max_extra_length)
+        if self.driver == "steps" or (patience is not None and beam_size > 1):
+            plan = hypotheses_plan(ids, None, beam_size, 1, 1, 1.0, 1.0, 0, patience)
+            if self.driver == "steps":
+                sequences, scores, _ = self._step_search(plan, length_penalty, max_extra_length)
+            else:  # `beam_search` has no patience input
+                graph, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
+                outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
+                sequences, scores = outputs["sequences"], outputs["scores"]
             sequences, scores = sequences[:, 0], scores[:, 0]
         else:
             values = {"encoder_token_ids": np.ascontiguousarray(ids), "alpha": length_penalty,
@@ -703,6 +709,7 @@ class OnnxSeq2Seq:
         sampling_topp=1.0,
         sampling_temperature=1.0,
         seed=0,
+        patience=None,
     ):
         """`keras_transformer.generation.generate_hypotheses` on ONNX Runtime.
 
@@ -718,7 +725,7 @@ class OnnxSeq2Seq:
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
         """
-        check_search_args(beam_size, length_penalty, max_extra_length)
+        check_search_args(beam_size, length_penalty, max_extra_length, patience)
         check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed)
         ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
@@ -726,7 +733,7 @@ class OnnxSeq2Seq:
         if ids.shape[0] == 0:
             return no_hypotheses(num_hypotheses)
         plan = hypotheses_plan(
-            ids, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed
+            ids, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed, patience
         )
         if self.driver == "steps":
             sequences, scores, log_probs = self._step_search(plan, length_penalty, max_extra_length)

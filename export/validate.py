@@ -294,7 +294,8 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact, sessions=None):
     """`beam_hypotheses` and `sample_search` against `generation.generate_hypotheses`.
 
     Both sides run the same plan (`decoding.hypotheses_plan`); rows with and
-    without a target prefix together; three best of a beam of 4; three
+    without a target prefix together; three best of a beam of 4; two best
+    with `patience` 0.5 (rows stop once 2 hypotheses ended); three
     samples (top-k 5, top-p 0.9, temperature 0.8) and greedy search
     (`sampling_topk` 1). Where `sessions` (`{graph name: session}`) has
     the fused decoder step, each plan also runs step by step
@@ -318,6 +319,7 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact, sessions=None):
     prefixes = [list(rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, 2)), None, [FIRST_ORDINARY_ID]]
     for label, arguments in (
         ("n-best", dict(beam_size=4, num_hypotheses=3)),
+        ("patience", dict(beam_size=4, num_hypotheses=2, patience=0.5)),
         ("samples", dict(beam_size=1, num_hypotheses=3, sampling_topk=5, sampling_topp=0.9,
                          sampling_temperature=0.8, seed=7)),
         ("greedy", dict(beam_size=1, num_hypotheses=1)),
@@ -327,6 +329,7 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact, sessions=None):
         plan = hypotheses_plan(
             ids, target_prefix_ids(prefixes, batch, model), arguments["beam_size"], arguments["num_hypotheses"],
             options["sampling_topk"], options["sampling_topp"], options["sampling_temperature"], options["seed"],
+            arguments.get("patience"),
         )
         graph, values = hypotheses_feeds(plan, 0.6, 5)
         outputs = run(graph, **values)

@@ -26,8 +26,8 @@ from keras_transformer.token_ids import check_id_range
 LENGTH_BUCKET = 8
 
 
-def check_search_args(beam_size, length_penalty, max_extra_length):
-    """Raises `ValueError` naming the argument unless all three are valid."""
+def check_search_args(beam_size, length_penalty, max_extra_length, patience=None):
+    """Raises `ValueError` naming the argument unless all are valid."""
     if isinstance(beam_size, bool) or not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
         raise ValueError(f"beam_size={beam_size!r} must be an integer >= 1 (1 is greedy search)")
     if (
@@ -43,6 +43,25 @@ def check_search_args(beam_size, length_penalty, max_extra_length):
         or max_extra_length < 0
     ):
         raise ValueError(f"max_extra_length={max_extra_length!r} must be an integer >= 0")
+    if patience is not None and (not _is_number(patience) or not math.isfinite(patience) or patience <= 0):
+        raise ValueError(
+            f"patience={patience!r} must be None (stop when no live beam can win: the exact search) or a finite "
+            "number > 0 (CTranslate2's patience: stop a row once round(beam_size * patience) hypotheses ended)"
+        )
+
+
+def ended_to_stop(beam_size, patience):
+    """Beam search's `ended_to_stop` option for `patience`: 0 for None, else round(K * patience), at least 1.
+
+    `patience` as CTranslate2's (`translate_batch(patience=...)`, from
+    Kasai et al. 2022, arXiv:2204.05424): a row of beam search also stops
+    once `round(beam_size * patience)` of its extensions have ended among
+    the K best of their step (`search/beam.py` `rows_done`). Rounded half
+    away from zero, as CTranslate2 does.
+    """
+    if patience is None:
+        return 0
+    return int(min(max(math.floor(beam_size * patience + 0.5), 1), np.iinfo(np.int32).max))
 
 
 def finish_rows(sequences, end_id, pad_id):
@@ -204,7 +223,7 @@ class HypothesesPlan(NamedTuple):
         source: int32 `[B', S]` source ids (each row repeated per sample).
         options: `{name: NumPy array}` of the search's options, named as the
             exported graphs' inputs (`target_prefix`, `num_hypotheses`,
-            `sample_key`, `seed`, `sampling_*`).
+            `ended_to_stop`, `sample_key`, `seed`, `sampling_*`).
     """
 
     search_name: str
@@ -214,7 +233,7 @@ class HypothesesPlan(NamedTuple):
 
 
 def hypotheses_plan(source, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature,
-                    seed):
+                    seed, patience=None):
     """The search that gives `num_hypotheses` per source row, with checked arguments.
 
     Beam search (`beam_size > 1`) keeps its `num_hypotheses` best finished
@@ -225,6 +244,7 @@ def hypotheses_plan(source, prefix, beam_size, num_hypotheses, sampling_topk, sa
     Args:
         source: int32 `[B, S]`.
         prefix: None or int32 `[B, P]` (`target_prefix_ids`).
+        patience: None or a number > 0 (`ended_to_stop`; beam search only).
     """
     options = {}
     if sampling_topk != 1:
@@ -244,6 +264,7 @@ def hypotheses_plan(source, prefix, beam_size, num_hypotheses, sampling_topk, sa
     else:
         search_name = "beam"
         options["num_hypotheses"] = np.int32(num_hypotheses)
+        options["ended_to_stop"] = np.int32(ended_to_stop(beam_size, patience))
     if prefix is not None:
         options["target_prefix"] = prefix
     return HypothesesPlan(search_name, int(beam_size), np.ascontiguousarray(source, np.int32), options)

@@ -600,7 +600,7 @@ class TransformerModel(keras.Model):
             cache = dict(cache, self_key=ops.stack(keys, axis=1), self_value=ops.stack(values, axis=1))
         return self._logits(x)[:, 0, :], cache
 
-    def generate(self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50):
+    def generate(self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, patience=None):
         """Translates source ids with beam search (greedy for `beam_size=1`).
 
         A thin wrapper around `keras_transformer.generation.generate`, which
@@ -612,6 +612,8 @@ class TransformerModel(keras.Model):
             length_penalty: float alpha >= 0. Defaults to 0.6 (the paper).
             max_extra_length: int >= 0, output tokens allowed beyond the
                 source length. Defaults to 50 (the paper).
+            patience: None (the exact search, the default) or a number > 0:
+                CTranslate2's early stop for beam search (see `generate`).
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s.
@@ -629,6 +631,7 @@ class TransformerModel(keras.Model):
             beam_size=beam_size,
             length_penalty=length_penalty,
             max_extra_length=max_extra_length,
+            patience=patience,
         )
 
     def generate_hypotheses(self, encoder_token_ids, beam_size=4, num_hypotheses=1, **options):
@@ -636,7 +639,7 @@ class TransformerModel(keras.Model):
 
         A thin wrapper; `options` are `generate_hypotheses`' (`length_penalty`,
         `max_extra_length`, `target_prefix`, `sampling_topk`, `sampling_topp`,
-        `sampling_temperature`, `seed`).
+        `sampling_temperature`, `seed`, `patience`).
 
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.

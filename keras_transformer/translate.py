@@ -62,6 +62,11 @@ def add_file_arguments(parser):
     parser.add_argument("--sampling-temperature", type=float, default=1.0,
                         help="when sampling, divide the log-probabilities by this (> 0, default 1)")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+    parser.add_argument(
+        "--patience", type=float, default=None,
+        help="beam search: stop a sentence once round(beam size x PATIENCE) hypotheses ended, as CTranslate2 "
+             "(1 is its default); without it, the exact search: stop when no live beam can win",
+    )
     return parser
 
 
@@ -87,7 +92,7 @@ def translate_lines(translator, args, **search):
     batching = dict(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, window=args.window,
                     progress=show_progress(args), sampling_topk=args.sampling_topk,
                     sampling_topp=args.sampling_topp, sampling_temperature=args.sampling_temperature,
-                    seed=args.seed, **search)
+                    seed=args.seed, patience=args.patience, **search)
     if args.output is not None:
         return translator.translate_file(args.src or "-", args.output, overwrite=args.overwrite, **batching)
     count = 0

@@ -254,6 +254,7 @@ class Translator:
         sampling_topp=1.0,
         sampling_temperature=1.0,
         seed=0,
+        patience=None,
     ):
         """Translates a list of sentences.
 
@@ -282,6 +283,9 @@ class Translator:
                 when sampling. Defaults to 1.
             seed: int in `[0, 2^31 - 2]`: the same seed, the same samples
                 (on every backend and on ONNX Runtime).
+            patience: None (the default: the exact beam search) or a number
+                > 0: a row stops once `round(beam_size * patience)`
+                hypotheses ended, as CTranslate2 (`generation.generate`).
 
         Returns:
             list of str, in the order of `texts`.
@@ -293,7 +297,7 @@ class Translator:
         search = self._search_args(
             beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens,
             sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-            sampling_temperature=sampling_temperature, seed=seed,
+            sampling_temperature=sampling_temperature, seed=seed, patience=patience,
         )
         prefixes = self._prefixes(target_prefix, texts)
         with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
@@ -314,6 +318,7 @@ class Translator:
         sampling_topp=1.0,
         sampling_temperature=1.0,
         seed=0,
+        patience=None,
     ):
         """The `num_hypotheses` best translations of each sentence, with their scores.
 
@@ -327,7 +332,7 @@ class Translator:
             num_hypotheses: int >= 1, at most `beam_size` unless sampling.
             beam_size, batch_size, length_penalty, max_extra_length,
             progress, max_batch_tokens, target_prefix, sampling_topk,
-            sampling_topp, sampling_temperature, seed: as `translate`.
+            sampling_topp, sampling_temperature, seed, patience: as `translate`.
 
         Returns:
             list (one per text, in order) of lists of `Hypothesis(text,
@@ -344,7 +349,7 @@ class Translator:
         search = self._search_args(
             beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens,
             num_hypotheses=num_hypotheses, sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-            sampling_temperature=sampling_temperature, seed=seed,
+            sampling_temperature=sampling_temperature, seed=seed, patience=patience,
         )
         for i, text in enumerate(texts):
             if not text.strip():
@@ -370,6 +375,7 @@ class Translator:
         sampling_topp=1.0,
         sampling_temperature=1.0,
         seed=0,
+        patience=None,
     ):
         """Translates a stream of sentences; yields the translations in input order.
 
@@ -388,7 +394,7 @@ class Translator:
                 bar's ETA.
             beam_size, batch_size, length_penalty, max_extra_length,
             progress, max_batch_tokens, sampling_topk, sampling_topp,
-            sampling_temperature, seed: as `translate`.
+            sampling_temperature, seed, patience: as `translate`.
 
         Returns:
             An iterator of str, one per input sentence.
@@ -396,7 +402,7 @@ class Translator:
         search = self._search_args(
             beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens,
             sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-            sampling_temperature=sampling_temperature, seed=seed,
+            sampling_temperature=sampling_temperature, seed=seed, patience=patience,
         )
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
             raise ValueError(f"window={window!r} must be a positive integer (sentences sorted together)")
@@ -420,6 +426,7 @@ class Translator:
         sampling_topp=1.0,
         sampling_temperature=1.0,
         seed=0,
+        patience=None,
     ):
         """Translates a file of any size, one sentence per line, into another.
 
@@ -441,7 +448,7 @@ class Translator:
                 with the total for a file).
             beam_size, batch_size, length_penalty, max_extra_length,
             max_batch_tokens, window, sampling_topk, sampling_topp,
-            sampling_temperature, seed: as `translate_iterable`.
+            sampling_temperature, seed, patience: as `translate_iterable`.
 
         Returns:
             int, the number of lines written.
@@ -455,7 +462,7 @@ class Translator:
         """
         sampling = dict(
             sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-            sampling_temperature=sampling_temperature, seed=seed,
+            sampling_temperature=sampling_temperature, seed=seed, patience=patience,
         )
         self._search_args(beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens, **sampling)
         check_text_file(src_path, "src_path")
@@ -477,13 +484,15 @@ class Translator:
 
     def _search_args(
         self, beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens, num_hypotheses=1,
-        sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0, seed=0,
+        sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0, seed=0, patience=None,
     ):
         """Checks the arguments up front; returns the search's keyword arguments (sampling's when sampling)."""
-        check_search_args(beam_size, length_penalty, max_extra_length)
+        check_search_args(beam_size, length_penalty, max_extra_length, patience)
         check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed)
         check_batch_limits(batch_size, max_batch_tokens)
         search = dict(beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length)
+        if patience is not None:  # (models without the option still take the default search)
+            search.update(patience=patience)
         if sampling_topk != 1:
             search.update(
                 sampling_topk=sampling_topk, sampling_topp=sampling_topp,

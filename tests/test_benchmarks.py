@@ -161,23 +161,25 @@ def test_gemm_rates_are_measured_in_a_one_thread_process():
 
 
 class _FakeSystem:
-    """Answers a source row of n ids with min(n, max_extra_length) tokens; counts its batches."""
+    """Answers a source row of n ids with min(n, max_extra_length) tokens (one fewer with a patience)."""
+
+    patience = None
 
     def __init__(self):
         self.max_extra_length, self.batches = 30, []
 
     def generate(self, sources, beam_size):
         self.batches.append(len(sources))
-        return [[7] * min(len(row), self.max_extra_length) for row in sources]
+        return [[7] * (min(len(row), self.max_extra_length) - (self.patience is not None)) for row in sources]
 
 
 class _FakeWorker:
     def __init__(self, system_name, shorter=False):
         self.system_name, self.threads, self.system, self.shorter = system_name, 1, _FakeSystem(), shorter
 
-    def request(self, op, batches, beam_size, max_extra_length):
+    def request(self, op, batches, beam_size, max_extra_length, patience=None):
         assert op == "pass"
-        answer = serve._translate_pass(self.system, batches, beam_size, max_extra_length)
+        answer = serve._translate_pass(self.system, batches, beam_size, max_extra_length, patience)
         if self.shorter:
             answer["tokens"] = [tokens[:-1] for tokens in answer["tokens"]]
         answer["seconds"] = len(batches) * 0.1  # 0.1 s per batch, whatever its size
@@ -188,9 +190,11 @@ def test_natural_table_translates_every_sentence_in_batches_and_reports_scaling(
     sources = [[5] * n for n in (3, 9, 4, 2, 6)]
     workers = {"keras@1": _FakeWorker("keras"), "ort-float32@1": _FakeWorker("ort-float32", shorter=True)}
     measured = serve.measure_natural(workers, sources, [1, 4], beam_size=4, rounds=2, max_extra_length=5)
-    # A warm-up pass, then 2 rounds, each over both batch sizes: 5 batches of 1, 2 (4 + 1) of 4.
-    assert workers["keras@1"].system.batches == ([1] * 5 + [4, 1]) * 3
+    # A warm-up pass, then 2 rounds, each over both batch sizes: 5 batches of 1, 2 (4 + 1) of 4; Keras twice
+    # (its exact search, and with patience 1).
+    assert workers["keras@1"].system.batches == ([1] * 10 + [4, 1] * 2) * 3
     assert workers["keras@1"].system.max_extra_length == 30  # restored after each pass
+    assert workers["keras@1"].system.patience is None
     rows, scaling = serve.summarize_natural(measured, workers, beam_size=4)
     keras = {r["batch"]: r for r in rows if r["system"] == "keras"}
     assert keras[1]["token_counts"] == [3, 5, 4, 2, 5]  # capped at max_extra_length=5
@@ -199,6 +203,12 @@ def test_natural_table_translates_every_sentence_in_batches_and_reports_scaling(
     assert scaling["keras"] == {"batches": [1, 4], "ratio": pytest.approx(2.5)}
     ort = next(r for r in rows if r["system"] == "ort-float32" and r["batch"] == 4)
     assert ort["rows_identical_to_keras"] == 0 and keras[4]["rows_identical_to_keras"] == 5
+    patient = next(r for r in rows if r["system"] == "keras patience=1" and r["batch"] == 4)
+    assert patient["patience"] == 1 and patient["token_counts"] == [2, 4, 3, 1, 4]
+    # Compared with Keras' search of the same patience, and with its own exact search.
+    assert patient["rows_identical_to_keras"] == 5 and patient["rows_identical_to_exact_search"] == 0
+    assert [r["system"] for r in rows if r["batch"] == 4] == [
+        "ort-float32", "keras", "ort-float32 patience=1", "keras patience=1"]
     results = {"throughput": [], "cold_start": [], "natural": {
         "weights": "random", "rows": rows, "scaling": scaling,
         "settings": {"sentences": 5, "beam_size": 4, "batch_sizes": [1, 4]}}}

@@ -79,7 +79,7 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir):
     )
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
-    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 6)
+    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 7)
     assert config["opset"] == onnx_export.DEFAULT_OPSET == 17
     assert config["quantization"] is None
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
@@ -324,6 +324,41 @@ def test_rows_leaving_the_batch_give_the_whole_search_hypotheses(model, exported
         np.testing.assert_array_equal(found.sequences, expected.sequences)
         np.testing.assert_allclose(found.scores, expected.scores, atol=1e-4, rtol=0)
         np.testing.assert_allclose(found.log_probs, expected.log_probs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_hypotheses", [1, 2])
+def test_patience_stops_rows_sooner_with_keras_hypotheses(tiny_trained, num_hypotheses, monkeypatch):
+    """`patience=1` (CTranslate2's rule) on the trained tiny model and the bundled sentences: the step driver,
+    the whole-search graph and Keras give the same hypotheses, in fewer decoder steps than the exact search."""
+    import keras_transformer as kt
+    from keras_transformer.generation import generate, generate_hypotheses
+
+    onnx_model = OnnxSeq2Seq(tiny_trained / "onnx", providers=["CPUExecutionProvider"])
+    whole = OnnxSeq2Seq(tiny_trained / "onnx", providers=["CPUExecutionProvider"], driver="whole")
+    model = kt.TransformerModel.from_preset(tiny_trained / "preset")
+    lines = (tiny_trained / "valid.en").read_text(encoding="utf-8").splitlines()[:8]
+    encoded = OnnxTranslator(tiny_trained / "onnx").encode(lines)
+    src = np.zeros((len(encoded), max(map(len, encoded))), np.int32)
+    for row, ids in enumerate(encoded):
+        src[row, : len(ids)] = ids
+    arguments = dict(beam_size=4, num_hypotheses=num_hypotheses)
+    calls = _recording_steps(monkeypatch)
+    onnx_model.generate_hypotheses(src, **arguments)
+    exact_rows = sum(rows for _, rows, _ in calls)
+    calls.clear()
+    found = onnx_model.generate_hypotheses(src, patience=1, **arguments)
+    assert sum(rows for _, rows, _ in calls) < exact_rows
+    for expected in (whole.generate_hypotheses(src, patience=1, **arguments),
+                     generate_hypotheses(model, src, patience=1, **arguments)):
+        np.testing.assert_array_equal(found.sequences, expected.sequences)
+        np.testing.assert_allclose(found.scores, expected.scores, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(found.log_probs, expected.log_probs, atol=1e-4, rtol=0)
+    if num_hypotheses == 1:  # `generate` with a patience gives this search's best
+        expected = generate(model, src, beam_size=4, patience=1)
+        np.testing.assert_array_equal(expected[:, : found.sequences.shape[2]], found.sequences[:, 0])
+        for runtime in (onnx_model, whole):
+            np.testing.assert_array_equal(runtime.generate(src, beam_size=4, patience=1), expected)
 
 
 def test_an_unknown_driver_is_refused_and_the_cpu_steps(exported, onnx_model):
@@ -634,12 +669,12 @@ def test_scoring_the_greedy_graphs_output_gives_its_own_log_probability(onnx_mod
 # --------------------------------------------------------------------------- #
 # n-best, target prefixes and sampling: the same numbers as Keras
 # --------------------------------------------------------------------------- #
-def test_an_export_of_format_5_is_refused_with_export_again(exported, tmp_path):
+def test_an_export_of_format_6_is_refused_with_export_again(exported, tmp_path):
     copy = copy_of(exported, tmp_path)
     config = json.loads((copy / "config.json").read_text())
-    config["format_version"] = 5
+    config["format_version"] = 6
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="version 5; this version of export.runtime reads .* version 6. Export the"):
+    with pytest.raises(ValueError, match="version 6; this version of export.runtime reads .* version 7. Export the"):
         OnnxTranslator(copy)
 
 

@@ -290,6 +290,31 @@ def test_toy_length_penalty_lets_the_longer_hypothesis_win(alpha, expected_score
     assert toy.calls >= 3
 
 
+@pytest.mark.parametrize("patience,calls", [(0.5, 1), (1, 2)])
+def test_toy_patience_stops_once_enough_hypotheses_ended(patience, calls):
+    """CTranslate2's rule: a row stops once round(K * patience) extensions ended among the K best of their step."""
+    toy = ToyScorer()
+    src = np.array([[A, END]], "int32")
+    ids, scores = generate(
+        toy, src, beam_size=2, length_penalty=0.6, max_extra_length=3, return_scores=True, patience=patience
+    )
+    # Step 1's two best extensions are a (0.5) and end (0.3): one ended; step 2's are a b (0.25) and b end (0.18).
+    assert toy.calls == calls
+    # Stopped before the exact search's a b end (score -1.192) was found: the short hypothesis (-1.204) wins.
+    np.testing.assert_array_equal(ids, [[START, END]])
+    assert scores[0] == pytest.approx(math.log(0.3), abs=1e-6)
+
+
+def test_toy_large_patience_is_the_exact_search():
+    src = np.array([[A, END]], "int32")
+    exact, patient = ToyScorer(), ToyScorer()
+    expected = generate(exact, src, beam_size=2, length_penalty=0.6, max_extra_length=3)
+    found = generate(patient, src, beam_size=2, length_penalty=0.6, max_extra_length=3, patience=10)
+    np.testing.assert_array_equal(found, expected)
+    np.testing.assert_array_equal(found, [[START, A, B, END]])
+    assert patient.calls == exact.calls
+
+
 def test_toy_beam_beats_greedy():
     src = np.array([[A, END]], "int32")
     greedy, greedy_score = generate(ToyScorer(), src, beam_size=1, length_penalty=0.0, return_scores=True)
@@ -466,8 +491,11 @@ def test_empty_batch(model):
         (np.array([[5, 3]], "int32"), {"max_extra_length": -1}, "max_extra_length=-1 must be an integer >= 0"),
         (np.array([[5, 3]], "int32"), {"length_penalty": -0.5}, "length_penalty=-0.5 must be a finite number >= 0"),
         (np.array([[5, 3]], "int32"), {"length_penalty": float("nan")}, "length_penalty=nan"),
+        (np.array([[5, 3]], "int32"), {"patience": 0}, r"patience=0 must be None .* or a finite number > 0"),
+        (np.array([[5, 3]], "int32"), {"patience": "1"}, r"patience='1' must be None"),
     ],
-    ids=["too_large", "negative", "rank", "dtype", "beam_0", "beam_float", "extra", "penalty", "penalty_nan"],
+    ids=["too_large", "negative", "rank", "dtype", "beam_0", "beam_float", "extra", "penalty", "penalty_nan",
+         "patience_0", "patience_str"],
 )
 def test_bad_input_is_a_clear_error(model, bad, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -490,3 +518,4 @@ def test_object_without_the_protocol_is_named():
     match = r"Half does not implement the decoding protocol: missing \['init_cache', 'decode_step'\]"
     with pytest.raises(TypeError, match=match):
         generate(Half(), np.array([[4, 3]], "int32"))
+

@@ -421,6 +421,8 @@ def test_beam_rows_done_on_ties_and_rows_without_any_beam():
             np.float32,
         ),
         "num_hypotheses": np.int32(2),
+        "ended": np.array([2, 1, 0, 5], np.int32),
+        "ended_to_stop": np.int32(0),  # no patience
     }
     state = {name: ops.convert_to_tensor(value) for name, value in state.items()}
     max_lengths = ops.convert_to_tensor(np.full((4,), 5, np.int32))
@@ -431,3 +433,8 @@ def test_beam_rows_done_on_ties_and_rows_without_any_beam():
     done = to_numpy(beam.rows_done(state, max_lengths, ops.convert_to_tensor(0.6)))
     # Row 0: the best finished ties the bound; row 3: -0.5 >= -1/lp.
     np.testing.assert_array_equal(done, [True, True, True, True])
+    # With a patience (2 ended extensions): row 0 has 2 ended and a 2nd finished hypothesis; row 1 has 1
+    # ended; row 3 has 5 ended but no 2nd finished hypothesis.
+    state.update(num_hypotheses=ops.convert_to_tensor(np.int32(2)), ended_to_stop=ops.convert_to_tensor(np.int32(2)))
+    done = to_numpy(beam.rows_done(state, max_lengths, ops.convert_to_tensor(0.6)))
+    np.testing.assert_array_equal(done, [True, False, True, False])

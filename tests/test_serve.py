@@ -196,6 +196,25 @@ def test_concurrent_requests_with_mixed_options_are_batched_by_options(server, r
     assert max(len(batch) for _, batch in recording.batches[1:]) > 3
 
 
+def test_a_server_with_a_patience_searches_with_it(exported, monkeypatch):
+    """`--patience`: every search of the server (warm-up included) stops rows as `translate(patience=...)`."""
+    engine = serve.load_engine(exported)
+    calls, translate = [], engine.translator.translate
+    monkeypatch.setattr(engine.translator, "translate", lambda texts, **search: calls.append(search) or translate(
+        texts, **search))
+    server = InProcessServer(engine, patience=0.5, max_extra_length=MAX_EXTRA_LENGTH)
+    try:
+        response = post(server.url, {"text": sentences()[:3]})
+    finally:
+        server.close()
+    assert response.status_code == 200, response.text
+    assert calls and all(search["patience"] == 0.5 for search in calls)
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    assert response.json()["translations"] == translator.translate(
+        sentences()[:3], max_extra_length=MAX_EXTRA_LENGTH, patience=0.5
+    )
+
+
 def test_a_batch_holds_at_most_max_batch_tokens(exported, reference):
     engine = serve.load_engine(exported)
     running = InProcessServer(engine, max_extra_length=MAX_EXTRA_LENGTH, max_batch_tokens=40, max_delay_ms=50)
@@ -485,6 +504,8 @@ def test_settings_are_checked_with_their_values():
         serve.ServerSettings(beam_size=9)
     with pytest.raises(ValueError, match=r"max_texts=65 must be at most max_queue=64"):
         serve.ServerSettings(max_texts=65, max_queue=64)
+    with pytest.raises(ValueError, match=r"patience=0 must be a finite number > 0 \(or None: the exact search\)"):
+        serve.ServerSettings(patience=0)
     with pytest.raises(ValueError, match=r"engine='marian' must be one of"):
         serve.load_engine("anywhere", "marian")
 

@@ -103,7 +103,9 @@ def parse_request(body, settings):
             400, f"beam_size must be an integer in [1, {settings.max_beam_size}] (--max-beam-size; 1 is greedy), "
             f"received {beam_size if number else _json_type(beam_size)}", "bad_request",
         )
-    options = SearchOptions(beam_size, float(settings.length_penalty), int(settings.max_extra_length))
+    options = SearchOptions(
+        beam_size, float(settings.length_penalty), int(settings.max_extra_length), settings.patience
+    )
     return texts, options
 
 
@@ -150,7 +152,10 @@ class Service:
         try:
             for beam_size in sorted({1, max(2, self.settings.beam_size)}):
                 beam_size = min(beam_size, self.settings.max_beam_size)
-                options = SearchOptions(beam_size, float(self.settings.length_penalty), self.settings.max_extra_length)
+                options = SearchOptions(
+                    beam_size, float(self.settings.length_penalty), self.settings.max_extra_length,
+                    self.settings.patience,
+                )
                 await self._loop.run_in_executor(self._executor, self.engine.translate, [WARM_UP_TEXT], options)
         except Exception as error:  # noqa: BLE001 - reported, and the server stops
             self.failure = f"the model failed to translate a warm-up sentence: {type(error).__name__}: {error}"

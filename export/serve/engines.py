@@ -43,6 +43,7 @@ class OnnxRuntimeEngine:
         return self.translator.translate(
             texts, beam_size=options.beam_size, batch_size=max(len(texts), 1),
             length_penalty=options.length_penalty, max_extra_length=options.max_extra_length,
+            patience=options.patience,
         )
 
 
@@ -109,7 +110,9 @@ class CTranslate2Engine:
             max_decoding_length=self._max_decoding_length(
                 max(len(row) for row in pieces), self.max_sequence_length, options.max_extra_length
             ),
-            **self._translation_options(options.beam_size, options.length_penalty, self.max_sequence_length),
+            **self._translation_options(
+                options.beam_size, options.length_penalty, self.max_sequence_length, options.patience
+            ),
         )
         decoded = self.tokenizer.decode([[self.index[token] for token in output.hypotheses[0]] for output in outputs])
         for i, text in zip(todo, decoded):

@@ -139,6 +139,10 @@ def main(argv=None):
                        help=f"GNMT alpha (default {defaults.length_penalty:g})")
     group.add_argument("--max-extra-length", type=non_negative_int, default=defaults.max_extra_length,
                        help=f"output tokens beyond the source length (default {defaults.max_extra_length})")
+    group.add_argument("--patience", type=positive_float, default=defaults.patience,
+                       help="beam search: stop a sentence once round(beam size x PATIENCE) hypotheses ended, as "
+                            "CTranslate2 (default: the exact search, stop when no live beam can win; CTranslate2 "
+                            "always stops so, with its patience, 1 unless given)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     try:
@@ -147,7 +151,7 @@ def main(argv=None):
             max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes, max_texts=args.max_texts, max_text_chars=args.max_text_chars,
             max_beam_size=args.max_beam_size, beam_size=args.beam_size, length_penalty=args.length_penalty,
-            max_extra_length=args.max_extra_length, request_timeout=args.request_timeout,
+            max_extra_length=args.max_extra_length, patience=args.patience, request_timeout=args.request_timeout,
             drain_seconds=args.drain_seconds, max_connections=args.max_connections,
         )
     except ValueError as error:

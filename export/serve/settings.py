@@ -30,6 +30,9 @@ class ServerSettings:
         beam_size: int in [1, max_beam_size], for requests without one.
         length_penalty: float >= 0, GNMT's alpha for every request.
         max_extra_length: int >= 0, output tokens beyond the source length.
+        patience: None (the exact beam search) or a number > 0: beam search
+            stops a row once `round(beam_size * patience)` hypotheses ended
+            (`generation.generate`; CTranslate2's option, 1 there by default).
         request_timeout: float > 0, seconds from the start of a request to
             its answer (408 while the body is still arriving, 504 after).
         drain_seconds: float > 0, how long a SIGTERM waits for accepted
@@ -49,6 +52,7 @@ class ServerSettings:
     beam_size: int = 4
     length_penalty: float = 0.6
     max_extra_length: int = 50
+    patience: float = None
     request_timeout: float = 30.0
     drain_seconds: float = 30.0
     max_connections: int = 1024
@@ -71,6 +75,11 @@ class ServerSettings:
             self.max_extra_length < 0
         ):
             raise ValueError(f"max_extra_length={self.max_extra_length!r} must be an integer >= 0")
+        if self.patience is not None and (
+            isinstance(self.patience, bool) or not isinstance(self.patience, (int, float))
+            or not math.isfinite(self.patience) or self.patience <= 0
+        ):
+            raise ValueError(f"patience={self.patience!r} must be a finite number > 0 (or None: the exact search)")
         if isinstance(self.beam_size, bool) or not isinstance(self.beam_size, int) or not (
             1 <= self.beam_size <= self.max_beam_size
         ):
@@ -89,3 +98,4 @@ class SearchOptions:
     beam_size: int
     length_penalty: float
     max_extra_length: int
+    patience: float = None  # beam search's (`ServerSettings.patience`)

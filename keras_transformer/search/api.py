@@ -77,6 +77,7 @@ def generate(
     max_extra_length=50,
     compile=True,
     return_scores=False,
+    patience=None,
 ):
     """Translates source ids into target ids with greedy or beam search.
 
@@ -91,6 +92,9 @@ def generate(
     log-probability only decreases, and for alpha >= 0 the penalty is
     largest at the row's maximum length, so `live_log_prob / lp(max_length)`
     bounds its final score. The search stops when every row has stopped.
+    With `patience`, a row of beam search also stops once
+    `round(beam_size * patience)` hypotheses have ended (CTranslate2's
+    rule): fewer steps, and a better hypothesis may be missed.
 
     Output length: row b generates at most `max_length_b = n_b +
     max_extra_length` tokens (at least 1), with n_b the number of non-pad
@@ -145,6 +149,9 @@ def generate(
         compile: bool. Compile the search where possible (see above);
             `False` runs eagerly. Both give the same tokens.
         return_scores: bool. Also return the score of each output row.
+        patience: None (the default: the exact search above) or a number
+            > 0: CTranslate2's `patience` (`decoding.ended_to_stop`; 1 is
+            its default and fairseq's rule). Beam search only.
 
     Returns:
         int32 NumPy array `[B, L]`: each row is the start id, the generated
@@ -160,7 +167,14 @@ def generate(
     array([2, 2], dtype=int32)
     """
     check_protocol(model)
-    check_search_args(beam_size, length_penalty, max_extra_length)
+    check_search_args(beam_size, length_penalty, max_extra_length, patience)
+    if patience is not None and beam_size > 1:  # the option is the n-best search's
+        best = generate_hypotheses(
+            model, encoder_token_ids, beam_size=beam_size, length_penalty=length_penalty,
+            max_extra_length=max_extra_length, compile=compile, patience=patience,
+        )
+        sequences = finish_rows(best.sequences[:, 0], model.end_id, model.pad_id)
+        return (sequences, best.scores[:, 0]) if return_scores else sequences
     encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
     if model.pad_id != 0:
         raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
@@ -206,6 +220,7 @@ def generate_hypotheses(
     sampling_temperature=1.0,
     seed=0,
     compile=True,
+    patience=None,
 ):
     """The `num_hypotheses` best outputs per source row, with their scores and log-probabilities.
 
@@ -245,6 +260,9 @@ def generate_hypotheses(
         sampling_topp: float in (0, 1]. Defaults to 1 (no cut).
         sampling_temperature: float > 0. Defaults to 1.
         seed: int in `[0, 2^31 - 2]`, the draws' seed.
+        patience: as `generate` (beam search: a row also stops once
+            `round(beam_size * patience)` hypotheses ended and it holds
+            `num_hypotheses`).
 
     Returns:
         `decoding.Hypotheses(sequences, scores, log_probs)`: int32
@@ -263,7 +281,7 @@ def generate_hypotheses(
     ((2, 3), (2, 3))
     """
     check_protocol(model)
-    check_search_args(beam_size, length_penalty, max_extra_length)
+    check_search_args(beam_size, length_penalty, max_extra_length, patience)
     check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed)
     encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
     if model.pad_id != 0:
@@ -273,7 +291,7 @@ def generate_hypotheses(
     if source.shape[0] == 0:
         return no_hypotheses(num_hypotheses)
     plan = hypotheses_plan(
-        source, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed
+        source, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed, patience
     )
     prefix = plan.options.get("target_prefix")
     max_lengths, length, padded_length = search_lengths(
@@ -400,7 +418,7 @@ def hypotheses_graph(model, search_name):
         (sequences [B, K, L] int32, scores [B, K] float32, log_probs [B, K]
         float32)`; `options` a dict of tensors named as in
         `decoding.hypotheses_plan` (`target_prefix` int32 `[B, P]`, P >= 1,
-        pad-filled; beam: `num_hypotheses`; sample: `sample_key`, `seed`,
+        pad-filled; beam: `num_hypotheses`, `ended_to_stop`; sample: `sample_key`, `seed`,
         `sampling_topk`, `sampling_topp`, `sampling_temperature`). K is the
         beam size (1 for sampling); rows are not trimmed.
     """

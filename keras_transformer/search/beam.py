@@ -42,16 +42,20 @@ STATE_SPEC = (
     Field("finished_sequences", "int32", ("B", "K", "L")),
     Field("finished_scores", "float32", ("B", "K")),  # best first, -inf where none
     Field("finished_log_probs", "float32", ("B", "K")),  # their log-probabilities
+    Field("ended", "int32", ("B",)),  # extensions that ended among each step's K best (`patience`)
     Field("target_prefix", "int32", ("B", "P"), constant=True),  # forced first tokens, pad-filled
     Field("num_hypotheses", "int32", (), constant=True),  # finished hypotheses a row needs before it stops
+    Field("ended_to_stop", "int32", (), constant=True),  # `patience`'s count of ended extensions; 0: none
 )
 
 
 def init(model, batch, beam_size, length, index, cache, options=None):
     """The start state and the cache tiled per beam (`[B, ...] -> [B * K, ...]`).
 
-    `options`: a dict that may hold `target_prefix` (int32 `[B, P]`) and
-    `num_hypotheses` (int32 scalar in `1..K`, default 1).
+    `options`: a dict that may hold `target_prefix` (int32 `[B, P]`),
+    `num_hypotheses` (int32 scalar in `1..K`, default 1) and
+    `ended_to_stop` (int32 scalar, `decoding.ended_to_stop`; default 0,
+    the exact stopping rule only).
     """
     # All beams start as the same start id; only beam 0 is live, so the first
     # step does not pick K copies of the same extension.
@@ -63,8 +67,10 @@ def init(model, batch, beam_size, length, index, cache, options=None):
         "finished_sequences": ops.zeros((batch, beam_size, length), "int32"),  # [B, K, L]
         "finished_scores": ops.full((batch, beam_size), NEG_INF, "float32"),  # [B, K]
         "finished_log_probs": ops.full((batch, beam_size), NEG_INF, "float32"),  # [B, K]
+        "ended": ops.zeros((batch,), "int32"),  # [B]
         "target_prefix": target_prefix(options, batch),  # [B, P]
         "num_hypotheses": constant_field(options, "num_hypotheses", 1, "int32"),
+        "ended_to_stop": constant_field(options, "ended_to_stop", 0, "int32"),
     }
     return state, tile_cache(cache, beam_size)
 
@@ -96,6 +102,8 @@ def update(model, state, logits, max_lengths, alpha):
     top_sequences = _take_beams(live, _flat_beam_indices(top_parents, beam_size, batch), (length,))  # [B, 2K, L]
     top_sequences = write_position(top_sequences, index + 1, top_tokens)
     top_ended = ops.equal(top_tokens, model.end_id)
+    # `patience`'s count: CTranslate2 counts the hypotheses that end among the K best extensions.
+    ended = state["ended"] + ops.sum(ops.cast(top_ended[:, :beam_size], "int32"), axis=1)  # [B]
 
     # Live: the best K extensions that did not end.
     live_log_probs, live_choice = ops.top_k(ops.where(top_ended, NEG_INF, top_log_probs), beam_size)  # [B, K]
@@ -121,6 +129,7 @@ def update(model, state, logits, max_lengths, alpha):
         finished_sequences=_take_beams(all_sequences, finished_choice, (length,)),
         finished_scores=finished_scores,
         finished_log_probs=_take_beams(all_log_probs, finished_choice, ()),
+        ended=ended,
     )
     return state, parents
 
@@ -136,11 +145,22 @@ def rows_done(state, max_lengths, alpha):
     finished hypotheses stay as they are: a later ended extension scores at
     most the bound, and on a tie `top_k` keeps the earlier (finished) one
     first. A row with neither finished nor live beams (-inf >= -inf) is done.
+
+    With `patience` (`ended_to_stop` > 0), a row is also done once that
+    many extensions have ended among its K best of a step, counted over
+    the steps (CTranslate2's rule, and fairseq's for `patience=1`), and it
+    holds its n finished hypotheses: fewer steps, and a later, better
+    hypothesis may be missed.
     """
     # Beams are sorted best first (top_k), so column 0 is each row's best.
     best_live_bound = state["live_log_probs"][:, 0] / length_penalty_factor(max_lengths, alpha)  # [B]
     nth_finished = ops.take(state["finished_scores"], state["num_hypotheses"] - 1, axis=1)  # [B]
-    return ops.greater_equal(nth_finished, best_live_bound)
+    exact = ops.greater_equal(nth_finished, best_live_bound)
+    patient = ops.logical_and(
+        ops.logical_and(state["ended_to_stop"] > 0, state["ended"] >= state["ended_to_stop"]),
+        nth_finished > NEG_INF,
+    )
+    return ops.logical_or(exact, patient)
 
 
 def keep_going(state, max_lengths, alpha, length):
