@@ -2,7 +2,9 @@
 
 `step_search` runs a `decoding.hypotheses_plan`: the search's
 `<search>_start` graph (lengths, encoder, the source's cross-attention
-cache, the search's `init`) once, then per step the fused decoder step
+cache, the search's `init`) once per group of sources of similar lengths
+(`start_groups`: the encoder runs over its group padded to the group's
+longest, not the batch's), then per step the fused decoder step
 (`export/fused_step.py`, through `FusedDecoder`) and the search's
 `<search>_update` graph (its update, the next ids, each new beam's parent,
 `rows_done`, `keep_going`, `hypotheses`). Rows that are done leave the batch
@@ -30,6 +32,7 @@ import numpy as np
 
 from export import contract
 from export.fused_step import update_indirection
+from keras_transformer.decoding import LENGTH_BUCKET
 
 # The self-attention cache's first length: as many positions as fit in
 # FIRST_CACHE_BYTES (the whole buffer at small batches: the fused step's
@@ -39,6 +42,12 @@ from export.fused_step import update_indirection
 # the output reaches it.
 INITIAL_CACHE_LENGTH = 16
 FIRST_CACHE_BYTES = 32 << 20
+# The start graph runs the encoder over its batch padded to the longest source (rounded up to
+# LENGTH_BUCKET): `step_search` sorts the sources by length and runs it on groups that waste at most
+# START_PADDING_SLACK of their real tokens, or START_PADDING_TOKENS, in padding (each call costs about as
+# much as encoding 10-20 tokens of the `small` model here).
+START_PADDING_SLACK = 0.25
+START_PADDING_TOKENS = 32
 # `OnnxSeq2Seq(driver=...)`: this module's loop, or the whole-search graphs.
 DRIVERS = ("steps", "whole")
 _HYPOTHESES = ("sequences", "scores", "log_probs")
@@ -350,6 +359,10 @@ def step_search(
             then write into bound buffers (`BoundUpdate`); without it, each
             step's update is one call of `run`.
 
+    The rows are sorted by source length for the start graph's groups
+    (`start_groups`, `merge_start_outputs`) and run so; the results are
+    put back in the plan's order (rows are independent).
+
     Returns:
         `(sequences [B, K, L], scores [B, K], log_probs [B, K])`, as the
         whole-search graph of the plan returns them.
@@ -357,9 +370,72 @@ def step_search(
     _, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
     start_name, update_name = contract.STEP_GRAPHS[plan.search_name]
     start, update = contract.ONNX.graphs[start_name], contract.ONNX.graphs[update_name]
-    values.update(run(start_name, {name: values[name] for name in start.input_names()}))
+    lengths = np.count_nonzero(plan.source, axis=1)
+    order = np.argsort(lengths, kind="stable")  # rows are independent: sorted, then put back
+    batch_inputs = {tensor.name for graph in (start, update) for tensor in graph.inputs if tensor.axes[:1] == ("batch",)}
+    values = {name: value[order] if name in batch_inputs else value for name, value in values.items()}
+    outputs = []
+    for rows in start_groups(lengths[order]):
+        feeds = {name: values[name][rows] if name in batch_inputs else values[name] for name in start.input_names()}
+        feeds["encoder_token_ids"] = feeds["encoder_token_ids"][:, : max(int(lengths[order][rows].max()), 1)]
+        outputs.append(run(start_name, feeds))
+    values.update(merge_start_outputs(start, outputs))
     decoder = FusedDecoder(decoder_session, values, plan.beam_size, initial_cache_length)
     update_run = lambda feeds: run(update_name, feeds)  # noqa: E731
     if update_session is not None:
         update_run = BoundUpdate(update_session, update, update_run)
-    return run_steps(update_run, update, decoder, values)
+    results = run_steps(update_run, update, decoder, values)
+    places = np.empty_like(order)
+    places[order] = np.arange(len(order))
+    return tuple(result[places] for result in results)
+
+
+def start_groups(lengths):
+    """Consecutive row ranges of sorted source `lengths` to run the start graph on, one call each.
+
+    The start graph pads a group to its longest length rounded up to
+    `LENGTH_BUCKET`; a group grows while that padding, beyond what each
+    row would have alone (its own length rounded up), stays within
+    `START_PADDING_SLACK` of its real tokens or `START_PADDING_TOKENS`.
+
+    Returns:
+        A list of slices that cover `range(len(lengths))` in order.
+    """
+    bucketed = -(-np.asarray(lengths, np.int64) // LENGTH_BUCKET) * LENGTH_BUCKET
+    groups, first = [], 0
+    for end in range(1, len(lengths) + 1):
+        if end == len(lengths):
+            groups.append(slice(first, end))
+            break
+        rows = bucketed[first: end + 1]
+        waste = len(rows) * int(rows[-1]) - int(rows.sum())
+        if waste > max(START_PADDING_SLACK * int(np.sum(lengths[first: end + 1])), START_PADDING_TOKENS):
+            groups.append(slice(first, end))
+            first = end
+    return groups
+
+
+def merge_start_outputs(graph, outputs):
+    """One start graph output from the outputs of several groups of rows (`start_groups`), in their order.
+
+    Arrays with a batch axis (`batch`, `beam_rows`) are concatenated
+    along it, each padded first on its other dynamic axes (the source
+    length, the output buffer length) to the longest group's with zeros
+    (`False` for the padding mask: the pad positions a single call would
+    have had); scalars are the same in every group but `buffer_length`,
+    the largest.
+    """
+    if len(outputs) == 1:
+        return outputs[0]
+    merged = {}
+    for tensor in graph.outputs:
+        arrays = [np.asarray(output[tensor.name]) for output in outputs]
+        if not tensor.axes:
+            merged[tensor.name] = max(arrays, key=int) if tensor.name == "buffer_length" else arrays[0]
+            continue
+        shape = np.max([array.shape for array in arrays], axis=0)
+        merged[tensor.name] = np.concatenate([
+            np.pad(array, [(0, 0)] + [(0, int(size) - n) for size, n in zip(shape[1:], array.shape[1:])])
+            for array in arrays
+        ])
+    return merged

@@ -260,6 +260,51 @@ def test_rows_that_leave_are_filled_from_the_tail_in_place():
     np.testing.assert_array_equal(cache[5:], before[5:])  # the rows after the first n are left as they were
 
 
+def test_the_start_graph_runs_on_groups_of_similar_lengths():
+    """`start_groups`: sorted lengths cut where padding to the bucketed longest would waste more than the slack;
+    equal lengths stay one group. `merge_start_outputs` pads each group's dynamic axes and concatenates."""
+    from export import steps
+
+    assert [(g.start, g.stop) for g in steps.start_groups(np.array([2, 3, 6, 8, 14, 25]))] == [(0, 5), (5, 6)]
+    assert [(g.start, g.stop) for g in steps.start_groups(np.full(64, 5))] == [(0, 64)]
+    lengths = np.sort(np.random.default_rng(0).integers(3, 63, 64))
+    groups = steps.start_groups(lengths)
+    assert len(groups) > 2 and [g.start for g in groups[1:]] == [g.stop for g in groups[:-1]]
+    assert groups[0].start == 0 and groups[-1].stop == 64
+    graph = contract.ONNX.graphs["beam_start"]
+    first = {t.name: np.ones([2 if a in ("batch", "beam_rows") else 3 for a in t.axes], dtype=bool if t.name
+                             == "encoder_padding_mask" else np.float32) for t in graph.outputs}
+    second = {t.name: np.ones([1 if a in ("batch", "beam_rows") else 5 for a in t.axes], dtype=first[t.name].dtype)
+              for t in graph.outputs}
+    first["buffer_length"], second["buffer_length"] = np.int32(16), np.int32(24)
+    merged = steps.merge_start_outputs(graph, [first, second])
+    assert int(merged["buffer_length"]) == 24
+    mask = merged["encoder_padding_mask"]
+    assert mask.shape == (3, 5) and mask[:2, 3:].sum() == 0 and mask[:2, :3].all() and mask[2].all()
+    assert merged["cross_key"].shape[:1] == (3,) and merged["cross_key"][0, 0, 0, 4, 0] == 0
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_a_batch_of_mixed_lengths_starts_in_groups_with_one_calls_hypotheses(exported, beam_size, monkeypatch):
+    """The step driver runs the start graph per group of similar lengths (sorted), and puts the rows back: the
+    same hypotheses as one start call for the whole batch."""
+    from export import steps
+
+    onnx_model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
+    src = sources(np.random.default_rng(4), [3, 40, 6, 2, 30, 8, 45, 5])
+    arguments = dict(beam_size=beam_size, num_hypotheses=min(beam_size, 2), max_extra_length=8)
+    starts, merge = [], steps.merge_start_outputs
+    monkeypatch.setattr(steps, "merge_start_outputs", lambda graph, outputs: starts.append(len(outputs)) or merge(
+        graph, outputs))
+    grouped = onnx_model.generate_hypotheses(src, **arguments)
+    monkeypatch.setattr(steps, "START_PADDING_TOKENS", 10**9)
+    single = onnx_model.generate_hypotheses(src, **arguments)
+    assert starts[0] > 1 and starts[1] == 1  # start graph calls
+    np.testing.assert_array_equal(grouped.sequences, single.sequences)
+    np.testing.assert_array_equal(grouped.scores, single.scores)
+    np.testing.assert_array_equal(grouped.log_probs, single.log_probs)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_rows_that_are_done_leave_the_batch_and_the_cache_grows(model, exported, beam_size, monkeypatch):
