@@ -654,7 +654,8 @@ class OnnxSeq2Seq:
         `beam_start` / `beam_update` graphs and greedy search `sample_start`
         / `greedy_update` around the fused decoder step (`export.steps`);
         with `driver="whole"`, the `beam_search` / `greedy_search` graph in
-        one call (`beam_hypotheses` with a `patience`).
+        one call. With a `patience`, beam search is `generate_hypotheses`'
+        best (as `generation.generate`).
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s;
@@ -666,14 +667,16 @@ class OnnxSeq2Seq:
         if ids.shape[0] == 0:
             empty = np.zeros((0, 0), np.int32)
             return (empty, np.zeros((0,), np.float32)) if return_scores else empty
-        if self.driver == "steps" or (patience is not None and beam_size > 1):
-            plan = hypotheses_plan(ids, None, beam_size, 1, 1, 1.0, 1.0, 0, patience)
-            if self.driver == "steps":
-                sequences, scores, _ = self._step_search(plan, length_penalty, max_extra_length)
-            else:  # `beam_search` has no patience input
-                graph, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
-                outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
-                sequences, scores = outputs["sequences"], outputs["scores"]
+        if patience is not None and beam_size > 1:  # the option is the n-best search's, as in `generation.generate`
+            best = self.generate_hypotheses(
+                ids, beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length,
+                patience=patience,
+            )
+            sequences = finish_rows(best.sequences[:, 0], self.end_id, self.pad_id)
+            return (sequences, best.scores[:, 0]) if return_scores else sequences
+        if self.driver == "steps":
+            plan = hypotheses_plan(ids, None, beam_size, 1, 1, 1.0, 1.0, 0)
+            sequences, scores, _ = self._step_search(plan, length_penalty, max_extra_length)
             sequences, scores = sequences[:, 0], scores[:, 0]
         else:
             values = {"encoder_token_ids": np.ascontiguousarray(ids), "alpha": length_penalty,

@@ -372,22 +372,21 @@ def step_search(
     start, update = contract.ONNX.graphs[start_name], contract.ONNX.graphs[update_name]
     lengths = np.count_nonzero(plan.source, axis=1)
     order = np.argsort(lengths, kind="stable")  # rows are independent: sorted, then put back
+    lengths = lengths[order]
     batch_inputs = {tensor.name for graph in (start, update) for tensor in graph.inputs if tensor.axes[:1] == ("batch",)}
     values = {name: value[order] if name in batch_inputs else value for name, value in values.items()}
     outputs = []
-    for rows in start_groups(lengths[order]):
+    for rows in start_groups(lengths):
         feeds = {name: values[name][rows] if name in batch_inputs else values[name] for name in start.input_names()}
-        feeds["encoder_token_ids"] = feeds["encoder_token_ids"][:, : max(int(lengths[order][rows].max()), 1)]
+        feeds["encoder_token_ids"] = feeds["encoder_token_ids"][:, : max(int(lengths[rows][-1]), 1)]  # sorted
         outputs.append(run(start_name, feeds))
     values.update(merge_start_outputs(start, outputs))
     decoder = FusedDecoder(decoder_session, values, plan.beam_size, initial_cache_length)
     update_run = lambda feeds: run(update_name, feeds)  # noqa: E731
     if update_session is not None:
         update_run = BoundUpdate(update_session, update, update_run)
-    results = run_steps(update_run, update, decoder, values)
-    places = np.empty_like(order)
-    places[order] = np.arange(len(order))
-    return tuple(result[places] for result in results)
+    places = np.argsort(order)  # each row's place in the sorted batch
+    return tuple(result[places] for result in run_steps(update_run, update, decoder, values))
 
 
 def start_groups(lengths):
@@ -401,18 +400,15 @@ def start_groups(lengths):
     Returns:
         A list of slices that cover `range(len(lengths))` in order.
     """
-    bucketed = -(-np.asarray(lengths, np.int64) // LENGTH_BUCKET) * LENGTH_BUCKET
+    lengths = np.asarray(lengths, np.int64)
+    bucketed = -(-lengths // LENGTH_BUCKET) * LENGTH_BUCKET
     groups, first = [], 0
-    for end in range(1, len(lengths) + 1):
-        if end == len(lengths):
-            groups.append(slice(first, end))
-            break
-        rows = bucketed[first: end + 1]
-        waste = len(rows) * int(rows[-1]) - int(rows.sum())
-        if waste > max(START_PADDING_SLACK * int(np.sum(lengths[first: end + 1])), START_PADDING_TOKENS):
+    for end in range(1, len(lengths)):  # may row `end` join the group `first..end - 1`?
+        waste = (end + 1 - first) * bucketed[end] - bucketed[first: end + 1].sum()
+        if waste > max(START_PADDING_SLACK * lengths[first: end + 1].sum(), START_PADDING_TOKENS):
             groups.append(slice(first, end))
             first = end
-    return groups
+    return groups + [slice(first, len(lengths))]
 
 
 def merge_start_outputs(graph, outputs):
