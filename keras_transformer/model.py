@@ -425,7 +425,9 @@ class TransformerModel(keras.Model):
             x = self.decoder_final_norm(x)
         # Pre-softmax projection with the shared embedding matrix; logits
         # are float32 even under mixed precision.
-        logits = ops.cast(self.token_embedding(x, reverse=True), "float32")  # [B, T, V]
+        kernel = getattr(self, "_output_kernel", None)  # [D, V] inside `transposed_output_kernel`
+        logits = self.token_embedding(x, reverse=True) if kernel is None else ops.matmul(x, kernel)
+        logits = ops.cast(logits, "float32")  # [B, T, V]
         if self.logits_bias:
             logits = logits + ops.cast(self.logits_bias_weight, "float32")
         return logits
@@ -544,6 +546,32 @@ class TransformerModel(keras.Model):
         layers = len(self.decoder_layers)
         split = {name: tuple(cache[name][:, i] for i in range(layers)) for name in self.per_layer_cache_keys}
         return dict(cache, **split)
+
+    @contextlib.contextmanager
+    def transposed_output_kernel(self):
+        """Within: the pre-softmax projection reads a transposed copy of the embedding matrix, made here.
+
+        Optional in the decoding protocol; for a search compiled at a few
+        rows (`search/compiled.py`), entered inside the traced function, so
+        that the copy is made once, before the search loop, and each
+        `decode_step` multiplies by `E^T` `[D, V]` laid out as it is read.
+        The product is the same (the shared matrix, section 3.4); its speed
+        is not: XLA on CPU multiplies by the `[V, D]` matrix transposed at
+        about half the speed at a few rows (`small`, 4 x 256 by 256 x 8000,
+        one thread: 0.47 ms against 0.22 ms; the same at 64 rows and more),
+        and at batch 1, beam 4 that product was 39% of the search's time
+        (benchmarks/README.md). A quantized embedding (`quantize`) keeps
+        its own product.
+        """
+        embedding = self.token_embedding
+        if any(x is not None for x in (embedding.quantization_mode, embedding.logit_soft_cap, embedding.reverse_dtype)):
+            yield  # the layer's own product
+            return
+        self._output_kernel = ops.cast(ops.transpose(embedding.embeddings), embedding.compute_dtype)
+        try:
+            yield
+        finally:
+            self._output_kernel = None
 
     @staticmethod
     def _is_split(cache):

@@ -172,6 +172,20 @@ def test_cached_decoding_equals_uncached_during_generation(model, src, beam_size
     np.testing.assert_array_equal(ids, generate(model, src, beam_size=beam_size, max_extra_length=EXTRA))
 
 
+def test_the_transposed_output_kernel_gives_the_same_logits_and_is_dropped_on_exit(model, src):
+    """`transposed_output_kernel` (the whole compiled search's scope): the same step, only inside it."""
+    cache = model.init_cache(model.encode(src), src, 3)
+    tokens = np.full(len(src), START, "int32")
+    expected, _ = model.decode_step(tokens, 0, cache)
+    with pytest.raises(RuntimeError, match="inside"):
+        with model.transposed_output_kernel():
+            assert tuple(model._output_kernel.shape) == (model.hidden_dim, model.vocabulary_size)
+            logits, _ = model.decode_step(tokens, 0, cache)
+            raise RuntimeError("inside")
+    assert model._output_kernel is None
+    np.testing.assert_allclose(to_numpy(logits), to_numpy(expected), rtol=1e-5, atol=1e-5)
+
+
 def test_a_cache_split_per_layer_decodes_as_the_stacked_one(model, src):
     """`split_cache` (what the compiled loops carry): the same logits and keys, also after a grow."""
     stacked = model.init_cache(model.encode(src), src, 3)

@@ -13,6 +13,7 @@ The settings are read at each call, from this module: set them on
   with `torch.export` and compiled, cached per model and shape.
 """
 
+import contextlib
 import logging
 import weakref
 
@@ -84,9 +85,10 @@ def _build_jax_search(model_ref):
     variables = list(model_ref().variables)
 
     def stateless_search(values, encoder_token_ids, max_lengths, alpha, options, beam_size, length, search_name):
-        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+        model = model_ref()
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))), _whole_search_scope(model):
             return loop.run(
-                model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True,
+                model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True,
                 search_name=search_name, options=options, split=True,
             )
 
@@ -110,10 +112,12 @@ def _build_tensorflow_search(model_ref):
     # first trace of each process.
     @tf.function(jit_compile=TF_JIT_COMPILE, autograph=False)
     def traced(encoder_token_ids, max_lengths, alpha, options, beam_size, length, search_name):
-        return loop.run(
-            model_ref(), encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True,
-            search_name=search_name, options=options, split=True,
-        )
+        model = model_ref()
+        with _whole_search_scope(model):
+            return loop.run(
+                model, encoder_token_ids, max_lengths, alpha, beam_size, length, compiled=True,
+                search_name=search_name, options=options, split=True,
+            )
 
     call = _concrete_caller(traced)  # traced once per (batch, source bucket, beam size, L) by design
 
@@ -121,6 +125,18 @@ def _build_tensorflow_search(model_ref):
         return call(encoder_token_ids, max_lengths, alpha, options or {}, beam_size, length, search_name)
 
     return search
+
+
+def _whole_search_scope(model):
+    """The model's `transposed_output_kernel` scope, where it has one (optional in the decoding protocol).
+
+    The whole compiled search serves the batches segments do not (`segments.pays`:
+    fewer than 8 sources), a few rows per step, where the transposed copy
+    pays; at 32 rows and more it did not (benchmarks/README.md), so the
+    segments keep the embedding matrix as it is.
+    """
+    scope = getattr(model, "transposed_output_kernel", None)
+    return scope() if callable(scope) else contextlib.nullcontext()
 
 
 def _concrete_caller(traced):
