@@ -33,6 +33,8 @@ import pathlib
 
 import numpy as np
 
+from keras_transformer.decoding import NO_PATIENCE
+
 CONFIG_FILE = "config.json"
 # Dynamic axis -> its letter.
 DYNAMIC_AXES = {
@@ -315,6 +317,8 @@ TEXT_GRAPH = Graph(
 )
 
 # An ONNX export: graph name -> Graph; the file is `{name}.onnx` (config.json `graphs`).
+# 8: `ended_to_stop` without a patience is `decoding.NO_PATIENCE` (was 0), the update graph's count a
+#    running sum (a format-7 reader would feed 0 to these graphs: every row would stop at its first hypotheses);
 # 7: beam search's `patience` (`ended_to_stop` input of beam_update and beam_hypotheses, `ended` state);
 # 6: the fused decoder step (a cache updated in place, cross-attention once per source) and each
 #    search's update graph replace the step graphs; the start graphs give the source's cache;
@@ -324,7 +328,7 @@ TEXT_GRAPH = Graph(
 # 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
 ONNX = Format(
     "keras_transformer.onnx",
-    7,
+    8,
     {
         "encoder": ENCODE, "init_cache": INIT_CACHE, "decoder_step": DECODE_STEP,
         "greedy_search": GREEDY_SEARCH, "beam_search": BEAM_SEARCH,
@@ -474,7 +478,7 @@ def hypotheses_feeds(plan, length_penalty, max_extra_length):
     if plan.search_name == "beam":
         values.update(
             beam_size=plan.beam_size, num_hypotheses=options["num_hypotheses"],
-            ended_to_stop=options.get("ended_to_stop", 0),
+            ended_to_stop=options.get("ended_to_stop", NO_PATIENCE),
         )
         return "beam_hypotheses", values
     values.update(

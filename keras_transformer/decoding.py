@@ -24,6 +24,10 @@ from keras_transformer.token_ids import check_id_range
 # length. Extra source positions are padding (masked); extra buffer
 # positions are never fed to the decoder.
 LENGTH_BUCKET = 8
+# Beam search's `ended_to_stop` without `patience`: a count no row reaches,
+# so the exact rule alone stops it (one comparison in the exported update
+# graph, no separate "is there a patience" test).
+NO_PATIENCE = int(np.iinfo(np.int32).max)
 
 
 def check_search_args(beam_size, length_penalty, max_extra_length, patience=None):
@@ -51,7 +55,7 @@ def check_search_args(beam_size, length_penalty, max_extra_length, patience=None
 
 
 def ended_to_stop(beam_size, patience):
-    """Beam search's `ended_to_stop` option for `patience`: 0 for None, else round(K * patience), at least 1.
+    """Beam search's `ended_to_stop` option for `patience`: `NO_PATIENCE` for None, else round(K * patience), >= 1.
 
     `patience` as CTranslate2's (`translate_batch(patience=...)`, from
     Kasai et al. 2022, arXiv:2204.05424): a row of beam search also stops
@@ -60,8 +64,8 @@ def ended_to_stop(beam_size, patience):
     away from zero, as CTranslate2 does.
     """
     if patience is None:
-        return 0
-    return int(min(max(math.floor(beam_size * patience + 0.5), 1), np.iinfo(np.int32).max))
+        return NO_PATIENCE
+    return int(min(max(math.floor(beam_size * patience + 0.5), 1), NO_PATIENCE))
 
 
 def finish_rows(sequences, end_id, pad_id):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model, to_numpy
-from keras_transformer.decoding import sample_keys
+from keras_transformer.decoding import NO_PATIENCE, sample_keys
 from keras_transformer.generation import Hypotheses, generate, generate_hypotheses, length_penalty_factor
 from keras_transformer.search import sample
 from keras_transformer.search.log_probs import FORCED_END_LOG_PROB, token_log_probs, token_log_probs_numpy
@@ -422,7 +422,7 @@ def test_beam_rows_done_on_ties_and_rows_without_any_beam():
         ),
         "num_hypotheses": np.int32(2),
         "ended": np.array([2, 1, 0, 5], np.int32),
-        "ended_to_stop": np.int32(0),  # no patience
+        "ended_to_stop": np.int32(NO_PATIENCE),
     }
     state = {name: ops.convert_to_tensor(value) for name, value in state.items()}
     max_lengths = ops.convert_to_tensor(np.full((4,), 5, np.int32))

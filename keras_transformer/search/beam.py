@@ -17,6 +17,7 @@ prefix, and beam 0, the only live beam at the start, follows it.
 import keras
 from keras import ops
 
+from keras_transformer.decoding import NO_PATIENCE
 from keras_transformer.search.common import (
     NEG_INF,
     Field,
@@ -45,7 +46,7 @@ STATE_SPEC = (
     Field("ended", "int32", ("B",)),  # extensions that ended among each step's K best (`patience`)
     Field("target_prefix", "int32", ("B", "P"), constant=True),  # forced first tokens, pad-filled
     Field("num_hypotheses", "int32", (), constant=True),  # finished hypotheses a row needs before it stops
-    Field("ended_to_stop", "int32", (), constant=True),  # `patience`'s count of ended extensions; 0: none
+    Field("ended_to_stop", "int32", (), constant=True),  # `patience`'s count of ended extensions, or NO_PATIENCE
 )
 
 
@@ -54,8 +55,8 @@ def init(model, batch, beam_size, length, index, cache, options=None):
 
     `options`: a dict that may hold `target_prefix` (int32 `[B, P]`),
     `num_hypotheses` (int32 scalar in `1..K`, default 1) and
-    `ended_to_stop` (int32 scalar, `decoding.ended_to_stop`; default 0,
-    the exact stopping rule only).
+    `ended_to_stop` (int32 scalar, `decoding.ended_to_stop`; default
+    `NO_PATIENCE`, a count no row reaches: the exact stopping rule only).
     """
     # All beams start as the same start id; only beam 0 is live, so the first
     # step does not pick K copies of the same extension.
@@ -70,7 +71,7 @@ def init(model, batch, beam_size, length, index, cache, options=None):
         "ended": ops.zeros((batch,), "int32"),  # [B]
         "target_prefix": target_prefix(options, batch),  # [B, P]
         "num_hypotheses": constant_field(options, "num_hypotheses", 1, "int32"),
-        "ended_to_stop": constant_field(options, "ended_to_stop", 0, "int32"),
+        "ended_to_stop": constant_field(options, "ended_to_stop", NO_PATIENCE, "int32"),
     }
     return state, tile_cache(cache, beam_size)
 
@@ -102,8 +103,11 @@ def update(model, state, logits, max_lengths, alpha):
     top_sequences = _take_beams(live, _flat_beam_indices(top_parents, beam_size, batch), (length,))  # [B, 2K, L]
     top_sequences = write_position(top_sequences, index + 1, top_tokens)
     top_ended = ops.equal(top_tokens, model.end_id)
-    # `patience`'s count: CTranslate2 counts the hypotheses that end among the K best extensions.
-    ended = state["ended"] + ops.sum(ops.cast(top_ended[:, :beam_size], "int32"), axis=1)  # [B]
+    # `patience`'s count: CTranslate2 counts the hypotheses that end among the K best extensions,
+    # read as column K - 1 of the running count over the 2K (in an exported graph
+    # a gather at one index; a slice `[:, :K]` of a dynamic K is a chain of shape nodes).
+    ended_in_top = ops.take(ops.cumsum(ops.cast(top_ended, "int32"), axis=1), beam_size - 1, axis=1)  # [B]
+    ended = state["ended"] + ended_in_top
 
     # Live: the best K extensions that did not end.
     live_log_probs, live_choice = ops.top_k(ops.where(top_ended, NEG_INF, top_log_probs), beam_size)  # [B, K]
@@ -146,7 +150,7 @@ def rows_done(state, max_lengths, alpha):
     most the bound, and on a tie `top_k` keeps the earlier (finished) one
     first. A row with neither finished nor live beams (-inf >= -inf) is done.
 
-    With `patience` (`ended_to_stop` > 0), a row is also done once that
+    With `patience` (`ended_to_stop` below `NO_PATIENCE`), a row is also done once that
     many extensions have ended among its K best of a step, counted over
     the steps (CTranslate2's rule, and fairseq's for `patience=1`), and it
     holds its n finished hypotheses: fewer steps, and a later, better
@@ -156,10 +160,7 @@ def rows_done(state, max_lengths, alpha):
     best_live_bound = state["live_log_probs"][:, 0] / length_penalty_factor(max_lengths, alpha)  # [B]
     nth_finished = ops.take(state["finished_scores"], state["num_hypotheses"] - 1, axis=1)  # [B]
     exact = ops.greater_equal(nth_finished, best_live_bound)
-    patient = ops.logical_and(
-        ops.logical_and(state["ended_to_stop"] > 0, state["ended"] >= state["ended_to_stop"]),
-        nth_finished > NEG_INF,
-    )
+    patient = ops.logical_and(state["ended"] >= state["ended_to_stop"], nth_finished > NEG_INF)
     return ops.logical_or(exact, patient)
 
 
