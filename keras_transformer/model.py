@@ -6,6 +6,7 @@ key/value size (d_k, d_v).
 """
 
 import contextlib
+import contextvars
 import itertools
 import json
 import math
@@ -25,6 +26,11 @@ from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS
 from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
 from keras_transformer.version import __version__
 from keras_transformer.utils import atomic_directory, is_integer, is_real, open_hdf5
+
+# `(model, E^T)` while `model.transposed_output_kernel()` is entered in this
+# thread (or task): a search traced in one thread never hands its traced
+# tensor to another thread's call of the same model.
+_OUTPUT_KERNEL = contextvars.ContextVar("keras_transformer_output_kernel", default=None)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.weights.h5"
@@ -425,8 +431,11 @@ class TransformerModel(keras.Model):
             x = self.decoder_final_norm(x)
         # Pre-softmax projection with the shared embedding matrix; logits
         # are float32 even under mixed precision.
-        kernel = getattr(self, "_output_kernel", None)  # [D, V] inside `transposed_output_kernel`
-        logits = self.token_embedding(x, reverse=True) if kernel is None else ops.matmul(x, kernel)
+        entered = _OUTPUT_KERNEL.get()  # `transposed_output_kernel`'s [D, V] copy
+        if entered is not None and entered[0] is self:
+            logits = ops.matmul(x, entered[1])
+        else:
+            logits = self.token_embedding(x, reverse=True)
         logits = ops.cast(logits, "float32")  # [B, T, V]
         if self.logits_bias:
             logits = logits + ops.cast(self.logits_bias_weight, "float32")
@@ -567,11 +576,12 @@ class TransformerModel(keras.Model):
         if any(x is not None for x in (embedding.quantization_mode, embedding.logit_soft_cap, embedding.reverse_dtype)):
             yield  # the layer's own product
             return
-        self._output_kernel = ops.cast(ops.transpose(embedding.embeddings), embedding.compute_dtype)
+        kernel = ops.cast(ops.transpose(embedding.embeddings), embedding.compute_dtype)
+        token = _OUTPUT_KERNEL.set((self, kernel))
         try:
             yield
         finally:
-            self._output_kernel = None
+            _OUTPUT_KERNEL.reset(token)
 
     @staticmethod
     def _is_split(cache):

@@ -172,17 +172,27 @@ def test_cached_decoding_equals_uncached_during_generation(model, src, beam_size
     np.testing.assert_array_equal(ids, generate(model, src, beam_size=beam_size, max_extra_length=EXTRA))
 
 
-def test_the_transposed_output_kernel_gives_the_same_logits_and_is_dropped_on_exit(model, src):
-    """`transposed_output_kernel` (the whole compiled search's scope): the same step, only inside it."""
+def test_the_transposed_output_kernel_gives_the_same_logits_in_its_thread_only(model, src):
+    """`transposed_output_kernel` (the whole compiled search's scope): the same step, read only inside it,
+    by that model, in that thread (a search traced in one thread must not hand its tensor to another)."""
+    import threading
+
+    from keras_transformer import model as model_module
+
     cache = model.init_cache(model.encode(src), src, 3)
     tokens = np.full(len(src), START, "int32")
     expected, _ = model.decode_step(tokens, 0, cache)
+    seen_elsewhere = []
     with pytest.raises(RuntimeError, match="inside"):
         with model.transposed_output_kernel():
-            assert tuple(model._output_kernel.shape) == (model.hidden_dim, model.vocabulary_size)
+            entered_model, kernel = model_module._OUTPUT_KERNEL.get()
+            assert entered_model is model and tuple(kernel.shape) == (model.hidden_dim, model.vocabulary_size)
             logits, _ = model.decode_step(tokens, 0, cache)
+            thread = threading.Thread(target=lambda: seen_elsewhere.append(model_module._OUTPUT_KERNEL.get()))
+            thread.start()
+            thread.join()
             raise RuntimeError("inside")
-    assert model._output_kernel is None
+    assert model_module._OUTPUT_KERNEL.get() is None and seen_elsewhere == [None]
     np.testing.assert_allclose(to_numpy(logits), to_numpy(expected), rtol=1e-5, atol=1e-5)
 
 
