@@ -20,6 +20,12 @@ The decoding protocol (duck typing; nothing else of the model is used):
 - optionally `grow_cache(cache, max_length) -> cache`: the cache with room
   for `max_length` positions, the written ones kept; the compiled drivers
   then start with a short cache and grow it (`search/segments.py`);
+- optionally `split_cache(cache) -> cache`: the cache as a compiled loop
+  carries it (per layer; `search/loop.py`);
+- optionally `transposed_output_kernel()`: a context manager entered inside
+  the whole compiled search, around the loop, within which `decode_step`
+  may read weights laid out for a step of a few rows (`TransformerModel`:
+  the pre-softmax projection's `E^T`, made once per search);
 - `decode_step(token_ids [B] int32, index, cache) -> (logits [B, V], cache)`:
   feeds the token at position `index` (0 for the start id) and returns the
   logits of position `index + 1`. `index` is a Python int, except inside
