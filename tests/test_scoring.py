@@ -6,13 +6,20 @@ greedy search's own log-probability, and the per-token values equal a plain
 NumPy log-softmax of the full (uncached) model's logits.
 """
 
+import types
+
 import keras
 import numpy as np
 import pytest
 
 from conftest import random_ids, tiny_model, to_numpy
 from keras_transformer.generation import generate, length_penalty_factor
-from keras_transformer.search.log_probs import FORCED_END_LOG_PROB, token_log_probs, token_log_probs_numpy
+from keras_transformer.search.log_probs import (
+    FORCED_END_LOG_PROB,
+    best_token,
+    token_log_probs,
+    token_log_probs_numpy,
+)
 from keras_transformer.search.scoring import score_targets
 from keras_transformer.tokenizer import train_tokenizer
 from keras_transformer.translator import TargetScore, Translator
@@ -102,6 +109,47 @@ def test_the_twin_token_rules_agree(model, shape):
     assert np.isneginf(np.delete(rule[1], END, axis=-1)).all()
     assert (rule[1, ..., END] == np.float32(FORCED_END_LOG_PROB)).all()
     np.testing.assert_allclose(rule[2, ..., 3:], log_softmax(logits[2])[..., 3:], rtol=1e-5)
+
+
+@pytest.mark.parametrize("ids", [(0, 2, 3, 50), (0, 2, 3, 4096), (4095, 4095, 0, 4096)],
+                         ids=["tiny", "long-vocabulary", "marian-ids"])
+def test_greedy_best_token_is_the_first_best_of_the_token_rule(ids):
+    pad, start, end, vocabulary_size = ids
+    model = types.SimpleNamespace(pad_id=pad, start_id=start, end_id=end, vocabulary_size=vocabulary_size)
+    rng = np.random.default_rng(3)
+    batch = 12
+    logits = rng.normal(0.0, 4.0, (batch, vocabulary_size)).astype("float32")
+    logits[0, 7] = -np.inf  # an id the model rules out
+    logits[1, end] = -1e30  # the end id with probability 0 where it is forced
+    logits[3, [5, 9]] = logits[3].max() + 1.0  # a tie: the first id wins
+    logits[4, [pad, start]] = logits[4].max() + 5.0  # excluded ids would win
+    # At the maximum length: rows 1, 3, 5 at generated length 3; 6, 7, 9, 11 at 2.
+    max_lengths = np.array([5, 3, 9, 3, 4, 3, 2, 2, 8, 2, 9, 2], "int32")
+    # Forced ids at positions 1-2 (columns 0-1), pad-filled: an ordinary id, the end id at the
+    # maximum length, another id there (no id allowed), the start id, the pad id (forces nothing).
+    prefix = np.full((batch, 2), pad, "int32")
+    prefix[5:12, 1] = [9, end, 11, 6, end, start, pad]
+    prefix[8, 0] = 12
+    for generated_length, target_prefix in [(1, None), (3, None), (3, prefix), (2, prefix), (1, prefix)]:
+        args = (keras.ops.convert_to_tensor(logits), generated_length, keras.ops.convert_to_tensor(max_lengths))
+        if target_prefix is not None:
+            args += (keras.ops.convert_to_tensor(target_prefix),)
+        rule = to_numpy(token_log_probs(model, *args))
+        expected_log_probs = rule.max(axis=1)
+        expected_ids = rule.argmax(axis=1)  # the first of equal values, as top_k
+        log_probs, best = (to_numpy(x) for x in best_token(model, *args))
+        assert best.dtype == np.int32 and log_probs.dtype == np.float32
+        rows = np.arange(batch) != (3 if keras.backend.backend() == "torch" else -1)  # torch.topk: ties unordered
+        np.testing.assert_array_equal(best[rows], expected_ids[rows], err_msg=f"length {generated_length}")
+        np.testing.assert_array_equal(log_probs, expected_log_probs, err_msg=f"length {generated_length}")
+        if generated_length == 3 and target_prefix is None:  # the cases are there
+            assert best[1] == end and log_probs[1] == np.float32(FORCED_END_LOG_PROB)
+            assert best[3] == end and best[4] not in (pad, start)
+        if generated_length == 2 and target_prefix is not None:
+            assert [best[5], best[6], best[8], best[9], best[11]] == [9, end, 6, end, end]
+            no_id = [7] if start == pad else [7, 10]  # a start id that is the pad id forces nothing
+            assert np.isneginf(log_probs[no_id]).all() and (best[no_id] == 0).all()
+            assert np.isfinite(log_probs[[5, 6, 8, 9, 11]]).all()
 
 
 # ---------------------------------------------------------------------- #

@@ -15,11 +15,10 @@ from keras_transformer.search.common import (
     read_position,
     start_sequences,
     target_prefix,
-    top_k,
     write_position,
 )
 from keras_transformer.search.lengths import length_penalty_factor
-from keras_transformer.search.log_probs import token_log_probs
+from keras_transformer.search.log_probs import best_token, token_log_probs
 
 NAME = "greedy"
 # Greedy search never reorders the decoder cache (`update` returns no parents).
@@ -62,12 +61,12 @@ def step_log_probs(model, state, logits, max_lengths):
 
 def update(model, state, logits, max_lengths, alpha):
     """Appends the best token of `logits` `[B, V]`; returns `(state, None)` (no reordering)."""
-    log_probs = step_log_probs(model, state, logits, max_lengths)  # [B, V]
-    # top_k rather than argmax: the same token (the first of equal maxima),
-    # and it exports to ONNX (Keras' TensorFlow argmax tests the sign bit of
-    # zeros with a Bitcast, which tf2onnx cannot convert).
-    best_log_probs, next_tokens = top_k(log_probs, 1)  # in two stages (common.top_k)
-    return extend(model, state, next_tokens[:, 0], best_log_probs[:, 0], alpha), None
+    # The rule's best id (top_k, not argmax: the first of equal maxima on TensorFlow
+    # and JAX, torch.topk leaves ties unordered; and it
+    # exports to ONNX; Keras' TensorFlow argmax tests the sign bit of zeros
+    # with a Bitcast, which tf2onnx cannot convert).
+    best_log_probs, next_tokens = best_token(model, logits, state["index"] + 1, max_lengths, state["target_prefix"])
+    return extend(model, state, next_tokens, best_log_probs, alpha), None
 
 
 def extend(model, state, next_tokens, next_log_probs, alpha):
