@@ -214,6 +214,13 @@ def test_natural_table_translates_every_sentence_in_batches_and_reports_scaling(
         "settings": {"sentences": 5, "beam_size": 4, "batch_sizes": [1, 4]}}}
     table = serve.markdown(results)
     assert "| 4 | keras | 25.00 | 3.8 |" in table and "| 2.50x |" in table
+    # The ceiling: batch 1's time (0.5 s) over batch 4's products at the GEMM rate (set here: 0.1 s).
+    keras[4]["roofline_seconds"] = 0.1
+    serve.add_scaling_ceilings(results["natural"])
+    assert scaling["keras"]["ceiling"] == pytest.approx(5.0) and "ceiling" not in scaling["ort-float32"]
+    assert "| 2.50x (roofline: 5.00x) |" in serve.markdown(results)
+    goal = next(g for g in serve.goals([], [], results["natural"]) if g["goal"].startswith("keras batch 4"))
+    assert goal["met"] is False and "at most 5.00x at the roofline" in goal["where"]
     # Own steps 4 + 6 + 5 + 3 + 6 = 24; in batches of 4: 4 x (5 + 1), then 1 x 6.
     assert keras[4]["lockstep_over_own_steps"] == pytest.approx(30 / 24)
     assert keras[1]["lockstep_over_own_steps"] == 1.0
