@@ -61,10 +61,10 @@ def step_log_probs(model, state, logits, max_lengths):
 
 def update(model, state, logits, max_lengths, alpha):
     """Appends the best token of `logits` `[B, V]`; returns `(state, None)` (no reordering)."""
-    # The rule's best id (top_k, not argmax: the first of equal maxima on TensorFlow
-    # and JAX, torch.topk leaves ties unordered; and it
-    # exports to ONNX; Keras' TensorFlow argmax tests the sign bit of zeros
-    # with a Bitcast, which tf2onnx cannot convert).
+    # The rule's best id by a top-k, not argmax: the first of equal maxima (on
+    # TensorFlow and JAX; torch.topk leaves ties unordered), and it exports to
+    # ONNX (Keras' TensorFlow argmax tests the sign bit of zeros with a
+    # Bitcast, which tf2onnx cannot convert).
     best_log_probs, next_tokens = best_token(model, logits, state["index"] + 1, max_lengths, state["target_prefix"])
     return extend(model, state, next_tokens, best_log_probs, alpha), None
 

@@ -86,7 +86,8 @@ def best_token(model, logits, generated_length, max_lengths, target_prefix=None)
     id: it is read from the log-softmax at `[B]` instead. The values are
     those of `token_log_probs` bitwise (`x + 0 == max(x, -inf) + 0`), so
     the ids are too; a row the rule leaves no finite id gets id 0 and -inf,
-    as `top_k` gives the first of equal values. (ONNX Runtime, greedy update
+    as `top_k` gives the first of equal values (TensorFlow, JAX, ONNX
+    Runtime; `torch.topk` leaves ties unordered). (ONNX Runtime, greedy update
     at batch 16, vocabulary 8000: the rule's `[B, V]` selects, maximum, add
     and comparisons took about half of the graph's node time.)
 
