@@ -24,6 +24,8 @@ so that importing this module does not import it.
 Shape legend: B batch, V vocabulary size ("..." any axes between them).
 """
 
+import functools
+
 import numpy as np
 
 # The least log-probability the forced end id gets at the maximum length.
@@ -58,10 +60,7 @@ def token_log_probs(model, logits, generated_length, max_lengths, target_prefix=
     allowed = ops.logical_and(allowed, ops.logical_or(ops.logical_not(at_max), is_end))
     forced = ops.logical_and(at_max, is_end)  # [B, 1, ..., V]
     if target_prefix is not None:
-        width = ops.shape(target_prefix)[1]
-        column = ops.convert_to_tensor(generated_length, "int32") - 1
-        prefix_ids = ops.take(target_prefix, ops.minimum(column, width - 1), axis=1)  # [B]
-        in_prefix = ops.logical_and(ops.less(column, width), ops.not_equal(prefix_ids, model.pad_id))  # [B]
+        prefix_ids, in_prefix = _prefix_position(model, target_prefix, generated_length)  # [B]
         trailing = (1,) * (len(log_probs.shape) - 1)
         in_prefix = ops.reshape(in_prefix, (-1,) + trailing)  # [B, 1, ..., 1]
         is_prefix_id = ops.equal(vocabulary, ops.reshape(prefix_ids, (-1,) + trailing))  # [B, 1, ..., V]
@@ -101,19 +100,14 @@ def best_token(model, logits, generated_length, max_lengths, target_prefix=None)
     from keras_transformer.search.common import dim, row_offsets, top_k
 
     log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)  # [B, V]
-    vocabulary = np.arange(model.vocabulary_size)
-    excluded = np.where((vocabulary == model.pad_id) | (vocabulary == model.start_id), -np.inf, 0.0)
-    excluded = ops.convert_to_tensor(excluded.astype(np.float32))  # [V]: 0 or -inf
+    excluded = ops.convert_to_tensor(_excluded_ids(model.vocabulary_size, model.pad_id, model.start_id))  # [V]
     best, best_ids = top_k(log_probs + excluded, 1)  # [B, 1]
     # The rows with one allowed id: at the maximum length the end id, inside a prefix the prefix's.
     at_max = ops.equal(max_lengths, generated_length)  # [B]
     forced_ids = ops.full_like(max_lengths, model.end_id)  # [B]
     one_id, possible = at_max, ops.ones_like(at_max)  # [B]
     if target_prefix is not None:
-        width = ops.shape(target_prefix)[1]
-        column = ops.convert_to_tensor(generated_length, "int32") - 1
-        prefix_ids = ops.take(target_prefix, ops.minimum(column, width - 1), axis=1)  # [B]
-        in_prefix = ops.logical_and(ops.less(column, width), ops.not_equal(prefix_ids, model.pad_id))  # [B]
+        prefix_ids, in_prefix = _prefix_position(model, target_prefix, generated_length)  # [B]
         forced_ids = ops.where(at_max, forced_ids, prefix_ids)
         one_id = ops.logical_or(at_max, in_prefix)
         # Both: the prefix's id must be the end id, or no id is allowed.
@@ -127,6 +121,27 @@ def best_token(model, logits, generated_length, max_lengths, target_prefix=None)
     forced_ids = ops.where(ops.equal(forced, float("-inf")), 0, forced_ids)  # top_k's first of equal values
     return (ops.where(one_id, forced, best[:, 0]),
             ops.where(one_id, forced_ids, ops.cast(best_ids[:, 0], "int32")))
+
+
+def _prefix_position(model, target_prefix, generated_length):
+    """`(prefix_ids [B], in_prefix [B] bool)`: each row's forced id for |Y| = `generated_length`, and whether it forces.
+
+    The id is column |Y| - 1 of `target_prefix` (its last column past the
+    prefix's end); it forces nothing past the end or where it is the pad id.
+    """
+    from keras import ops
+
+    width = ops.shape(target_prefix)[1]
+    column = ops.convert_to_tensor(generated_length, "int32") - 1
+    prefix_ids = ops.take(target_prefix, ops.minimum(column, width - 1), axis=1)  # [B]
+    return prefix_ids, ops.logical_and(ops.less(column, width), ops.not_equal(prefix_ids, model.pad_id))
+
+
+@functools.lru_cache(maxsize=None)  # eager searches call it every step
+def _excluded_ids(vocabulary_size, pad_id, start_id):
+    """float32 `[V]`: -inf at the ids the search never generates (pad, start), 0 elsewhere (NumPy; shared, not written)."""
+    vocabulary = np.arange(vocabulary_size)
+    return np.where((vocabulary == pad_id) | (vocabulary == start_id), -np.inf, 0.0).astype(np.float32)
 
 
 def token_log_probs_numpy(model, logits, generated_length, max_lengths, target_prefix=None):
