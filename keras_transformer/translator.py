@@ -501,26 +501,10 @@ class Translator:
         return search
 
     def _prefixes(self, target_prefix, texts):
-        """The token ids of each text's target prefix (None: none), checked up front; None when no text has one."""
-        if target_prefix is None:
-            return None
-        target_prefix = [target_prefix] if isinstance(target_prefix, str) else list(target_prefix)
-        if len(target_prefix) != len(texts):
-            raise ValueError(
-                f"target_prefix has {len(target_prefix)} entries; expected one str or None per text ({len(texts)})"
-            )
-        for i, prefix in enumerate(target_prefix):
-            if prefix is not None and not isinstance(prefix, str):
-                raise TypeError(f"target_prefix[{i}] must be a str or None, received {type(prefix).__name__}")
-        given = [i for i, prefix in enumerate(target_prefix) if prefix]
-        prefixes = [None] * len(texts)
-        encoded = self.tokenizer.encode([target_prefix[i] for i in given], add_start=False, add_end=False, target=True)
-        for i, ids in zip(given, encoded):
-            check_prefix_length(i, len(ids), getattr(self.model, "max_sequence_length", None))
-            if not texts[i].strip():
-                raise ValueError(f"texts[{i}] is empty but target_prefix[{i}] is not; a prefix needs a source text")
-            prefixes[i] = ids or None
-        return prefixes if any(prefixes) else None
+        """`encode_target_prefix` with this translator's tokenizer and model."""
+        return encode_target_prefix(
+            self.tokenizer, target_prefix, texts, getattr(self.model, "max_sequence_length", None)
+        )
 
     def _stream(self, texts, search, batch_size, max_batch_tokens, window, progress, total):
         with _progress_bar(progress, total=total, desc="Translating", unit=" sentences") as bar:
@@ -664,6 +648,45 @@ class Translator:
                     )
                 bar.update(len(batch))
         return results
+
+
+def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=None):
+    """The token ids of each text's target prefix, checked up front (`Translator.translate(target_prefix=...)`).
+
+    Args:
+        tokenizer: encodes the prefixes as targets (`encode(..., target=True)`).
+        target_prefix: None, one str (for one text), or one str or None per text.
+        texts: the source texts.
+        max_sequence_length: the model's, or None (no length check).
+
+    Returns:
+        None when no text has a prefix; else per text None (no prefix) or
+        its prefix's token ids (no start or end id).
+
+    Raises:
+        ValueError, TypeError: naming the entry (`target_prefix[i]` is not
+            a str or None, has too many tokens, or belongs to an empty text;
+            not one entry per text).
+    """
+    if target_prefix is None:
+        return None
+    target_prefix = [target_prefix] if isinstance(target_prefix, str) else list(target_prefix)
+    if len(target_prefix) != len(texts):
+        raise ValueError(
+            f"target_prefix has {len(target_prefix)} entries; expected one str or None per text ({len(texts)})"
+        )
+    for i, prefix in enumerate(target_prefix):
+        if prefix is not None and not isinstance(prefix, str):
+            raise TypeError(f"target_prefix[{i}] must be a str or None, received {type(prefix).__name__}")
+    given = [i for i, prefix in enumerate(target_prefix) if prefix]
+    prefixes = [None] * len(texts)
+    encoded = tokenizer.encode([target_prefix[i] for i in given], add_start=False, add_end=False, target=True)
+    for i, ids in zip(given, encoded):
+        check_prefix_length(i, len(ids), max_sequence_length)
+        if not texts[i].strip():
+            raise ValueError(f"texts[{i}] is empty but target_prefix[{i}] is not; a prefix needs a source text")
+        prefixes[i] = ids or None
+    return prefixes if any(prefixes) else None
 
 
 def _texts(texts, name):

@@ -152,6 +152,74 @@ def test_answers_equal_the_onnx_translator(server, reference):
     assert post(server.url, {"text": []}).json() == {"translations": []}
 
 
+def test_hypotheses_prefixes_and_samples_equal_the_onnx_translator(server, exported):
+    """The translation API's options over HTTP: the answers of `OnnxTranslator` with the same options."""
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    search = dict(max_extra_length=MAX_EXTRA_LENGTH)
+    texts = ["the cat sees a dog.", "", "my bird eats the big fish.", "a red ball."]
+    said = [t for t in texts if t]
+
+    def as_json(found):
+        return [{"text": h.text, "score": pytest.approx(h.score, abs=1e-5), "log_prob": pytest.approx(h.log_prob, abs=1e-5)}
+                for h in found]
+
+    answer = post(server.url, {"text": texts, "num_hypotheses": 3}).json()
+    expected = translator.translate_hypotheses(said, beam_size=4, num_hypotheses=3, **search)
+    assert answer["hypotheses"] == [as_json(expected[0]), [], as_json(expected[1]), as_json(expected[2])]
+    assert answer["translations"] == translator.translate(texts, beam_size=4, **search)
+
+    prefixes = ["a dog", None, None, "the"]
+    answer = post(server.url, {"text": texts, "target_prefix": prefixes, "beam_size": 2}).json()
+    assert answer == {"translations": translator.translate(texts, beam_size=2, target_prefix=prefixes, **search)}
+
+    sampled = dict(sampling_topk=0, sampling_temperature=0.8, seed=7)
+    answer = post(server.url, {"text": texts, "num_hypotheses": 2, **sampled}).json()
+    expected = translator.translate_hypotheses(said, beam_size=1, num_hypotheses=2, **sampled, **search)
+    assert answer["hypotheses"] == [as_json(expected[0]), [], as_json(expected[1]), as_json(expected[2])]
+    answer = post(server.url, {"text": texts[0], **sampled}).json()  # beam_size 1 by default when sampling
+    assert answer == {"translations": translator.translate([texts[0]], beam_size=1, **sampled, **search)}
+
+
+def test_requests_with_and_without_prefixes_or_samples_batch_and_get_their_own_answers(server, exported, monkeypatch):
+    """While a search runs, prefixed and plain requests of one beam size wait and share a batch; sampled texts get
+    the samples of their seed whatever they are batched with."""
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    texts = sentences()
+    requests = [{"text": texts[i: i + 2], "beam_size": 2} for i in range(0, 8, 2)]
+    requests[1]["target_prefix"] = ["Der", None]
+    requests[3]["target_prefix"] = [None, "ein"]
+    requests += [{"text": texts[i: i + 3], "sampling_topk": 4, "seed": 11} for i in (8, 9)]  # overlapping texts
+    recording = Recording(server.service.batcher.engine)
+    monkeypatch.setattr(server.service.batcher, "engine", recording)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        first = pool.submit(post, server.url, {"text": [texts[20]], "beam_size": 1})
+        while not recording.batches:
+            time.sleep(0.01)
+        others = [pool.submit(post, server.url, payload) for payload in requests]
+        queued = sum(len(payload["text"]) for payload in requests)
+        deadline = time.monotonic() + 30
+        while server.service.batcher.queued < queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        recording.release.set()
+        assert first.result().status_code == 200
+        responses = [future.result() for future in others]
+    for payload, response in zip(requests, responses):
+        assert response.status_code == 200, response.text
+        options = {key: value for key, value in payload.items() if key != "text"}
+        options.setdefault("beam_size", 1)
+        expected = translator.translate(payload["text"], max_extra_length=MAX_EXTRA_LENGTH, **options)
+        assert response.json() == {"translations": expected}, payload
+    # The searches after the first: the sentences of each kind, and one that joins prefixed and plain rows, one
+    # that joins the two sampled requests (batches form by length too: `max_padding`).
+    prefixed = {text for payload in requests[:4] if "target_prefix" in payload for text in payload["text"]}
+    beam_batches = [batch for beam, batch in recording.batches[1:] if beam == 2]
+    assert sorted(t for batch in beam_batches for t in batch) == sorted(texts[:8]), recording.batches
+    assert any(prefixed & set(batch) and set(batch) - prefixed for batch in beam_batches), recording.batches
+    sampled_batches = [batch for beam, batch in recording.batches[1:] if beam == 1]
+    assert sorted(t for batch in sampled_batches for t in batch) == sorted(texts[8:11] + texts[9:12])
+    assert max(len(batch) for batch in sampled_batches) > 3, recording.batches
+
+
 class Recording:
     """An engine that records each batch and holds the first one until `release` is set."""
 
@@ -161,11 +229,11 @@ class Recording:
     def count_tokens(self, texts):
         return self.engine.count_tokens(texts)
 
-    def translate(self, texts, options):
+    def translate(self, texts, options, **prefix):
         self.batches.append((options.beam_size, list(texts)))
         if len(self.batches) == 1:
             assert self.release.wait(30)
-        return self.engine.translate(texts, options)
+        return self.engine.translate(texts, options, **prefix)
 
 
 def test_concurrent_requests_with_mixed_options_are_batched_by_options(server, reference, monkeypatch):
@@ -284,8 +352,23 @@ HOSTILE = {
     "beam_size with 5000 digits": (b'{"text": ["a"], "beam_size": 1' + b"0" * 5000 + b"}", 400, r"not valid JSON"),
     "NaN": (b'{"text": ["a"], "beam_size": NaN}', 400, r"not valid JSON: NaN is not JSON"),
     "deep nesting": (b"[" * 100_000, 400, r"not valid JSON"),
-    "num_hypotheses": (b'{"text": ["a"], "num_hypotheses": 2}', 400, r"num_hypotheses is not supported yet"),
-    "target_prefix": (b'{"text": ["a"], "target_prefix": ["Ein"]}', 400, r"target_prefix is not supported yet"),
+    "more hypotheses than beams": (b'{"text": ["a"], "beam_size": 2, "num_hypotheses": 3}', 400,
+                                   r"num_hypotheses=3 must be <= beam_size=2"),
+    "more samples than the limit": (b'{"text": ["a"], "sampling_topk": 0, "num_hypotheses": 9}', 400,
+                                    r"num_hypotheses must be at most 8 \(--max-beam-size\), received 9"),
+    "num_hypotheses a boolean": (b'{"text": ["a"], "num_hypotheses": true}', 400, r"num_hypotheses=True must be an integer"),
+    "sampling with beams": (b'{"text": ["a"], "sampling_topk": 3, "beam_size": 2}', 400, r"needs beam_size=1, received beam_size=2"),
+    "negative sampling_topk": (b'{"text": ["a"], "sampling_topk": -2}', 400, r"sampling_topk=-2 must be an integer >= 0"),
+    "sampling_topp out of range": (b'{"text": ["a"], "sampling_topk": 0, "sampling_topp": 1.5}', 400, r"sampling_topp=1.5 must be a number in \(0, 1\]"),
+    "a float seed": (b'{"text": ["a"], "sampling_topk": 0, "seed": 1.5}', 400, r"seed=1.5 must be an integer in \[0, 2147483646\]"),
+    "target_prefix a string for a list": (b'{"text": ["a"], "target_prefix": "Ein"}', 400,
+                                          r"target_prefix must be an array of one string or null per text \(1\), received a string"),
+    "target_prefix of another length": (b'{"text": ["a", "b"], "target_prefix": ["Ein"]}', 400, r"per text \(2\), received 1 items"),
+    "a target_prefix item of a wrong type": (b'{"text": ["a"], "target_prefix": [3]}', 400, r"target_prefix\[0\] must be a string, received a number"),
+    "a target_prefix for an empty text": (b'{"text": [" ", "b"], "target_prefix": ["Ein", null]}', 400,
+                                          r"text\[0\] is empty but target_prefix\[0\] is not"),
+    "a target_prefix too long for the model": (json.dumps({"text": ["a"], "target_prefix": ["a " * 100]}).encode(), 400,
+                                               r"target_prefix\[0\] has \d+ tokens; at most 62 are allowed"),
     "non-UTF-8 bytes": (b'{"text": ["a \xff\xfe dog"]}', 400, r"the body is not UTF-8: .* byte 0xff in position 13"),
     "a lone surrogate": (b'{"text": ["a \\ud800 dog"]}', 400, r"text\[0\] is not valid Unicode \(a lone surrogate\)"),
     "10,000 texts": (json.dumps({"text": ["a dog."] * 10_000}).encode(), 400, r"text has 10000 items; the limit is 64 \(--max-texts\)"),
@@ -694,14 +777,30 @@ def exported_ct2(tmp_path_factory, preset_dir):
     return export_ctranslate2(preset_dir, tmp_path_factory.mktemp("ct2") / "model")  # a few seconds
 
 
-def test_the_ctranslate2_engine_gives_the_greedy_translations_of_onnx_runtime(exported_ct2, reference):
-    """Greedy search, one sentence per request: CTranslate2 gives our tokens (checked at its export too)."""
+def test_the_ctranslate2_engine_gives_the_greedy_translations_of_onnx_runtime(exported_ct2, exported, reference):
+    """Greedy search, one sentence per request and with prefixes: CTranslate2 gives our tokens (checked at its export
+    too); it refuses the fields it does not serve."""
     running = InProcessServer(serve.load_engine(exported_ct2, "ctranslate2"), max_extra_length=MAX_EXTRA_LENGTH)
     try:
         assert httpx.get(running.url + "/ready").json() == {"ready": True, "engine": "ctranslate2"}
         for text in CORPUS[:4] + [""]:
             response = post(running.url, {"text": [text], "beam_size": 1})
             assert response.json()["translations"] == reference([text], beam_size=1)
+        # Target prefixes are CTranslate2's own; hypotheses and samples are the ONNX engine's.
+        texts, prefixes = CORPUS[:3], ["a dog", None, "the"]
+        # One text per request: CTranslate2 takes one maximum length per batch, the longest source's (engines.py).
+        translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+        for text, prefix in zip(texts, prefixes):
+            response = post(running.url, {"text": [text], "target_prefix": [prefix], "beam_size": 1})
+            assert response.status_code == 200, response.text
+            assert response.json()["translations"] == translator.translate(
+                [text], beam_size=1, target_prefix=[prefix], max_extra_length=MAX_EXTRA_LENGTH
+            )
+        for field in ({"num_hypotheses": 1}, {"sampling_topk": 0}):
+            response = post(running.url, {"text": ["a dog."], **field})
+            assert response.status_code == 400
+            assert re.search(rf"{next(iter(field))} is not served by the ctranslate2 engine; the onnxruntime engine "
+                             "serves it", response.json()["error"]), response.text
     finally:
         running.close()
 

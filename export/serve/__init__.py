@@ -12,9 +12,16 @@ Endpoints:
 - `POST /v1/translate` with a JSON object `{"text": ["...", ...],
   "beam_size": 4}` (`text` may also be one string; `beam_size` is optional,
   1 is greedy search) -> `{"translations": ["...", ...]}` in the order of
-  `text`. Other fields are refused with 400: `num_hypotheses` and
-  `target_prefix` are named as not supported yet (they come with the
-  translation API); anything else as unknown.
+  `text`. The optional fields of `Translator.translate` /
+  `translate_hypotheses`, as there: `target_prefix` (one string or null per
+  text: the translation starts with it), `num_hypotheses` (the answer adds
+  `"hypotheses"`: per text a list of `{"text", "score", "log_prob"}`, best
+  first, the first being the translation), and sampling (`sampling_topk`
+  != 1, `sampling_topp`, `sampling_temperature`, `seed`; beam_size then
+  defaults to 1, and a text gets the same samples for the same seed in any
+  batch). The CTranslate2 engine serves `target_prefix` but not
+  `num_hypotheses` or sampling (400 naming the engine); any other field is
+  refused as unknown.
 - `GET /health`: 200 while the process runs (liveness).
 - `GET /ready`: 200 once the model is loaded and has translated a warm-up
   sentence; 503 while loading and while draining (readiness).
@@ -32,8 +39,9 @@ options. The search runs in one worker thread, off the event loop, which
 keeps accepting and answering while it translates.
 
 Limits (`ServerSettings`): request bodies over `max_body_bytes` get 413;
-more than `max_texts` texts, a text over `max_text_chars` characters, a
-`beam_size` outside `[1, max_beam_size]`, malformed JSON, wrong types or
+more than `max_texts` texts, a text or prefix over `max_text_chars`
+characters, a `beam_size` outside `[1, max_beam_size]` (and as many samples
+at most), a prefix the model cannot hold, malformed JSON, wrong types or
 missing fields get 400; a request whose sentences do not fit in the queue
 (`max_queue` sentences waiting) gets 503 with `Retry-After`, as it does
 while the model loads; a body that has not arrived within `request_timeout`

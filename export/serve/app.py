@@ -8,15 +8,20 @@ import logging
 import time
 
 from export.serve.batching import Batcher, QueueFull
+from export.serve.engines import FEATURES
 from export.serve.metrics import Metrics
 from export.serve.settings import SearchOptions, ServerSettings
+from keras_transformer.decoding import check_hypotheses_args
 
 # One logger for the whole server, so that `python -m export.serve` logs under one name.
 logger = logging.getLogger("export.serve")
 
-# Request fields: those that work, and those of the translation API that do not yet.
-FIELDS = ("text", "beam_size")
-NOT_YET = ("num_hypotheses", "target_prefix")
+# Request fields, and the engine feature (engines.FEATURES) each needs.
+FIELDS = {
+    "text": None, "beam_size": None, "num_hypotheses": "num_hypotheses", "target_prefix": "target_prefix",
+    "sampling_topk": "sampling", "sampling_topp": "sampling", "sampling_temperature": "sampling", "seed": "sampling",
+}
+SAMPLING_DEFAULTS = {"sampling_topk": 1, "sampling_topp": 1.0, "sampling_temperature": 1.0, "seed": 0}
 RETRY_AFTER_SECONDS = 1
 # The status logged for a request whose client went away before its answer (nginx's).
 CLIENT_CLOSED = 499
@@ -44,8 +49,12 @@ def _reject_constant(name):
     raise ValueError(f"{name} is not JSON")
 
 
-def parse_request(body, settings):
-    """`(texts, SearchOptions)` from a request body (bytes), or `RequestError` (400) naming the field.
+def parse_request(body, settings, engine_name=None, features=FEATURES):
+    """`(texts, SearchOptions, target_prefix)` from a request body (bytes), or `RequestError` (400) naming the field.
+
+    `target_prefix` is None or one str or None per text (its tokens are the
+    engine's to check). `features`: the engine's (`engines.FEATURES`); a
+    field that needs another is refused with 400 naming the engine.
 
     Example:
     >>> parse_request(b'{"text": ["A sentence."], "beam_size": 2}', ServerSettings())[0]
@@ -65,16 +74,18 @@ def parse_request(body, settings):
             "bad_request",
         )
     for field in payload:
-        if field in NOT_YET:
-            raise RequestError(
-                400, f"{field} is not supported yet; this server takes {', '.join(FIELDS)}", "not_supported"
-            )
         if field not in FIELDS:
             raise RequestError(400, f"unknown field {field!r}; this server takes {', '.join(FIELDS)}", "bad_request")
+        if FIELDS[field] is not None and FIELDS[field] not in features:
+            raise RequestError(
+                400, f"{field} is not served by the {engine_name or 'this'} engine; the onnxruntime engine serves it",
+                "not_supported",
+            )
     if "text" not in payload:
         raise RequestError(400, "missing field 'text' (a string or an array of strings)", "bad_request")
     texts = payload["text"]
-    if isinstance(texts, str):
+    single = isinstance(texts, str)
+    if single:
         texts = [texts]
     if not isinstance(texts, list):
         raise RequestError(
@@ -85,28 +96,73 @@ def parse_request(body, settings):
             400, f"text has {len(texts)} items; the limit is {settings.max_texts} (--max-texts)", "too_many_texts"
         )
     for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise RequestError(400, f"text[{i}] must be a string, received {_json_type(text)}", "bad_request")
-        if len(text) > settings.max_text_chars:
-            raise RequestError(
-                400, f"text[{i}] has {len(text)} characters; the limit is {settings.max_text_chars} (--max-text-chars)",
-                "text_too_long",
-            )
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate written as a \ud800 escape
-            raise RequestError(400, f"text[{i}] is not valid Unicode (a lone surrogate)", "bad_request") from None
-    beam_size = payload.get("beam_size", settings.beam_size)
+        _check_text(text, f"text[{i}]", settings)
+    target_prefix = _target_prefix(payload, texts, single, settings)
+    sampling = {name: payload.get(name, default) for name, default in SAMPLING_DEFAULTS.items()}
+    sampled = sampling["sampling_topk"] != 1
+    # Sampling draws one token at a time: a request that samples searches with beam_size 1 unless it says otherwise.
+    beam_size = payload.get("beam_size", 1 if sampled else settings.beam_size)
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or not 1 <= beam_size <= settings.max_beam_size:
         number = isinstance(beam_size, (int, float)) and not isinstance(beam_size, bool)
         raise RequestError(
             400, f"beam_size must be an integer in [1, {settings.max_beam_size}] (--max-beam-size; 1 is greedy), "
             f"received {beam_size if number else _json_type(beam_size)}", "bad_request",
         )
+    num_hypotheses = payload.get("num_hypotheses")
+    try:  # the translation API's own checks and messages (they name the field)
+        check_hypotheses_args(beam_size, 1 if num_hypotheses is None else num_hypotheses, **sampling)
+    except ValueError as error:
+        raise RequestError(400, str(error), "bad_request") from None
+    if num_hypotheses is not None and num_hypotheses > settings.max_beam_size:  # samples: rows per text
+        raise RequestError(
+            400, f"num_hypotheses must be at most {settings.max_beam_size} (--max-beam-size), received {num_hypotheses}",
+            "bad_request",
+        )
     options = SearchOptions(
-        beam_size, float(settings.length_penalty), int(settings.max_extra_length), settings.patience
+        beam_size, float(settings.length_penalty), int(settings.max_extra_length), settings.patience, num_hypotheses,
+        # Without sampling the other sampling fields change nothing: left at their defaults, the request batches
+        # with the others of its options.
+        **(sampling if sampled else SAMPLING_DEFAULTS),
     )
-    return texts, options
+    return texts, options, target_prefix
+
+
+def _check_text(text, name, settings):
+    if not isinstance(text, str):
+        raise RequestError(400, f"{name} must be a string, received {_json_type(text)}", "bad_request")
+    if len(text) > settings.max_text_chars:
+        raise RequestError(
+            400, f"{name} has {len(text)} characters; the limit is {settings.max_text_chars} (--max-text-chars)",
+            "text_too_long",
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate written as a \ud800 escape
+        raise RequestError(400, f"{name} is not valid Unicode (a lone surrogate)", "bad_request") from None
+
+
+def _target_prefix(payload, texts, single, settings):
+    """The request's `target_prefix` as one str or None per text, or None; its form checked (400)."""
+    target_prefix = payload.get("target_prefix")
+    if target_prefix is None:
+        return None
+    if single and isinstance(target_prefix, str):
+        target_prefix = [target_prefix]
+    if not isinstance(target_prefix, list) or len(target_prefix) != len(texts):
+        raise RequestError(
+            400, f"target_prefix must be an array of one string or null per text ({len(texts)}), received "
+            f"{_json_type(target_prefix) if not isinstance(target_prefix, list) else f'{len(target_prefix)} items'}",
+            "bad_request",
+        )
+    for i, prefix in enumerate(target_prefix):
+        if prefix is not None:
+            _check_text(prefix, f"target_prefix[{i}]", settings)
+            if prefix and not texts[i].strip():
+                raise RequestError(
+                    400, f"text[{i}] is empty but target_prefix[{i}] is not; a prefix needs a text to translate",
+                    "bad_request",
+                )
+    return target_prefix if any(target_prefix) else None
 
 
 class Service:
@@ -232,18 +288,25 @@ class Service:
                 why = self.failure or "the model is loading"
                 raise RequestError(503, f"{why}; retry", "not_ready", {"Retry-After": str(RETRY_AFTER_SECONDS)})
             body = await self.read_body(request, deadline)
-            texts, options = parse_request(body, self.settings)
+            texts, options, target_prefix = parse_request(
+                body, self.settings, getattr(self.engine, "name", None), getattr(self.engine, "features", ())
+            )
             info["sentences"] = len(texts)
+            if target_prefix is not None:
+                try:  # a prefix too long for the model, or one for an empty text: this request's error only
+                    self.engine.check_target_prefix(texts, target_prefix)
+                except (ValueError, TypeError) as error:
+                    raise RequestError(400, str(error), "bad_request") from None
             tokens = [
                 count if text.strip() else 0 for text, count in zip(texts, self.engine.count_tokens(texts))
             ]
             try:
-                job = self.batcher.submit(texts, tokens, options)
+                job = self.batcher.submit(texts, tokens, options, target_prefix)
             except QueueFull as error:
                 raise RequestError(503, str(error), "queue_full", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-            translations = await self._answer(job, request, deadline)
+            results = await self._answer(job, request, deadline)
             self.metrics.sentences.inc(len(texts))
-            return JSONResponse({"translations": translations})
+            return JSONResponse(_answer_document(results, options))
         except RequestError as error:
             self.metrics.errors.inc(reason=error.reason)
             if error.reason == "disconnected":
@@ -299,6 +362,18 @@ class Service:
         from starlette.responses import Response
 
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _answer_document(results, options):
+    """The JSON answer: `translations`, and with `num_hypotheses` each text's `hypotheses` (text, score, log_prob)."""
+    if options.num_hypotheses is None:
+        return {"translations": results}
+    return {
+        "translations": [found[0].text if found else "" for found in results],
+        "hypotheses": [
+            [{"text": h.text, "score": float(h.score), "log_prob": float(h.log_prob)} for h in found] for found in results
+        ],
+    }
 
 
 async def _wait_for_disconnect(receive):

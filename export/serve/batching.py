@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 
@@ -15,11 +16,13 @@ class QueueFull(Exception):
 
 
 class _Job:
-    """One request's sentences: its options, a future for its translations."""
+    """One request's sentences: its options and target prefixes (or None), a future for its translations."""
 
-    def __init__(self, texts, options, future, arrival):
+    def __init__(self, texts, options, future, arrival, target_prefix=None):
         self.texts, self.options, self.future, self.arrival = texts, options, future, arrival
-        self.results = [""] * len(texts)
+        self.target_prefix = target_prefix
+        # What a text without a search (nothing to translate) gets: no translation, or no hypotheses.
+        self.results = [[] if options.num_hypotheses is not None else "" for _ in texts]
         self.remaining = 0
 
     def set(self, index, text):
@@ -65,16 +68,18 @@ class Batcher:
         self.draining = False
         self._arrived = asyncio.Event()
 
-    def submit(self, texts, tokens, options):
+    def submit(self, texts, tokens, options, target_prefix=None):
         """Queues the texts with `tokens > 0`; returns a job whose future gives every text's translation.
 
-        Texts with 0 tokens (nothing to translate) get "" without a search.
+        Texts with 0 tokens (nothing to translate) get "" (no hypotheses:
+        `[]`) without a search. `target_prefix`: None, or one str or None
+        per text (checked by the engine before).
 
         Raises:
             QueueFull: the sentences do not fit in the queue (nothing queued).
         """
         loop = asyncio.get_running_loop()
-        job = _Job(texts, options, loop.create_future(), loop.time())
+        job = _Job(texts, options, loop.create_future(), loop.time(), target_prefix)
         items = [_Item(job, i, count) for i, count in enumerate(tokens) if count > 0]
         if self.queued + len(items) > self.settings.max_queue:
             raise QueueFull(
@@ -172,9 +177,14 @@ class Batcher:
             batch, padded = self._take(options)
             # Jobs cancelled while their batch runs are answered by nobody; their results are dropped.
             texts = [item.job.texts[item.index] for item in batch]
+            prefixes = [None if item.job.target_prefix is None else item.job.target_prefix[item.index] for item in batch]
+            # An engine's `translate` takes `target_prefix` only where it serves prefixes (engines.py).
+            prefix = {"target_prefix": prefixes} if any(prefixes) else {}
             start = time.perf_counter()
             try:
-                outputs = await loop.run_in_executor(self.executor, self.engine.translate, texts, options)
+                outputs = await loop.run_in_executor(
+                    self.executor, functools.partial(self.engine.translate, texts, options, **prefix)
+                )
                 if len(outputs) != len(texts):
                     raise RuntimeError(f"the engine returned {len(outputs)} translations for {len(texts)} texts")
             except Exception as error:  # noqa: BLE001 - every request of the batch gets the error

@@ -2,7 +2,13 @@
 
 An engine is any object with `count_tokens(texts) -> list of int` and
 `translate(texts, options) -> list of str` (`options`: a `SearchOptions`);
-`name` and `directory` are shown in logs and `/ready`.
+`name` and `directory` are shown in logs and `/ready`. An engine that
+serves more of a request's fields lists them in `features` (of
+`FEATURES`) and has `check_target_prefix(texts, target_prefix)` (raises
+`ValueError` naming the entry) for "target_prefix"; its `translate` then
+takes `target_prefix=` (one str or None per text; passed only when a text
+of the batch has one) and, with `options.num_hypotheses`, returns per text
+a list of hypotheses (`text`, `score`, `log_prob`), best first.
 """
 
 import json
@@ -10,6 +16,8 @@ import os
 import pathlib
 
 ENGINES = ("onnxruntime", "ctranslate2")
+# The request fields beyond `text` and `beam_size` that an engine may serve ("sampling": the sampling_* fields, seed).
+FEATURES = ("num_hypotheses", "target_prefix", "sampling")
 
 
 class OnnxRuntimeEngine:
@@ -24,6 +32,7 @@ class OnnxRuntimeEngine:
     """
 
     name = "onnxruntime"
+    features = frozenset(FEATURES)
 
     def __init__(self, directory, threads=None, providers=None, optimized_cache=None):
         from export.runtime import OnnxTranslator
@@ -39,12 +48,18 @@ class OnnxRuntimeEngine:
         ids = self.translator.tokenizer.encode(texts, add_start=False, add_end=True)
         return [min(len(row), self.max_sequence_length) for row in ids]
 
-    def translate(self, texts, options):
-        return self.translator.translate(
-            texts, beam_size=options.beam_size, batch_size=max(len(texts), 1),
-            length_penalty=options.length_penalty, max_extra_length=options.max_extra_length,
-            patience=options.patience,
-        )
+    def check_target_prefix(self, texts, target_prefix):
+        """Raises `ValueError` (or `TypeError`) naming the entry unless every prefix can be searched."""
+        from keras_transformer.translator import encode_target_prefix
+
+        encode_target_prefix(self.translator.tokenizer, target_prefix, texts, self.max_sequence_length)
+
+    def translate(self, texts, options, target_prefix=None):
+        """Translations (or with `options.num_hypotheses`, `Hypothesis` lists) of `texts`, in one search."""
+        batch = dict(batch_size=max(len(texts), 1), target_prefix=target_prefix, **options.search_args())
+        if options.num_hypotheses is None:
+            return self.translator.translate(texts, **batch)
+        return self.translator.translate_hypotheses(texts, num_hypotheses=options.num_hypotheses, **batch)
 
 
 class CTranslate2Engine:
@@ -57,7 +72,11 @@ class CTranslate2Engine:
     longest source's, so a short sentence batched with a long one may
     generate beyond its own limit when it does not end earlier. The length
     penalty is CTranslate2's (see `export.ctranslate2`): greedy search gives
-    the ONNX engine's tokens, beams may differ.
+    the ONNX engine's tokens, beams may differ. It serves `target_prefix`
+    (CTranslate2's own); `num_hypotheses` and sampling are the ONNX
+    engine's only (CTranslate2 scores hypotheses with its own length
+    penalty, and its draws depend on the batch, so a seed would not give a
+    text the same samples in every batch).
 
     Args:
         directory: written by `python -m export.ctranslate2` from a preset with a tokenizer.
@@ -66,6 +85,7 @@ class CTranslate2Engine:
     """
 
     name = "ctranslate2"
+    features = frozenset({"target_prefix"})
 
     def __init__(self, directory, threads=None):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before ctranslate2 loads OpenMP
@@ -96,8 +116,18 @@ class CTranslate2Engine:
         ids = self.tokenizer.encode(texts, add_start=False, add_end=True)
         return [min(len(row), self.max_sequence_length) for row in ids]
 
-    def translate(self, texts, options):
+    def check_target_prefix(self, texts, target_prefix):
+        """Raises `ValueError` (or `TypeError`) naming the entry unless every prefix can be searched."""
+        self._prefix_ids(texts, target_prefix)
+
+    def _prefix_ids(self, texts, target_prefix):
+        from keras_transformer.translator import encode_target_prefix
+
+        return encode_target_prefix(self.tokenizer, target_prefix, texts, self.max_sequence_length)
+
+    def translate(self, texts, options, target_prefix=None):
         rows = self.tokenizer.encode(texts, add_start=False, add_end=False)
+        prefixes = self._prefix_ids(texts, target_prefix) or [None] * len(texts)
         results = [""] * len(texts)
         # Empty texts translate to empty strings without a search, as Translator.translate.
         todo = [i for i, row in enumerate(rows) if row and texts[i].strip()]
@@ -105,8 +135,10 @@ class CTranslate2Engine:
             return results
         limit = self.max_sequence_length - 1  # room for the end piece CTranslate2 appends
         pieces = [[self.tokens[t] for t in rows[i][:limit]] for i in todo]
+        prefix_pieces = [None if prefixes[i] is None else [self.tokens[t] for t in prefixes[i]] for i in todo]
         outputs = self.translator.translate_batch(
             pieces,
+            target_prefix=prefix_pieces if any(prefix_pieces) else None,
             max_decoding_length=self._max_decoding_length(
                 max(len(row) for row in pieces), self.max_sequence_length, options.max_extra_length
             ),

@@ -93,9 +93,35 @@ class ServerSettings:
 
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
-    """The search options of one request; only requests with equal options share a batch."""
+    """The search options of one request; only requests with equal options share a batch.
+
+    `num_hypotheses` None asks for translations only; a number, for that
+    many hypotheses per text with their scores (`Translator.translate_hypotheses`).
+    `sampling_topk` 1 is no sampling (the other sampling fields are then
+    left at their defaults, so that such requests batch together); the
+    draws depend on (`seed`, step, the text's tokens, sample number) only,
+    so a sampled text gets the same samples in any batch.
+    """
 
     beam_size: int
     length_penalty: float
     max_extra_length: int
     patience: float = None  # beam search's (`ServerSettings.patience`)
+    num_hypotheses: int = None
+    sampling_topk: int = 1
+    sampling_topp: float = 1.0
+    sampling_temperature: float = 1.0
+    seed: int = 0
+
+    @property
+    def sampling(self):
+        return self.sampling_topk != 1
+
+    def search_args(self):
+        """The keyword arguments of `Translator.translate` (and `translate_hypotheses`) for these options."""
+        args = dict(beam_size=self.beam_size, length_penalty=self.length_penalty,
+                    max_extra_length=self.max_extra_length, patience=self.patience)
+        if self.sampling:
+            args.update(sampling_topk=self.sampling_topk, sampling_topp=self.sampling_topp,
+                        sampling_temperature=self.sampling_temperature, seed=self.seed)
+        return args
