@@ -334,7 +334,7 @@ def tiny_onnx_export(request, tiny_preset_dir):
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The validation lines give the checkpoint lines' val_loss (tests/test_cli.py) and the validation BLEU at the end,
 # whose beam search compiles once per length bucket: few lines, few buckets.
-TINY_TRAINED_STEPS, TINY_TRAINED_CHECKPOINT_EVERY, TINY_TRAINED_VALID_LINES = 400, 200, 16
+TINY_TRAINED_STEPS, TINY_TRAINED_CHECKPOINT_EVERY, TINY_TRAINED_VALID_LINES = 400, 200, 8
 # The artifact's parts: the preset, its float32 and int8 ONNX exports, the
 # validation files (the first lines of the bundled split), and each command's
 # stderr as `train.stderr`, `onnx.stderr` and `int8.stderr`.
