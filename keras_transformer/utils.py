@@ -166,17 +166,32 @@ def _process_alive(pid):
     return True
 
 
+def _writers(name, target):
+    """The process ids (None: not recorded) of a temporary `name` of `target`, or None if it is not one.
+
+    A temporary of a temporary counts: a directory staged as `.NAME.tmp-PID-HEX`
+    is itself written atomically (`save_to_preset` into the staging path of
+    `atomic_directory`), as `..NAME.tmp-PID-HEX.tmp-PID-HEX`; a kill there
+    leaves it beside NAME, and it is NAME's leftover.
+    """
+    writers = []
+    while (match := _TEMPORARY.match(name)) is not None:
+        writers.append(match["pid"])
+        if match["name"] == target:
+            return writers
+        name = match["name"]
+    return None
+
+
 def stale_temporaries(path):
-    """Leftovers of killed writers of `path`: `.NAME.tmp-*` / `.NAME.old-*` of dead processes."""
+    """Leftovers of killed writers of `path`: `.NAME.tmp-*` / `.NAME.old-*` (and theirs) of dead processes."""
     path = pathlib.Path(path)
     if not path.parent.is_dir():
         return []
     stale = []
     for entry in sorted(path.parent.iterdir()):
-        match = _TEMPORARY.match(entry.name)
-        if not match or match["name"] != path.name:
-            continue
-        if match["pid"] is not None and _process_alive(int(match["pid"])):
+        writers = _writers(entry.name, path.name)
+        if writers is None or any(pid is not None and _process_alive(int(pid)) for pid in writers):
             continue
         stale.append(entry)
     return stale

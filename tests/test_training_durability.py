@@ -464,6 +464,11 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
         f".out.tmp-{hex_}": True,  # older versions' name, no pid
         f".out.tmp-{os.getpid()}-{hex_}": False,  # a live writer
         f".other.tmp-{dead}-{hex_}": False,  # another directory's
+        # A staging directory's own temporary (a killed `save_to_preset` into `.out.tmp-...`; a random-kill run
+        # left one): stale when its writers are dead, kept while one lives.
+        f"..out.tmp-{dead}-{hex_}.tmp-{dead}-{uuid.uuid4().hex}": True,
+        f"..out.tmp-{os.getpid()}-{hex_}.tmp-{os.getpid()}-{uuid.uuid4().hex}": False,
+        f"..other.tmp-{dead}-{hex_}.tmp-{dead}-{uuid.uuid4().hex}": False,
         "out": False,
     }
     for name in names:
