@@ -650,7 +650,7 @@ class Translator:
         return results
 
 
-def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=None):
+def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=None, texts_name="texts"):
     """The token ids of each text's target prefix, checked up front (`Translator.translate(target_prefix=...)`).
 
     Args:
@@ -658,6 +658,7 @@ def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=No
         target_prefix: None, one str (for one text), or one str or None per text.
         texts: the source texts.
         max_sequence_length: the model's, or None (no length check).
+        texts_name: what the messages call `texts` (the HTTP server's field is `text`).
 
     Returns:
         None when no text has a prefix; else per text None (no prefix) or
@@ -684,7 +685,9 @@ def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=No
     for i, ids in zip(given, encoded):
         check_prefix_length(i, len(ids), max_sequence_length)
         if not texts[i].strip():
-            raise ValueError(f"texts[{i}] is empty but target_prefix[{i}] is not; a prefix needs a source text")
+            raise ValueError(
+                f"{texts_name}[{i}] is empty but target_prefix[{i}] is not; a prefix needs a source text"
+            )
         prefixes[i] = ids or None
     return prefixes if any(prefixes) else None
 

@@ -350,8 +350,8 @@ def test_bundled_test_split_translate_file_equals_translate_of_its_lines(tmp_pat
     lines = read_lines(src)
     assert len(lines) == 946
     # The whole split on TensorFlow; reading, windows, sorting and writing are the same Python on every backend,
-    # so the others translate its first 150 lines (the eager PyTorch search is ~7x slower; JAX took 50-60 s for
-    # the whole split in the suite, the longer of its two lanes).
+    # so the others translate its first 150 lines (the eager PyTorch search is ~7x slower; JAX took 49-63 s for
+    # the whole split in the suite, in the longer of its two lanes).
     if BACKEND != "tensorflow":
         lines = lines[:150]
         src = _write(tmp_path / "test.en", lines)

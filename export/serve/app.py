@@ -3,6 +3,7 @@
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ FIELDS = {
     "text": None, "beam_size": None, "num_hypotheses": "num_hypotheses", "target_prefix": "target_prefix",
     "sampling_topk": "sampling", "sampling_topp": "sampling", "sampling_temperature": "sampling", "seed": "sampling",
 }
-SAMPLING_DEFAULTS = {"sampling_topk": 1, "sampling_topp": 1.0, "sampling_temperature": 1.0, "seed": 0}
+SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SearchOptions) if FIELDS.get(f.name) == "sampling"}
 RETRY_AFTER_SECONDS = 1
 # The status logged for a request whose client went away before its answer (nginx's).
 CLIENT_CLOSED = 499
@@ -157,11 +158,6 @@ def _target_prefix(payload, texts, single, settings):
     for i, prefix in enumerate(target_prefix):
         if prefix is not None:
             _check_text(prefix, f"target_prefix[{i}]", settings)
-            if prefix and not texts[i].strip():
-                raise RequestError(
-                    400, f"text[{i}] is empty but target_prefix[{i}] is not; a prefix needs a text to translate",
-                    "bad_request",
-                )
     return target_prefix if any(target_prefix) else None
 
 
@@ -294,6 +290,7 @@ class Service:
             info["sentences"] = len(texts)
             if target_prefix is not None:
                 try:  # a prefix too long for the model, or one for an empty text: this request's error only
+                    # (engines.py: `encode_target_prefix`, the translator's own check)
                     self.engine.check_target_prefix(texts, target_prefix)
                 except (ValueError, TypeError) as error:
                     raise RequestError(400, str(error), "bad_request") from None

@@ -4,7 +4,7 @@ An engine is any object with `count_tokens(texts) -> list of int` and
 `translate(texts, options) -> list of str` (`options`: a `SearchOptions`);
 `name` and `directory` are shown in logs and `/ready`. An engine that
 serves more of a request's fields lists them in `features` (of
-`FEATURES`) and has `check_target_prefix(texts, target_prefix)` (raises
+`FEATURES`) and has `check_target_prefix(texts, target_prefix)` (the ids, or raises
 `ValueError` naming the entry) for "target_prefix"; its `translate` then
 takes `target_prefix=` (one str or None per text; passed only when a text
 of the batch has one) and, with `options.num_hypotheses`, returns per text
@@ -49,10 +49,8 @@ class OnnxRuntimeEngine:
         return [min(len(row), self.max_sequence_length) for row in ids]
 
     def check_target_prefix(self, texts, target_prefix):
-        """Raises `ValueError` (or `TypeError`) naming the entry unless every prefix can be searched."""
-        from keras_transformer.translator import encode_target_prefix
-
-        encode_target_prefix(self.translator.tokenizer, target_prefix, texts, self.max_sequence_length)
+        """`check_target_prefix` (below) with the translator's tokenizer."""
+        return check_target_prefix(self.translator.tokenizer, self.max_sequence_length, texts, target_prefix)
 
     def translate(self, texts, options, target_prefix=None):
         """Translations (or with `options.num_hypotheses`, `Hypothesis` lists) of `texts`, in one search."""
@@ -117,17 +115,12 @@ class CTranslate2Engine:
         return [min(len(row), self.max_sequence_length) for row in ids]
 
     def check_target_prefix(self, texts, target_prefix):
-        """Raises `ValueError` (or `TypeError`) naming the entry unless every prefix can be searched."""
-        self._prefix_ids(texts, target_prefix)
-
-    def _prefix_ids(self, texts, target_prefix):
-        from keras_transformer.translator import encode_target_prefix
-
-        return encode_target_prefix(self.tokenizer, target_prefix, texts, self.max_sequence_length)
+        """`check_target_prefix` (below) with this engine's tokenizer."""
+        return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
 
     def translate(self, texts, options, target_prefix=None):
         rows = self.tokenizer.encode(texts, add_start=False, add_end=False)
-        prefixes = self._prefix_ids(texts, target_prefix) or [None] * len(texts)
+        prefixes = self.check_target_prefix(texts, target_prefix) or [None] * len(texts)
         results = [""] * len(texts)
         # Empty texts translate to empty strings without a search, as Translator.translate.
         todo = [i for i, row in enumerate(rows) if row and texts[i].strip()]
@@ -150,6 +143,13 @@ class CTranslate2Engine:
         for i, text in zip(todo, decoded):
             results[i] = text
         return results
+
+
+def check_target_prefix(tokenizer, max_sequence_length, texts, target_prefix):
+    """The prefixes' token ids (`encode_target_prefix`), or `ValueError` / `TypeError` naming the request's entry."""
+    from keras_transformer.translator import encode_target_prefix
+
+    return encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length, texts_name="text")
 
 
 def load_engine(directory, engine="onnxruntime", threads=None, optimized_cache=None):
