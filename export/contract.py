@@ -497,6 +497,19 @@ def jsonable(config):
     return json.loads(json.dumps(config, default=str))
 
 
+def is_export_of(format_):
+    """`pathlib.Path -> bool`: whether a directory's `config.json` names `format_` (a `Format`; any version)."""
+
+    def check(directory):
+        try:
+            config = json.loads((pathlib.Path(directory) / CONFIG_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return isinstance(config, dict) and config.get("format") == format_.name
+
+    return check
+
+
 def write_config(directory, config, file=CONFIG_FILE):
     """Writes `config` as `directory/file`, JSON with sorted keys (every export's config.json)."""
     (pathlib.Path(directory) / file).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -136,7 +136,7 @@ import numpy as np
 from export import contract
 from export.contract import ValidationError
 from keras_transformer.tokenizer import FIRST_ORDINARY_ID
-from keras_transformer.utils import atomic_directory
+from keras_transformer.utils import atomic_directory, check_output_directory
 
 # Named, not __name__, so that `python -m export.ctranslate2` logs under the same name.
 logger = logging.getLogger("export.ctranslate2")
@@ -482,7 +482,7 @@ def read_metadata(directory):
     """
     path = pathlib.Path(directory) / METADATA_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{directory} has no {METADATA_FILE}; export it with python -m export.ctranslate2")
+        raise FileNotFoundError(f"{directory} has no {METADATA_FILE}; {_what_it_is(directory)}")
     metadata = json.loads(path.read_text())
     if metadata.get("format_version") != FORMAT_VERSION:
         raise ValueError(
@@ -490,6 +490,24 @@ def read_metadata(directory):
             f"{FORMAT_VERSION}: export again with python -m export.ctranslate2"
         )
     return metadata
+
+
+def _what_it_is(directory):
+    """What to do with a directory that is not a CTranslate2 export of ours (ONNX export, preset, other)."""
+    directory = pathlib.Path(directory)
+    try:
+        config = json.loads((directory / CT2_CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    config = config if isinstance(config, dict) else {}
+    if config.get("format") == contract.ONNX.name:
+        return "it is an ONNX export (python -m export.onnx): serve it with the onnxruntime engine (the default)"
+    if config.get("class_name") == "TransformerModel":  # `TransformerModel.save_to_preset`'s config
+        return (
+            f"it is a Keras preset directory: export it first: "
+            f"python -m export.ctranslate2 --preset {directory} --output CT2_DIR"
+        )
+    return "export the model with python -m export.ctranslate2"
 
 
 def _is_marian(tokenizer):
@@ -504,6 +522,21 @@ def _load_model(preset):
     if isinstance(preset, TransformerModel):
         return preset
     return TransformerModel.from_preset(preset, dropout=0.0)
+
+
+def is_ctranslate2_export(directory):
+    """Whether a directory is a CTranslate2 model: ours (`METADATA_FILE`) or another converter's (model and config)."""
+    directory = pathlib.Path(directory)
+    theirs = (directory / MODEL_FILE).is_file() and (directory / CT2_CONFIG_FILE).is_file()
+    return (directory / METADATA_FILE).is_file() or theirs
+
+
+def check_output(output, overwrite, preset=None, flag="overwrite=True (--overwrite)"):
+    """`utils.check_output_directory` for a CTranslate2 export: only an earlier CTranslate2 model is replaced."""
+    return check_output_directory(
+        output, overwrite, is_ctranslate2_export, "a CTranslate2 model (python -m export.ctranslate2)",
+        source=preset, flag=flag,
+    )
 
 
 def export_ctranslate2(
@@ -533,6 +566,8 @@ def export_ctranslate2(
 
     Raises:
         FileExistsError: `output` exists and `overwrite` is False.
+        ValueError: `output` is the preset's directory, or not an earlier
+            CTranslate2 model (`check_output`).
         UnsupportedModelError: the model cannot be expressed in CTranslate2.
         export.validate.ValidationError: a file or id does not match, or
             (float32) log-probabilities or greedy tokens differ from Keras'.
@@ -541,9 +576,7 @@ def export_ctranslate2(
         raise ValueError(f"quantization={quantization!r} must be one of {QUANTIZATIONS}")
     if isinstance(validation_sentences, bool) or not isinstance(validation_sentences, int) or validation_sentences < 1:
         raise ValueError(f"validation_sentences={validation_sentences!r} must be an integer >= 1")
-    output = pathlib.Path(output)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
+    output = check_output(output, overwrite, preset)
     _import_ctranslate2()
 
     model = _load_model(preset)
@@ -837,8 +870,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("export").setLevel(logging.INFO)
-    if os.path.exists(args.output) and not args.overwrite:
-        parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")
+    try:
+        check_output(args.output, args.overwrite, args.preset, flag="--overwrite")
+    except (FileExistsError, ValueError) as error:
+        parser.exit(2, f"error: {error}\n")
     try:
         export_ctranslate2(
             args.preset, args.output, quantization=args.quantization, overwrite=args.overwrite,

@@ -69,7 +69,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import pathlib
 import sys
 
@@ -84,7 +83,7 @@ from export import contract  # noqa: E402
 from export.fused_step import NotFusable, build_fused_step, fused_step_weights  # noqa: E402
 from export.graphs import graph_functions  # noqa: E402
 from export.validate import QUANTIZATIONS, validate_onnx  # noqa: E402
-from keras_transformer.utils import atomic_directory  # noqa: E402
+from keras_transformer.utils import atomic_directory, check_output_directory  # noqa: E402
 
 # Named, not __name__, so that `python -m export.onnx` logs under the same name.
 logger = logging.getLogger("export.onnx")
@@ -928,6 +927,20 @@ def _inline_weights(source, path):
     onnx.save(model_proto, str(path))
 
 
+def is_onnx_export(directory):
+    """Whether a directory is an export of `export_onnx`, of any format version (the oldest had no "format")."""
+    directory = pathlib.Path(directory)
+    oldest = (directory / contract.CONFIG_FILE).is_file() and any(directory.glob("*.onnx"))
+    return contract.is_export_of(contract.ONNX)(directory) or oldest
+
+
+def check_output(output, overwrite, preset=None, flag="overwrite=True (--overwrite)"):
+    """`utils.check_output_directory` for an ONNX export: only an earlier ONNX export is replaced."""
+    return check_output_directory(
+        output, overwrite, is_onnx_export, "an ONNX export (python -m export.onnx)", source=preset, flag=flag
+    )
+
+
 def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=False, atol=1e-4, float32_export=None):
     """Exports a TransformerModel to an ONNX Runtime directory and validates it.
 
@@ -956,6 +969,8 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
 
     Raises:
         FileExistsError: `output` exists and `overwrite` is False.
+        ValueError: `output` is the preset's directory, or not an earlier
+            ONNX export (`check_output`).
         export.validate.ValidationError: the graphs differ from the model, or
             `float32_export` is not a float32 export of it.
     """
@@ -970,9 +985,7 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
             f"float32_export={str(float32_export)!r} is only read to quantize (quantize='int8'); "
             "a float32 export is already that directory"
         )
-    output = pathlib.Path(output)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
+    output = check_output(output, overwrite, preset)
 
     model = _load_model(preset)
     try:
@@ -1041,8 +1054,10 @@ def main(argv=None):
     # Our progress at INFO; tf2onnx's and the quantizer's INFO lines are noise here.
     cli.setup_logging(args.verbose)
     logging.getLogger("export").setLevel(logging.INFO)
-    if os.path.exists(args.output) and not args.overwrite:
-        parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")
+    try:
+        check_output(args.output, args.overwrite, args.preset, flag="--overwrite")
+    except (FileExistsError, ValueError) as error:
+        parser.exit(2, f"error: {error}\n")
     try:
         export_onnx(args.preset, args.output, opset=args.opset, quantize=args.quantize, overwrite=args.overwrite,
                     float32_export=args.from_float32)

@@ -72,7 +72,7 @@ if __name__ == "__main__":  # a command: quiet the frameworks before anything im
 from export import contract  # noqa: E402
 from export.graphs import graph_functions  # noqa: E402
 from keras_transformer.decoding import check_search_args  # noqa: E402
-from keras_transformer.utils import atomic_directory  # noqa: E402
+from keras_transformer.utils import atomic_directory, check_output_directory  # noqa: E402
 
 logger = logging.getLogger("export.saved_model")
 
@@ -317,7 +317,9 @@ def export_saved_model(
 
     Raises:
         FileExistsError: `output` exists and `overwrite` is False.
-        ValueError: no tokenizer, or one that does not match the model.
+        ValueError: no tokenizer, or one that does not match the model;
+            `output` is the preset's directory, or not an earlier
+            SavedModel (`check_output`).
         RuntimeError: the Keras backend is not TensorFlow.
 
     Example:
@@ -327,9 +329,7 @@ def export_saved_model(
     ```
     """
     check_search_args(beam_size, length_penalty, max_extra_length)
-    output = pathlib.Path(output)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} already exists; pass overwrite=True (--overwrite) to replace it")
+    output = check_output(output, overwrite, preset_or_model)
     model, tokenizer = _load(preset_or_model, tokenizer)
 
     import tensorflow as tf
@@ -344,6 +344,20 @@ def export_saved_model(
         contract.write_config(staging, config)
     logger.info("Exported %s", output)
     return output
+
+
+def is_saved_model_export(directory):
+    """Whether a directory is a SavedModel: ours (config.json's format) or any (`saved_model.pb`)."""
+    directory = pathlib.Path(directory)
+    return contract.is_export_of(contract.SAVED_MODEL)(directory) or (directory / "saved_model.pb").is_file()
+
+
+def check_output(output, overwrite, preset=None, flag="overwrite=True (--overwrite)"):
+    """`utils.check_output_directory` for a SavedModel export: only an earlier SavedModel is replaced."""
+    return check_output_directory(
+        output, overwrite, is_saved_model_export, "a SavedModel (python -m export.saved_model)",
+        source=preset, flag=flag,
+    )
 
 
 def main(argv=None):
@@ -367,8 +381,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     cli.setup_logging(args.verbose)
     logging.getLogger("export").setLevel(logging.INFO)
-    if os.path.exists(args.output) and not args.overwrite:
-        parser.exit(2, f"error: {args.output} already exists; pass --overwrite to replace it\n")
+    try:
+        check_output(args.output, args.overwrite, args.preset, flag="--overwrite")
+    except (FileExistsError, ValueError) as error:
+        parser.exit(2, f"error: {error}\n")
     try:
         export_saved_model(
             args.preset,

@@ -25,7 +25,7 @@ from keras_transformer.layers.position import LearnedPositionEmbedding, Sinusoid
 from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS
 from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
 from keras_transformer.version import __version__
-from keras_transformer.utils import atomic_directory, is_integer, is_real, open_hdf5
+from keras_transformer.utils import atomic_directory, check_output_directory, is_integer, is_real, open_hdf5
 
 # `(model, E^T)` while `model.transposed_output_kernel()` is entered in this
 # thread (or task): a search traced in one thread never hands its traced
@@ -834,11 +834,12 @@ class TransformerModel(keras.Model):
                 defaults to `self.tokenizer`.
             metadata: optional JSON-serializable dict (what trained it, on
                 what, with what score).
-            overwrite: replace an existing directory.
+            overwrite: replace an earlier preset there (or an empty
+                directory); a directory of other files is refused.
         """
-        directory = pathlib.Path(directory)
-        if directory.exists() and not overwrite:
-            raise FileExistsError(f"{directory} already exists; pass overwrite=True to replace it")
+        directory = check_output_directory(
+            directory, overwrite, is_preset_directory, "a preset directory (save_to_preset)", flag="overwrite=True"
+        )
         tokenizer = tokenizer if tokenizer is not None else self.tokenizer
         with atomic_directory(directory) as staging:
             config = {
@@ -935,6 +936,12 @@ def _jsonable(config):
     if isinstance(policy, dict):
         config["dtype"] = policy.get("config", {}).get("name", None)
     return config
+
+
+def is_preset_directory(directory):
+    """Whether `directory` holds a preset (`save_to_preset`'s config.json and weights; any format version)."""
+    directory = pathlib.Path(directory)
+    return (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
 
 
 def _load_preset_directory(cls, directory, overrides):

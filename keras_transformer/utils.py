@@ -83,6 +83,54 @@ def atomic_path(path, suffix="", replace_stale=False):
         raise
 
 
+def check_output_directory(output, overwrite, is_replaceable, what, source=None, flag="overwrite=True (--overwrite)"):
+    """Refuses an `output` directory that must not be written; returns it as a `pathlib.Path`.
+
+    Nothing a user wrote is replaced but an earlier output of the same kind
+    (a preset, an export): the `source` being read (or a directory that
+    holds it) is refused in any case, an existing `output` without
+    `overwrite`, and with it a file or a directory that holds files but is
+    not such an output. The writer then replaces it atomically
+    (`atomic_directory`).
+
+    Args:
+        output: the directory to write.
+        overwrite: whether an existing `output` may be replaced.
+        is_replaceable: `pathlib.Path -> bool`, whether a directory is an
+            earlier output of this kind.
+        what: that kind, for the messages ("an ONNX export (python -m export.onnx)").
+        source: what the output is made from, when it is a path (a preset
+            or checkpoint directory); names and models are not compared.
+        flag: how the caller spells `overwrite` in the message.
+
+    Raises:
+        FileExistsError: `output` exists and `overwrite` is False.
+        ValueError: `output` is (or holds) `source`, is a file, or is a
+            directory of something else.
+    """
+    output = pathlib.Path(output)
+    if isinstance(source, (str, os.PathLike)) and pathlib.Path(source).exists():
+        source_path, target = pathlib.Path(source).resolve(), output.resolve()
+        if target == source_path or target in source_path.parents:
+            what_it_is = "is the directory of" if target == source_path else f"holds ({os.fspath(source)})"
+            raise ValueError(
+                f"{output} {what_it_is} the model being read: writing there would delete the model; "
+                "choose another output directory"
+            )
+    if not output.exists():
+        return output
+    if not output.is_dir():
+        raise ValueError(f"{output} is a file, not a directory; choose another output directory")
+    if not overwrite:
+        raise FileExistsError(f"{output} already exists; pass {flag} to replace it")
+    if any(output.iterdir()) and not is_replaceable(output):
+        raise ValueError(
+            f"{output} holds files but is not {what}, so it is not replaced (only an earlier one would be); "
+            "empty it or choose another output directory"
+        )
+    return output
+
+
 @contextlib.contextmanager
 def atomic_directory(directory):
     """Yields an empty staging directory beside `directory`; moves it into place on success.
@@ -236,6 +284,14 @@ def non_negative_int(text):
     value = _number(int, text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def port_number(text):
+    """argparse type: a TCP port, 0..65535 (0: any free port)."""
+    value = _number(int, text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0-65535 (0: any free port), got {text}")
     return value
 
 

@@ -139,3 +139,38 @@ def test_the_contract_and_the_validator_import_no_framework():
         env={**os.environ, "PYTHONPATH": str(root)},
     )
     assert result.returncode == 0, result.stderr
+
+
+# --------------------------------------------------------------------------- #
+# What an export may replace
+# --------------------------------------------------------------------------- #
+def test_is_export_of_reads_the_format_name_of_any_version(tmp_path):
+    assert not contract.is_export_of(contract.ONNX)(tmp_path)
+    (tmp_path / "config.json").write_text('{"format": "keras_transformer.onnx", "format_version": 1}')
+    assert contract.is_export_of(contract.ONNX)(tmp_path)
+    assert not contract.is_export_of(contract.SAVED_MODEL)(tmp_path)
+    (tmp_path / "config.json").write_text("[not json")
+    assert not contract.is_export_of(contract.ONNX)(tmp_path)
+
+
+@pytest.mark.parametrize("exporter", ["onnx", "ctranslate2", "saved_model"])
+def test_an_exporter_never_replaces_the_preset_or_a_directory_of_yours(exporter, tiny_preset_dir, tmp_path, capsys):
+    """`--output` the preset itself (with --overwrite) or a directory of other files: one line, exit 2, all kept."""
+    import importlib
+    import shutil
+
+    main = importlib.import_module(f"export.{exporter}").main
+    preset = tmp_path / "preset"
+    shutil.copytree(tiny_preset_dir, preset)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    files = {path: path.read_bytes() for path in sorted(tmp_path.rglob("*")) if path.is_file()}
+    for output, says in ((preset, "is the directory of the model being read: writing there would delete the model"),
+                         (mine, "holds files but is not a")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--preset", str(preset), "--output", str(output), "--overwrite"])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and says in error, error
+    assert {path: path.read_bytes() for path in sorted(tmp_path.rglob("*")) if path.is_file()} == files

@@ -72,6 +72,12 @@ def test_save_to_preset_refuses_to_overwrite(tmp_path):
         model.save_to_preset(tmp_path / "p")
     model.save_to_preset(tmp_path / "p", overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["p"]
+    # overwrite=True replaces an earlier preset only, never a directory of other files.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds files but is not a preset directory .save_to_preset., so it is not"):
+        model.save_to_preset(tmp_path / "mine", overwrite=True)
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]
 
 
 @pytest.mark.parametrize("missing", ["config.json", "model.weights.h5"])

@@ -764,6 +764,13 @@ def test_the_command_refuses_a_directory_that_is_not_an_export(tmp_path):
         capture_output=True, text=True, timeout=120, cwd=str(REPO),
     )
     assert result.returncode == 2 and "max-texts=300 must be at most max-queue=256" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "export.serve", "--model", str(tmp_path), "--port", "70000"],
+        capture_output=True, text=True, timeout=120, cwd=str(REPO),
+    )
+    assert result.returncode == 2 and "--port: must be a TCP port, 0-65535" in result.stderr
+    with pytest.raises(ValueError, match="port must be 0-65535 .0: any free port., got 70000"):
+        serve.server.bind(port=70000)  # (socket's OverflowError names no argument)
 
 
 # --------------------------------------------------------------------------- #
@@ -775,6 +782,22 @@ def exported_ct2(tmp_path_factory, preset_dir):
     from export.ctranslate2 import export_ctranslate2
 
     return export_ctranslate2(preset_dir, tmp_path_factory.mktemp("ct2") / "model")  # a few seconds
+
+
+def test_an_engine_given_another_kind_of_directory_says_what_it_is_and_what_to_do(preset_dir, exported, exported_ct2):
+    """A preset, an ONNX export, a CTranslate2 model: each engine names the directory's kind and the command."""
+    with pytest.raises(ValueError, match="is a Keras preset directory, not an ONNX export; export it first: "
+                       f"python -m export.onnx --preset {re.escape(str(preset_dir))} --output ONNX_DIR"):
+        serve.load_engine(preset_dir, "onnxruntime")
+    with pytest.raises(ValueError, match="is a CTranslate2 model .python -m export.ctranslate2., not an ONNX export; "
+                       "serve it with python -m export.serve --engine ctranslate2"):
+        serve.load_engine(exported_ct2, "onnxruntime")
+    with pytest.raises(FileNotFoundError, match="it is an ONNX export .python -m export.onnx.: serve it with the "
+                       "onnxruntime engine"):
+        serve.load_engine(exported, "ctranslate2")
+    with pytest.raises(FileNotFoundError, match="it is a Keras preset directory: export it first: "
+                       f"python -m export.ctranslate2 --preset {re.escape(str(preset_dir))} --output CT2_DIR"):
+        serve.load_engine(preset_dir, "ctranslate2")
 
 
 def test_the_ctranslate2_engine_gives_the_greedy_translations_of_onnx_runtime(exported_ct2, exported, reference):

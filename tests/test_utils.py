@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from keras_transformer.utils import atomic_path
+from keras_transformer.utils import atomic_path, check_output_directory
 
 
 def test_atomic_path_writes_with_plain_open_permissions(tmp_path):
@@ -47,3 +47,42 @@ def test_atomic_path_replace_stale_removes_what_dead_writers_left(tmp_path):
     with pytest.raises(ValueError, match="suffix='.h5': a temporary that replace_stale recognises has no suffix"):
         with atomic_path(target, suffix=".h5", replace_stale=True):
             pass
+
+
+def _refusal(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_an_output_directory_replaces_only_an_earlier_output_and_never_the_source(tmp_path):
+    preset = tmp_path / "preset"
+    preset.mkdir()
+    (preset / "config.json").write_text("{}")
+
+    def check(output, overwrite, **kwargs):
+        return check_output_directory(
+            output, overwrite, lambda directory: (directory / "marker").is_file(), "an X export", **kwargs
+        )
+
+    assert check(tmp_path / "new", False, source=str(preset)) == tmp_path / "new"
+    assert check(tmp_path / "new", False, source="tiny") == tmp_path / "new"  # a name is not a directory
+    # The model's own directory, or one that holds it, whatever the flag (the path spelt another way too).
+    for output, says in ((preset, "is the directory of"), (tmp_path / "." / "preset", "is the directory of"),
+                         (tmp_path, rf"holds \({preset}\)")):
+        for overwrite in (False, True):
+            _refusal(lambda: check(output, overwrite, source=preset), ValueError,
+                     f"{says} the model being read: writing there would delete the model")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    _refusal(lambda: check(mine, False), FileExistsError, "mine already exists; pass overwrite=True")
+    _refusal(lambda: check(mine, False, flag="--overwrite"), FileExistsError, "already exists; pass --overwrite to")
+    _refusal(lambda: check(mine, True), ValueError,
+             "holds files but is not an X export, so it is not replaced .only an earlier one would be.")
+    assert (mine / "notes.txt").read_text() == "mine"
+    (mine / "notes.txt").unlink()
+    assert check(mine, True) == mine  # empty: nothing to lose
+    (mine / "marker").write_text("")
+    assert check(mine, True) == mine  # an earlier export
+    (tmp_path / "file").write_text("mine")
+    _refusal(lambda: check(tmp_path / "file", True), ValueError, "is a file, not a directory")

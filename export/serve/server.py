@@ -22,6 +22,9 @@ def bind(host="127.0.0.1", port=8000):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+    except OverflowError:  # socket's own message names no argument
+        sock.close()
+        raise ValueError(f"port must be 0-65535 (0: any free port), got {port}") from None
     except OSError:
         sock.close()
         raise
@@ -94,7 +97,7 @@ def serve(model, engine="onnxruntime", host="127.0.0.1", port=8000, settings=Non
 
 def main(argv=None):
     from export.runtime import add_optimized_cache_arguments, optimized_cache
-    from keras_transformer.utils import non_negative_int, positive_float, positive_int
+    from keras_transformer.utils import non_negative_int, port_number, positive_float, positive_int
 
     defaults = ServerSettings()
     parser = argparse.ArgumentParser(
@@ -104,7 +107,7 @@ def main(argv=None):
     parser.add_argument("--model", required=True, help="directory written by python -m export.onnx (or export.ctranslate2)")
     parser.add_argument("--engine", choices=ENGINES, default="onnxruntime", help="default onnxruntime")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=non_negative_int, default=8000, help="default 8000; 0 picks a free port")
+    parser.add_argument("--port", type=port_number, default=8000, help="default 8000; 0 picks a free port")
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="engine intra-op threads (default: ONNX Runtime one per core, CTranslate2 1)")
     add_optimized_cache_arguments(parser)
