@@ -279,6 +279,15 @@ def average_checkpoints(paths, output=None):
     paths = [pathlib.Path(p) for p in paths]
     if not paths:
         raise ValueError("average_checkpoints needs at least one checkpoint path")
+    if output is not None and pathlib.Path(output).is_dir():
+        raise ValueError(
+            f"the output {output} is a directory; give the file to write, e.g. {output}/averaged.weights.h5"
+        )
+    if output is not None and not str(output).endswith(".weights.h5"):
+        # Keras' `load_weights` reads this layout only from a `.weights.h5` name (a plain `.h5` is its legacy format).
+        raise ValueError(
+            f"the output {output} must end in .weights.h5 (the name model.load_weights reads this layout from)"
+        )
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"No such checkpoint: {path}")

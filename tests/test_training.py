@@ -87,6 +87,22 @@ def test_average_checkpoints_cli(tmp_path):
         cli.main([str(tmp_path), "--output", str(tmp_path / "avg.weights.h5")])
 
 
+def test_average_checkpoints_names_a_bad_output_before_reading(tmp_path, capsys):
+    from keras_transformer import average as cli
+
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match=r"out is a directory; give the file to write, e\.g\. .*out/averaged\.weights\.h5"):
+        training.average_checkpoints([tmp_path / "missing.weights.h5"], tmp_path / "out")
+    with pytest.raises(ValueError, match=r"avg\.h5 must end in \.weights\.h5"):
+        training.average_checkpoints([tmp_path / "missing.weights.h5"], tmp_path / "avg.h5")
+    tiny_model().save_weights(str(tmp_path / "a.weights.h5"))
+    with pytest.raises(SystemExit):
+        cli.main([str(tmp_path / "a.weights.h5"), "--output", str(tmp_path / "out"), "--overwrite"])
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "is a directory; give the file to write" in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.weights.h5", "out"]
+
+
 def test_average_checkpoints_rejects_different_models(tmp_path):
     tiny_model().save_weights(str(tmp_path / "a.weights.h5"))
     tiny_model(hidden_dim=8).save_weights(str(tmp_path / "b.weights.h5"))
