@@ -34,7 +34,7 @@ from keras_transformer import data as data_lib
 from keras_transformer import datasets
 from keras_transformer.convert import hf_model_type, is_hf_handle
 from keras_transformer.losses import LabelSmoothedCrossEntropy
-from keras_transformer.model import TransformerModel
+from keras_transformer.model import TransformerModel, is_preset_directory
 from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS
 from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
@@ -426,8 +426,12 @@ def _write_state(path, state):
 
 
 def _is_training_output(directory):
-    """True for a directory written by `run_training` (or `save_to_preset`)."""
-    return (directory / "config.json").is_file() or (directory / TRAINING_DIR / STATE_FILE).is_file()
+    """True for a directory written by `run_training` (or `save_to_preset`).
+
+    A config.json alone is not enough: an ONNX export and a Hugging Face
+    checkpoint directory hold one too.
+    """
+    return is_preset_directory(directory) or (directory / TRAINING_DIR / STATE_FILE).is_file()
 
 
 def _is_empty(directory):
@@ -458,8 +462,9 @@ def _choose_work_root(output_dir, overwrite):
     if not _is_training_output(output_dir):
         what = "refusing to delete it" if overwrite else "not resumable"
         raise OutputDirectoryError(
-            f"{output_dir} holds files but no config.json or {TRAINING_DIR}/{STATE_FILE}, so it was not written "
-            f"by this trainer ({what}); empty it or choose another --output"
+            f"{output_dir} holds files but no preset (config.json and model.weights.h5) or "
+            f"{TRAINING_DIR}/{STATE_FILE}, so it was not written by this trainer ({what}); empty it or choose "
+            "another --output"
         )
     if overwrite:
         # The existing run or preset stays until the new one is complete.

@@ -197,14 +197,21 @@ def test_overwrite_with_a_bad_argument_keeps_the_old_directory(tmp_path, argumen
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_directory_that_is_not_ours_is_never_deleted(tmp_path, overwrite):
+@pytest.mark.parametrize("files", [
+    ("thesis.tex",),
+    ("config.json", "model.safetensors"),  # a Hugging Face checkpoint directory
+    ("config.json", "weights.bin", "encoder.onnx"),  # an ONNX export
+])
+def test_a_directory_that_is_not_ours_is_never_deleted(tmp_path, overwrite, files):
     src, tgt = _small_corpus(tmp_path)
     output = tmp_path / "documents"
     output.mkdir()
-    (output / "thesis.tex").write_text("keep me")
-    with pytest.raises(training.OutputDirectoryError, match="not written by this trainer"):
+    for name in files:
+        (output / name).write_text("keep me")
+    with pytest.raises(training.OutputDirectoryError, match="holds files but no preset .config.json and "
+                       r"model.weights.h5. or training/state.json, so it was not written by this trainer"):
         training.run_training(output, preset="tiny", train_src=src, train_tgt=tgt, overwrite=overwrite)
-    assert _snapshot(output) == {"thesis.tex": hashlib.sha1(b"keep me").hexdigest()}
+    assert _snapshot(output) == {name: hashlib.sha1(b"keep me").hexdigest() for name in files}
 
 
 def test_a_truncated_state_is_named_and_kept(tmp_path):
