@@ -694,7 +694,13 @@ def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=No
 
 def _texts(texts, name):
     """`texts` as a list of str (a single str is a list of one); TypeError naming the first that is not."""
-    texts = [texts] if isinstance(texts, str) else list(texts)
+    if isinstance(texts, str):
+        texts = [texts]
+    else:
+        try:
+            texts = list(texts)
+        except TypeError:
+            raise TypeError(f"{name} must be a str or a list of str, received {type(texts).__name__}") from None
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise TypeError(f"{name}[{i}] must be a str, received {type(text).__name__}: {text!r}")

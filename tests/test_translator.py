@@ -107,6 +107,8 @@ def test_translator_errors(model, tokenizer):
         translator.translate(["a"], batch_size=0)
     with pytest.raises(TypeError, match=r"texts\[1\] must be a str, received int"):
         translator.translate(["a", 5])
+    with pytest.raises(TypeError, match="texts must be a str or a list of str, received NoneType"):
+        translator.translate(None)
     with pytest.raises(ValueError, match="beam_size=0"):
         translator.translate(["Nobody sees it!"], beam_size=0)
 
