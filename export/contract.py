@@ -317,6 +317,9 @@ TEXT_GRAPH = Graph(
 )
 
 # An ONNX export: graph name -> Graph; the file is `{name}.onnx` (config.json `graphs`).
+# 9: a row that `patience` stopped keeps its hypotheses in beam_update, beam_hypotheses and beam_search (format
+#    8's whole-search graphs let a later ended extension replace them while its batch ran on: answers
+#    depended on the batch);
 # 8: `ended_to_stop` without a patience is `decoding.NO_PATIENCE` (was 0), the update graph's count a
 #    running sum (a format-7 reader would feed 0 to these graphs: every row would stop at its first hypotheses);
 # 7: beam search's `patience` (`ended_to_stop` input of beam_update and beam_hypotheses, `ended` state);
@@ -328,7 +331,7 @@ TEXT_GRAPH = Graph(
 # 2: caches heads first, [B, L, N, T, H] (1 had [B, L, T, N, H]).
 ONNX = Format(
     "keras_transformer.onnx",
-    8,
+    9,
     {
         "encoder": ENCODE, "init_cache": INIT_CACHE, "decoder_step": DECODE_STEP,
         "greedy_search": GREEDY_SEARCH, "beam_search": BEAM_SEARCH,

@@ -79,7 +79,7 @@ def test_export_writes_a_self_contained_directory(exported, preset_dir):
     )
     assert (exported / "tokenizer.model").read_bytes() == (preset_dir / "tokenizer.model").read_bytes()
     config = json.loads((exported / "config.json").read_text())
-    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 8)
+    assert (config["format"], config["format_version"]) == ("keras_transformer.onnx", 9)
     assert config["opset"] == onnx_export.DEFAULT_OPSET == 17
     assert config["quantization"] is None
     assert (config["pad_id"], config["unk_id"], config["start_id"], config["end_id"]) == (0, 1, 2, 3)
@@ -714,12 +714,12 @@ def test_scoring_the_greedy_graphs_output_gives_its_own_log_probability(onnx_mod
 # --------------------------------------------------------------------------- #
 # n-best, target prefixes and sampling: the same numbers as Keras
 # --------------------------------------------------------------------------- #
-def test_an_export_of_format_7_is_refused_with_export_again(exported, tmp_path):
+def test_an_export_of_format_8_is_refused_with_export_again(exported, tmp_path):
     copy = copy_of(exported, tmp_path)
     config = json.loads((copy / "config.json").read_text())
-    config["format_version"] = 7
+    config["format_version"] = 8
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="version 7; this version of export.runtime reads .* version 8. Export the"):
+    with pytest.raises(ValueError, match="version 8; this version of export.runtime reads .* version 9. Export the"):
         OnnxTranslator(copy)
 
 

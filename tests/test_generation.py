@@ -329,6 +329,25 @@ def test_toy_patience_stops_once_enough_hypotheses_ended(patience, calls):
     assert scores[0] == pytest.approx(math.log(0.3), abs=1e-6)
 
 
+def test_toy_a_row_patience_stopped_keeps_its_hypotheses_while_its_batch_runs_on():
+    """A row stopped by `patience` in a batch that runs on (a longer row beside it) answers as alone.
+
+    Row 0 stops after step 1 ("end", log 0.3: one extension ended). Row 1's target prefix keeps the batch
+    going, and row 0's beams with it: by step 3 they find "a b end" (score -1.192), which would beat
+    "end" (-1.204) if the stopped row's hypotheses were not kept as they were when it stopped.
+    """
+    from keras_transformer.generation import generate_hypotheses
+
+    arguments = dict(beam_size=2, num_hypotheses=1, length_penalty=0.6, max_extra_length=6, patience=0.5)
+    src = np.array([[A, END], [A, END]], "int32")
+    alone = generate_hypotheses(ToyScorer(), src[:1], **arguments)
+    np.testing.assert_array_equal(alone.sequences[0, 0, :2], [START, END])
+    together = generate_hypotheses(ToyScorer(), src, target_prefix=[None, [B, A, A]], **arguments)
+    np.testing.assert_array_equal(together.sequences[0, 0, :2], [START, END])
+    np.testing.assert_allclose(together.scores[0], alone.scores[0], atol=1e-6)
+    np.testing.assert_array_equal(together.sequences[1, 0, 1:4], [B, A, A])  # the prefix row ran on
+
+
 def test_toy_large_patience_is_the_exact_search():
     src = np.array([[A, END]], "int32")
     exact, patient = ToyScorer(), ToyScorer()

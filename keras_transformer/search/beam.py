@@ -124,18 +124,40 @@ def update(model, state, logits, max_lengths, alpha):
     all_log_probs = ops.concatenate([state["finished_log_probs"], top_log_probs], axis=1)  # [B, 3K]
     finished_scores, finished_choice = ops.top_k(all_scores, beam_size)  # [B, K]
     finished_choice = _flat_beam_indices(finished_choice, 3 * beam_size, batch)
+    finished_sequences = _take_beams(all_sequences, finished_choice, (length,))  # [B, K, L]
+    finished_log_probs = _take_beams(all_log_probs, finished_choice, ())  # [B, K]
+
+    # A row that `patience` stopped keeps the hypotheses it stopped with. In a batch it runs on with the
+    # others (the lockstep drivers), and a later ended extension could still enter its n best: its answer
+    # would depend on its batch. (A row the exact rule stopped needs no guard: its n best cannot change.)
+    stopped = _stopped_by_patience(state)  # [B], before this step
+    finished_scores = ops.where(ops.expand_dims(stopped, 1), state["finished_scores"], finished_scores)
+    finished_log_probs = ops.where(ops.expand_dims(stopped, 1), state["finished_log_probs"], finished_log_probs)
+    finished_sequences = ops.where(
+        ops.expand_dims(stopped, (1, 2)), state["finished_sequences"], finished_sequences
+    )
 
     state = dict(
         state,
         index=index + 1,
         live_sequences=live_sequences,
         live_log_probs=live_log_probs,
-        finished_sequences=_take_beams(all_sequences, finished_choice, (length,)),
+        finished_sequences=finished_sequences,
         finished_scores=finished_scores,
-        finished_log_probs=_take_beams(all_log_probs, finished_choice, ()),
+        finished_log_probs=finished_log_probs,
         ended=ended,
     )
     return state, parents
+
+
+def _nth_finished(state):
+    """`[B]`: each row's n-th best finished score (n = `num_hypotheses`; -inf while it has fewer)."""
+    return ops.take(state["finished_scores"], state["num_hypotheses"] - 1, axis=1)
+
+
+def _stopped_by_patience(state):
+    """Bool `[B]`: rows `patience` has stopped: enough extensions ended, and n finished hypotheses held."""
+    return ops.logical_and(state["ended"] >= state["ended_to_stop"], _nth_finished(state) > NEG_INF)
 
 
 def rows_done(state, max_lengths, alpha):
@@ -154,14 +176,13 @@ def rows_done(state, max_lengths, alpha):
     many extensions have ended among its K best of a step, counted over
     the steps (CTranslate2's rule, and fairseq's for `patience=1`), and it
     holds its n finished hypotheses: fewer steps, and a later, better
-    hypothesis may be missed.
+    hypothesis may be missed. `update` keeps such a row's hypotheses as
+    they are from then on, so that it answers the same in any batch.
     """
     # Beams are sorted best first (top_k), so column 0 is each row's best.
     best_live_bound = state["live_log_probs"][:, 0] / length_penalty_factor(max_lengths, alpha)  # [B]
-    nth_finished = ops.take(state["finished_scores"], state["num_hypotheses"] - 1, axis=1)  # [B]
-    exact = ops.greater_equal(nth_finished, best_live_bound)
-    patient = ops.logical_and(state["ended"] >= state["ended_to_stop"], nth_finished > NEG_INF)
-    return ops.logical_or(exact, patient)
+    exact = ops.greater_equal(_nth_finished(state), best_live_bound)
+    return ops.logical_or(exact, _stopped_by_patience(state))
 
 
 def keep_going(state, max_lengths, alpha, length):
