@@ -494,15 +494,11 @@ def read_metadata(directory):
 
 def _what_it_is(directory):
     """What to do with a directory that is not a CTranslate2 export of ours (ONNX export, preset, other)."""
-    directory = pathlib.Path(directory)
-    try:
-        config = json.loads((directory / CT2_CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = None
-    config = config if isinstance(config, dict) else {}
-    if config.get("format") == contract.ONNX.name:
+    from keras_transformer.presets import is_preset_directory
+
+    if contract.is_export_of(contract.ONNX)(directory):
         return "it is an ONNX export (python -m export.onnx): serve it with the onnxruntime engine (the default)"
-    if config.get("class_name") == "TransformerModel":  # `TransformerModel.save_to_preset`'s config
+    if is_preset_directory(directory):
         return (
             f"it is a Keras preset directory: export it first: "
             f"python -m export.ctranslate2 --preset {directory} --output CT2_DIR"

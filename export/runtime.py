@@ -120,14 +120,15 @@ def read_config(directory):
     kind, version = config.get("format"), config.get("format_version")
     name, expected = contract.ONNX.name, contract.ONNX.version
     if kind is None:  # a directory of another kind has a config.json too: say which and what to do
-        if config.get("class_name") == "TransformerModel":  # `TransformerModel.save_to_preset`'s config
+        from export.ctranslate2 import is_ctranslate2_export
+        from keras_transformer.presets import is_preset_directory
+
+        if is_preset_directory(directory):
             raise ValueError(
                 f"{directory} is a Keras preset directory, not an ONNX export; export it first: "
                 f"python -m export.onnx --preset {directory} --output ONNX_DIR"
             )
-        from export.ctranslate2 import MODEL_FILE as CT2_MODEL_FILE
-
-        if (directory / CT2_MODEL_FILE).is_file():
+        if is_ctranslate2_export(directory):
             raise ValueError(
                 f"{directory} is a CTranslate2 model (python -m export.ctranslate2), not an ONNX export; serve it "
                 f"with python -m export.serve --engine ctranslate2 --model {directory}, or ctranslate2.Translator"

@@ -22,7 +22,9 @@ from keras_transformer.layers.arguments import check_layer_args, check_positive_
 from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
-from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS
+from keras_transformer.presets import (
+    CONFIG_FILE, METADATA_FILE, PRESETS, PRETRAINED_PRESETS, WEIGHTS_FILE, is_preset_directory,
+)
 from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
 from keras_transformer.version import __version__
 from keras_transformer.utils import atomic_directory, check_output_directory, is_integer, is_real, open_hdf5
@@ -32,9 +34,6 @@ from keras_transformer.utils import atomic_directory, check_output_directory, is
 # tensor to another thread's call of the same model.
 _OUTPUT_KERNEL = contextvars.ContextVar("keras_transformer_output_kernel", default=None)
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.weights.h5"
-METADATA_FILE = "metadata.json"
 TOKENIZER_FILE = "tokenizer.model"
 # Format 2: `value_dim=None` means hidden_dim // num_heads and `attention_window`
 # is the window's width r (see `upgrade_preset_config` for format 1).
@@ -936,12 +935,6 @@ def _jsonable(config):
     if isinstance(policy, dict):
         config["dtype"] = policy.get("config", {}).get("name", None)
     return config
-
-
-def is_preset_directory(directory):
-    """Whether `directory` holds a preset (`save_to_preset`'s config.json and weights; any format version)."""
-    directory = pathlib.Path(directory)
-    return (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
 
 
 def _load_preset_directory(cls, directory, overrides):

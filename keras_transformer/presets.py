@@ -1,4 +1,4 @@
-"""Built-in presets: data, not code.
+"""Built-in presets: data, not code; and a preset directory's files (`is_preset_directory`).
 
 `PRESETS` are architectures (random weights). Each entry: `config`
 (TransformerModel arguments), `description`, the paper's reference, and
@@ -13,7 +13,24 @@ Paper: Vaswani et al., "Attention Is All You Need",
 NeurIPS 2017, arXiv:1706.03762; Table 3 lists base and big.
 """
 
+import pathlib
+
 PAPER = "Vaswani et al. 2017, arXiv:1706.03762"
+
+# A preset directory (`TransformerModel.save_to_preset`): the model's config, its weights, what made it.
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.weights.h5"
+METADATA_FILE = "metadata.json"
+
+
+def is_preset_directory(directory):
+    """Whether `directory` holds a preset: its config.json and weights (any format version).
+
+    Framework-free: the ONNX Runtime server names a preset given where an
+    export is expected.
+    """
+    directory = pathlib.Path(directory)
+    return (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
 
 PRESETS = {
     "base": {

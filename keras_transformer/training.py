@@ -34,8 +34,8 @@ from keras_transformer import data as data_lib
 from keras_transformer import datasets
 from keras_transformer.convert import hf_model_type, is_hf_handle
 from keras_transformer.losses import LabelSmoothedCrossEntropy
-from keras_transformer.model import TransformerModel, is_preset_directory
-from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS
+from keras_transformer.model import TransformerModel
+from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS, is_preset_directory
 from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
 from keras_transformer.tokenizer import load_tokenizer, train_tokenizer
