@@ -210,6 +210,14 @@ def _training_error(error, vocabulary_size):
             f"build at most {limit} pieces from it. Use a vocabulary of at most {limit} "
             "(--vocabulary-size) or train on more text."
         )
+    too_small = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)\.", message)
+    if too_small:
+        # character_coverage=1.0: every character of the corpus (and each special id) needs its own piece.
+        needed = int(too_small.group(2))
+        return ValueError(
+            f"vocabulary_size={vocabulary_size} is too small for this corpus: its distinct characters and "
+            f"the special ids need {needed} pieces. Use a vocabulary of at least {needed} (--vocabulary-size)."
+        )
     if "sentences_.empty()" in message:
         return ValueError("No sentence to train the vocabulary on: the corpus is empty or has only blank lines")
     return RuntimeError(f"SentencePiece could not train a vocabulary of {vocabulary_size} pieces: {message.strip()}")

@@ -157,8 +157,9 @@ def test_tokenizer_training_reports_the_reading_error_not_sentencepiece(tmp_path
     [
         (["a b c", "hello world"] * 5, 500, r"vocabulary_size=500 is too large for this corpus: .* at most \d+ pieces"),
         ([" ", ""], 20, "No sentence to train the vocabulary on"),
+        (["a b c", "hello world"] * 5, 6, r"vocabulary_size=6 is too small for this corpus: .* at least 15 \(--vocab"),
     ],
-    ids=["vocabulary_too_large", "no_sentences"],
+    ids=["vocabulary_too_large", "no_sentences", "vocabulary_too_small"],
 )
 def test_sentencepiece_internal_errors_become_advice(sentences, vocabulary_size, match):
     with pytest.raises(ValueError, match=match):
@@ -467,6 +468,7 @@ CLI_CASES = {
     "train_src_missing": r"No such file: .*missing\.en",
     "train_truncated_state": r"state\.json is (damaged|not readable JSON) .* pass --overwrite",
     "train_vocabulary_too_large": r"vocabulary_size=5000 is too large for this corpus.*--vocabulary-size",
+    "train_vocabulary_too_small": r"vocabulary_size=5 is too small for this corpus.*--vocabulary-size",
 }
 
 
@@ -506,6 +508,9 @@ def test_cli_user_errors_are_one_line_and_exit_2(case, translating_preset, tmp_p
         "train_vocabulary_too_large": lambda: train_main(["--output", str(tmp_path / "run"), "--preset", "tiny",
                                                           "--train-src", good, "--train-tgt", good,
                                                           "--vocabulary-size", "5000"]),
+        "train_vocabulary_too_small": lambda: train_main(["--output", str(tmp_path / "run"), "--preset", "tiny",
+                                                          "--train-src", good, "--train-tgt", good,
+                                                          "--vocabulary-size", "5"]),
     }.get(case, lambda: translate_main(["--preset", preset]))
     line = _one_line_error(capsys, run)
     assert re.search(CLI_CASES[case], line), line
