@@ -522,8 +522,8 @@ def _remove_partial_files(work):
 # The arguments of a run, checked once.
 # ---------------------------------------------------------------------- #
 DEFAULT_PRESET = "small"  # the architecture of a run that names neither preset nor init_from
-# The integer arguments (checked in this order; `seed` may be 0, the others
-# are >= 1) and those of them that may be None.
+# The integer arguments (checked in this order; `seed` may be 0, `max_length`
+# is >= 3, the others are >= 1) and those of them that may be None.
 _INTEGERS = ("vocabulary_size", "tokens_per_batch", "max_length", "warmup_steps", "gradient_accumulation_steps",
              "checkpoint_every", "keep_checkpoints", "average_last", "bleu_beam_size", "seed",
              "tokenizer_max_sentences", "steps", "epochs")
@@ -634,7 +634,8 @@ def _check_config(config):
         value = getattr(config, name)
         if value is None and name in _OPTIONAL_INTEGERS:
             continue
-        minimum = 0 if name == "seed" else 1
+        # A kept pair has a target of start + at least one token + end (`data.encode_pairs`).
+        minimum = {"seed": 0, "max_length": 3}.get(name, 1)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
             raise BadArgumentError(f"{name}={value!r} must be an integer >= {minimum}")
     scale, minutes, smoothing = config.learning_rate_scale, config.checkpoint_every_minutes, config.label_smoothing

@@ -343,6 +343,8 @@ def test_a_config_is_checked_when_it_is_made_and_changed(tmp_path):
 
     with pytest.raises(training.BadArgumentError, match=r"^keep_checkpoints=0 must be an integer >= 1$"):
         training.TrainingConfig(keep_checkpoints=0)
+    with pytest.raises(training.BadArgumentError, match=r"^max_length=2 must be an integer >= 3$"):
+        training.TrainingConfig(max_length=2)
     config = training.TrainingConfig(preset="tiny", steps=10)
     with pytest.raises(training.BadArgumentError, match="Pass steps or epochs, not both"):
         dataclasses.replace(config, epochs=2)
