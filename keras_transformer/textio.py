@@ -25,6 +25,7 @@ sources = read_lines("newstest2014.en")   # or "train.en.gz"; None or "-" reads 
 
 import codecs
 import gzip
+import io
 import os
 import sys
 import zlib
@@ -227,7 +228,8 @@ def write_lines(path, lines, overwrite=False):
     to the same path.
 
     Args:
-        path: output file.
+        path: output file; a name ending in `.gz` is written gzip-compressed
+            (what `iter_lines` reads back).
         lines: iterable of str, one per line (without its line end).
         overwrite: bool, replace an existing file.
 
@@ -241,12 +243,16 @@ def write_lines(path, lines, overwrite=False):
     if os.path.exists(path) and not overwrite:
         raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
     count = 0
-    with atomic_path(path, replace_stale=True) as temporary, open(
-        temporary, "w", encoding="utf-8", newline="\n"
-    ) as f:
+    with atomic_path(path, replace_stale=True) as temporary, open(temporary, "wb") as raw:
+        # A `.gz` name is written gzip-compressed, as `iter_lines` reads it (no name or time in the header).
+        packed = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if path.endswith(".gz") else None
+        sink = io.BufferedWriter(packed) if packed is not None else raw
         for line in lines:
-            f.write(line + "\n")
+            sink.write((line + "\n").encode("utf-8"))
             count += 1
-        f.flush()
-        os.fsync(f.fileno())
+        sink.flush()
+        if packed is not None:
+            packed.close()  # writes gzip's trailer; `raw` stays open
+        raw.flush()
+        os.fsync(raw.fileno())
     return count

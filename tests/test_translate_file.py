@@ -143,6 +143,18 @@ def test_translate_file_writes_every_window_in_input_order(tokenizer, tmp_path, 
     assert "Translating" in err and "sentences/s" in err and f"{len(LINES)}/{len(LINES)}" in err
 
 
+def test_translate_file_compresses_a_gz_output_that_reads_back(tokenizer, tmp_path):
+    translator = Translator(RecordingCopy(tokenizer.vocabulary_size), tokenizer)
+    src, out = _write(tmp_path / "in.en", LINES), tmp_path / "out.de.gz"
+    assert translator.translate_file(src, out, window=8) == len(LINES)
+    expected = translator.translate(LINES)
+    with gzip.open(out, "rt", encoding="utf-8", newline="\n") as f:  # gzip data, not text under a .gz name
+        assert f.read() == "".join(line + "\n" for line in expected)
+    assert read_lines(out) == expected
+    # The package's own reader takes it back as input: a .gz output is a .gz input.
+    assert translator.translate_file(out, tmp_path / "again.de") == len(LINES)
+
+
 @pytest.mark.parametrize(
     "case, error, match",
     [
