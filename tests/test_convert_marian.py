@@ -240,6 +240,18 @@ def test_hf_handle_without_safetensors_names_the_repository_to_convert(marian_ra
     assert str(snapshot) not in message and str(offline_hub) not in message
 
 
+def test_a_directory_named_as_a_pretrained_preset_is_loaded_as_one_named_as_an_architecture(
+        imported_random, offline_hub, tmp_path, monkeypatch):
+    """`--preset opus_mt_en_de` in a folder holding a run of that name reads the run, as `--preset tiny` does."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("opus_mt_en_de", "tiny"):
+        imported_random.save_to_preset(tmp_path / name)
+        loaded = kt.TransformerModel.from_preset(name)
+        assert loaded.vocabulary_size == imported_random.vocabulary_size and loaded.tokenizer is not None
+    with pytest.raises(CheckpointError, match="hf://Helsinki-NLP/opus-mt-de-en is not in the Hugging Face cache"):
+        kt.TransformerModel.from_preset("opus_mt_de_en")  # no such directory: the named checkpoint
+
+
 # ---------------------------------------------------------------------- #
 # What is refused, in one line naming the field
 # ---------------------------------------------------------------------- #
