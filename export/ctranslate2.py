@@ -598,8 +598,10 @@ def export_ctranslate2(
 def _validation_sources(model, count, seed=0):
     """`(texts or None, piece ids without the end id)` of `count` sources.
 
-    With a tokenizer: sentences spread evenly over the bundled test split;
-    without: random ordinary ids (`[FIRST_ORDINARY_ID, V)`) of lengths 1-24.
+    With a tokenizer: sentences spread evenly over the bundled test split
+    (for a multilingual Marian vocabulary, each led by one of its `>>xx<<`
+    target-language codes in turn, as its tokenizer requires); without:
+    random ordinary ids (`[FIRST_ORDINARY_ID, V)`) of lengths 1-24.
     """
     limit = model.max_sequence_length - 1  # room for the end id
     if model.tokenizer is not None:
@@ -608,6 +610,9 @@ def _validation_sources(model, count, seed=0):
         english, _ = load_bundled("test")
         picks = np.linspace(0, len(english) - 1, min(count, len(english))).round().astype(int)
         texts = [english[i] for i in picks]
+        codes = getattr(model.tokenizer, "language_codes", None)
+        if codes:
+            texts = [f"{codes[i % len(codes)]} {text}" for i, text in enumerate(texts)]
         ids = [row[:limit] for row in model.tokenizer.encode(texts, add_end=False)]
         return texts, ids
     rng = np.random.default_rng(seed)

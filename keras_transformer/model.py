@@ -807,7 +807,8 @@ class TransformerModel(keras.Model):
         unknown = sorted(set(overrides) - allowed)
         if unknown:
             raise ValueError(f"Unknown TransformerModel argument(s) {unknown}; allowed: {sorted(allowed)}")
-        if isinstance(preset, str) and preset in PRETRAINED_PRESETS:
+        # A directory of that name wins, as it does over an architecture's name (below).
+        if isinstance(preset, str) and preset in PRETRAINED_PRESETS and not os.path.isdir(preset):
             preset = PRETRAINED_PRESETS[preset]["handle"]
         checkpoint = convert.checkpoint_directory(preset)
         if checkpoint is not None:

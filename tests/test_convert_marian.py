@@ -225,6 +225,33 @@ def test_hf_handle_resolves_offline_from_the_cache(marian_trained, offline_hub):
         kt.TransformerModel.from_preset("hf://just-a-name")
 
 
+def test_hf_handle_without_safetensors_names_the_repository_to_convert(marian_random, offline_hub, tmp_path):
+    """Only safetensors are fetched: the message converts from the repository, not in the Hugging Face cache."""
+    checkpoint = tmp_path / "pickle-only"
+    shutil.copytree(marian_random, checkpoint)
+    (checkpoint / "model.safetensors").unlink()
+    snapshot = populate_hub_cache(offline_hub, "Helsinki-NLP/opus-mt-xx-zz", checkpoint)
+    with pytest.raises(CheckpointError) as error:
+        kt.TransformerModel.from_preset("hf://Helsinki-NLP/opus-mt-xx-zz")
+    message = str(error.value)
+    assert message.startswith("hf://Helsinki-NLP/opus-mt-xx-zz has no model.safetensors at revision main")
+    assert "M.from_pretrained('Helsinki-NLP/opus-mt-xx-zz').save_pretrained('opus-mt-xx-zz')" in message
+    assert "T.from_pretrained('Helsinki-NLP/opus-mt-xx-zz')" in message and "\n" not in message
+    assert str(snapshot) not in message and str(offline_hub) not in message
+
+
+def test_a_directory_named_as_a_pretrained_preset_is_loaded_as_one_named_as_an_architecture(
+        imported_random, offline_hub, tmp_path, monkeypatch):
+    """`--preset opus_mt_en_de` in a folder holding a run of that name reads the run, as `--preset tiny` does."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("opus_mt_en_de", "tiny"):
+        imported_random.save_to_preset(tmp_path / name)
+        loaded = kt.TransformerModel.from_preset(name)
+        assert loaded.vocabulary_size == imported_random.vocabulary_size and loaded.tokenizer is not None
+    with pytest.raises(CheckpointError, match="hf://Helsinki-NLP/opus-mt-de-en is not in the Hugging Face cache"):
+        kt.TransformerModel.from_preset("opus_mt_de_en")  # no such directory: the named checkpoint
+
+
 # ---------------------------------------------------------------------- #
 # What is refused, in one line naming the field
 # ---------------------------------------------------------------------- #

@@ -317,6 +317,18 @@ def test_ctranslate2_beam_search_agrees_where_the_searches_do(ct2_dir, model):
     assert report["largest_log_prob_difference"] < 1e-4
 
 
+def test_ctranslate2_exports_a_multilingual_vocabulary(marian_trained, tokenizer, tmp_path):
+    """The validation sentences start with the vocabulary's codes, which its tokenizer requires."""
+    model = kt.TransformerModel.from_preset(marian_trained, dropout=0.0)
+    model.tokenizer = multilingual(tokenizer)
+    output = ct2_export.export_ctranslate2(model, tmp_path / "multilingual", validation_sentences=4)
+    validation = ct2_export.read_metadata(output)["validation"]
+    assert validation["identical"] == validation["sentences"] == 4 and validation["exact"]
+    texts, ids = ct2_export._validation_sources(model, 4)
+    assert [text.split()[0] for text in texts] == [">>de<<", ">>fr<<", ">>de<<", ">>fr<<"]
+    assert [row[0] for row in ids] == [model.tokenizer.id_of(">>de<<"), model.tokenizer.id_of(">>fr<<")] * 2
+
+
 def test_ctranslate2_maps_gelu_and_the_halves_layout_exactly(tmp_path):
     """The other imported options on a small random model (no tokenizer: random ids), validated at export."""
     from conftest import tiny_model

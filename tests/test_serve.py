@@ -578,6 +578,35 @@ def test_a_model_that_fails_its_warm_up_is_never_ready():
         assert client.get("/health").status_code == 200
 
 
+def test_a_multilingual_model_warms_up_with_a_target_language_code():
+    """A multilingual Marian tokenizer refuses a text without its `>>xx<<` code: the warm-up sentence has one."""
+    from starlette.testclient import TestClient
+
+    class Multilingual(GatedEngine):
+        tokenizer = types.SimpleNamespace(language_codes=[">>deu<<", ">>fra<<"])
+
+        def count_tokens(self, texts):
+            for i, text in enumerate(texts):
+                if not text.startswith(">>"):
+                    raise ValueError(f"texts[{i}] does not start with a target-language token")
+            return super().count_tokens(texts)
+
+        def translate(self, texts, options):
+            self.count_tokens(texts)
+            return super().translate(texts, options)
+
+    engine, fatal = Multilingual(), threading.Event()
+    with TestClient(serve.create_app(engine, on_fatal=fatal.set)) as client:
+        while client.get("/ready").status_code != 200:
+            assert not fatal.wait(0.05), client.get("/ready").json()
+        assert engine.batches[0] == [">>deu<< " + serve.app.WARM_UP_TEXT]
+        assert client.post("/v1/translate", json={"text": [">>fra<< a"]}).json() == {"translations": [">>FRA<< A"]}
+        # A text without a code is this request's error (400, the tokenizer's line), not an internal one.
+        response = client.post("/v1/translate", json={"text": [">>fra<< a", "b"]})
+        assert response.status_code == 400
+        assert response.json() == {"error": "texts[1] does not start with a target-language token"}
+
+
 def test_settings_are_checked_with_their_values():
     with pytest.raises(ValueError, match=r"max_batch_tokens=0 must be an integer >= 1"):
         serve.ServerSettings(max_batch_tokens=0)

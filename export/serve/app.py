@@ -42,6 +42,12 @@ _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a num
                bool: "a boolean", type(None): "null"}
 
 
+def warm_up_text(engine):
+    """`WARM_UP_TEXT`, led by a target-language code where the engine's tokenizer requires one (multilingual Marian)."""
+    codes = getattr(getattr(engine, "tokenizer", None), "language_codes", None)
+    return f"{codes[0]} {WARM_UP_TEXT}" if codes else WARM_UP_TEXT
+
+
 def _json_type(value):
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
@@ -208,7 +214,7 @@ class Service:
                     beam_size, float(self.settings.length_penalty), self.settings.max_extra_length,
                     self.settings.patience,
                 )
-                await self._loop.run_in_executor(self._executor, self.engine.translate, [WARM_UP_TEXT], options)
+                await self._loop.run_in_executor(self._executor, self.engine.translate, [warm_up_text(self.engine)], options)
         except Exception as error:  # noqa: BLE001 - reported, and the server stops
             self.failure = f"the model failed to translate a warm-up sentence: {type(error).__name__}: {error}"
             logger.exception("The model failed to translate a warm-up sentence")
@@ -294,9 +300,11 @@ class Service:
                     self.engine.check_target_prefix(texts, target_prefix)
                 except (ValueError, TypeError) as error:
                     raise RequestError(400, str(error), "bad_request") from None
-            tokens = [
-                count if text.strip() else 0 for text, count in zip(texts, self.engine.count_tokens(texts))
-            ]
+            try:  # the tokenizer refuses a text (a multilingual model's text without its >>xx<< code)
+                counts = self.engine.count_tokens(texts)
+            except ValueError as error:
+                raise RequestError(400, str(error), "bad_request") from None
+            tokens = [count if text.strip() else 0 for text, count in zip(texts, counts)]
             try:
                 job = self.batcher.submit(texts, tokens, options, target_prefix)
             except QueueFull as error:

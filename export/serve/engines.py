@@ -2,7 +2,9 @@
 
 An engine is any object with `count_tokens(texts) -> list of int` and
 `translate(texts, options) -> list of str` (`options`: a `SearchOptions`);
-`name` and `directory` are shown in logs and `/ready`. An engine that
+`name` and `directory` are shown in logs and `/ready`; `tokenizer`, where
+an engine has one, leads the warm-up sentence with a target-language code
+when its vocabulary has them (a multilingual Marian model). An engine that
 serves more of a request's fields lists them in `features` (of
 `FEATURES`) and has `check_target_prefix(texts, target_prefix)` (the ids, or raises
 `ValueError` naming the entry) for "target_prefix"; its `translate` then
@@ -41,16 +43,17 @@ class OnnxRuntimeEngine:
         self.translator = OnnxTranslator(
             directory, providers=providers, intra_op_threads=threads, optimized_cache=optimized_cache
         )
+        self.tokenizer = self.translator.tokenizer
         self.max_sequence_length = self.translator.model.max_sequence_length
 
     def count_tokens(self, texts):
         """Source tokens of each text, end token included, at most `max_sequence_length` (longer are cut)."""
-        ids = self.translator.tokenizer.encode(texts, add_start=False, add_end=True)
+        ids = self.tokenizer.encode(texts, add_start=False, add_end=True)
         return [min(len(row), self.max_sequence_length) for row in ids]
 
     def check_target_prefix(self, texts, target_prefix):
         """`check_target_prefix` (below) with the translator's tokenizer."""
-        return check_target_prefix(self.translator.tokenizer, self.max_sequence_length, texts, target_prefix)
+        return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
 
     def translate(self, texts, options, target_prefix=None):
         """Translations (or with `options.num_hypotheses`, `Hypothesis` lists) of `texts`, in one search."""

@@ -38,6 +38,7 @@ DOWNLOAD_PATTERNS = [
     "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", "source.spm",
     "target.spm", "vocab.json", "target_vocab.json", "tokenizer_config.json", "special_tokens_map.json",
 ]
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack", "rust_model.ot")
 
 
@@ -81,8 +82,9 @@ def resolve_handle(handle):
 
     Raises:
         ModuleNotFoundError: `huggingface_hub` is not installed (one line: the extra to install).
-        CheckpointError: the repository does not exist, or it is not in the
-            cache and the Hub cannot be reached (offline).
+        CheckpointError: the repository does not exist, it is not in the
+            cache and the Hub cannot be reached (offline), or its revision has
+            no model.safetensors (named with the way to convert it).
     """
     name = handle[len(HF_PREFIX):]
     repo_id, _, revision = name.partition("@")
@@ -97,7 +99,7 @@ def resolve_handle(handle):
             name="huggingface_hub",
         ) from None
     try:
-        return pathlib.Path(
+        directory = pathlib.Path(
             huggingface_hub.snapshot_download(repo_id, revision=revision or None, allow_patterns=DOWNLOAD_PATTERNS)
         )
     except errors.RepositoryNotFoundError:
@@ -110,6 +112,17 @@ def resolve_handle(handle):
             "cannot be reached (offline, or HF_HUB_OFFLINE=1): download it once with network access, or pass a "
             "local directory written by save_pretrained"
         ) from None
+    if not any((directory / name).is_file() for name in SAFETENSORS_FILES):
+        # Only the patterns above were fetched: the snapshot has no pickle to convert in place.
+        local = repo_id.split("/")[1]
+        raise CheckpointError(
+            f"{handle} has no model.safetensors at revision {revision or 'main'} (this package never reads a "
+            "pickle such as pytorch_model.bin). Convert it once, where you trust the file: python -c \"from "
+            f"transformers import AutoModelForSeq2SeqLM as M, AutoTokenizer as T; M.from_pretrained('{repo_id}')"
+            f".save_pretrained('{local}'); T.from_pretrained('{repo_id}').save_pretrained('{local}')\" and pass "
+            f"the directory {local}, or name a revision that has model.safetensors (hf://{repo_id}@revision)"
+        )
+    return directory
 
 
 def checkpoint_directory(preset):
