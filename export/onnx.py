@@ -69,6 +69,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import pathlib
 import sys
 
@@ -941,7 +942,8 @@ def check_output(output, overwrite, preset=None, flag="overwrite=True (--overwri
     )
 
 
-def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=False, atol=1e-4, float32_export=None):
+def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=False, atol=1e-4, float32_export=None,
+                with_tokenizer=False):
     """Exports a TransformerModel to an ONNX Runtime directory and validates it.
 
     Args:
@@ -963,6 +965,11 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
             conversion is most of an export's time). Checked first
             (`export.validate.check_float32_export`): its config, opset and
             graphs, and the values of its encoder and decoder step.
+        with_tokenizer: bool, also write `translate.onnx` (text in, text
+            out; `export.text_graph.write_text_graph`, validated) into the
+            export. Whether it can be written (a tokenizer the graph
+            reproduces, onnxruntime-extensions) is checked before anything
+            is converted.
 
     Returns:
         `pathlib.Path` of the exported directory.
@@ -988,6 +995,10 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
     output = check_output(output, overwrite, preset)
 
     model = _load_model(preset)
+    if with_tokenizer:
+        from export.text_graph import check_text_graph_support
+
+        check_text_graph_support(model.tokenizer, preset if isinstance(preset, (str, os.PathLike)) else "the model")
     try:
         fused = build_fused_step(fused_step_weights(model), quantize=quantize, opset=opset)
     except NotFusable as error:
@@ -1024,6 +1035,10 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
             model.tokenizer.save(staging)
         logger.info("Validating %s against the Keras model", output)
         validate_onnx(staging, model, atol=atol)
+        if with_tokenizer:
+            from export.text_graph import write_text_graph
+
+            write_text_graph(staging)
     logger.info("Exported %s", output)
     return output
 
@@ -1060,11 +1075,7 @@ def main(argv=None):
         parser.exit(2, f"error: {error}\n")
     try:
         export_onnx(args.preset, args.output, opset=args.opset, quantize=args.quantize, overwrite=args.overwrite,
-                    float32_export=args.from_float32)
-        if args.with_tokenizer:
-            from export.text_graph import write_text_graph
-
-            write_text_graph(args.output)
+                    float32_export=args.from_float32, with_tokenizer=args.with_tokenizer)
     except (FileNotFoundError, ValueError, ImportError) as error:
         parser.exit(1, f"error: {error}\n")
     return 0

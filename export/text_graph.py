@@ -419,6 +419,26 @@ def marian_target_pieces(tokenizer):
     return texts
 
 
+def check_text_graph_support(tokenizer, source, validate=True):
+    """Raises (one line) unless `write_text_graph` can write translate.onnx for `tokenizer` (of `source`).
+
+    `python -m export.onnx --with-tokenizer` asks before converting anything.
+
+    Raises:
+        FileNotFoundError: there is no tokenizer (`None`).
+        ValueError: the graph cannot tokenize as `tokenizer` (`check_tokenizer`).
+        ImportError: with `validate`, onnxruntime-extensions is not installed.
+    """
+    if tokenizer is None:
+        raise FileNotFoundError(
+            f"{source} has no {TOKENIZER_FILE} (nor an imported checkpoint's Marian tokenizer); export a preset "
+            "directory or checkpoint that holds its tokenizer"
+        )
+    check_tokenizer(tokenizer)
+    if validate:
+        _require_extensions()
+
+
 def check_tokenizer(tokenizer):
     """Raises `ValueError` (one line) when translate.onnx cannot tokenize and detokenize as `tokenizer`.
 
@@ -1019,14 +1039,7 @@ def write_text_graph(directory, beam_size=4, length_penalty=0.6, max_extra_lengt
             raise FileNotFoundError(f"{directory} has no {file}; expected a directory written by "
                                     f"`python -m export.onnx`")
     tokenizer = load_tokenizer(directory)
-    if tokenizer is None:
-        raise FileNotFoundError(
-            f"{directory} has no {TOKENIZER_FILE} (nor an imported checkpoint's Marian tokenizer); export a preset "
-            "directory or checkpoint that holds its tokenizer"
-        )
-    check_tokenizer(tokenizer)
-    if validate:
-        _require_extensions()
+    check_text_graph_support(tokenizer, directory, validate=validate)
     config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
     model = build_text_graph(
         # Weights stay where they are: in `weights.bin` (or the graph), shared with the other graphs.

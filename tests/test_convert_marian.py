@@ -238,6 +238,15 @@ def test_hf_handle_without_safetensors_names_the_repository_to_convert(marian_ra
     assert "M.from_pretrained('Helsinki-NLP/opus-mt-xx-zz').save_pretrained('opus-mt-xx-zz')" in message
     assert "T.from_pretrained('Helsinki-NLP/opus-mt-xx-zz')" in message and "\n" not in message
     assert str(snapshot) not in message and str(offline_hub) not in message
+    assert "hf://org/name@refs/pr/N" in message
+
+    # The way out it names: the Hub's conversion pull request as the revision (cached as refs/refs/pr/N).
+    pull_request = "89abcdef0123456789abcdef0123456789abcdef"
+    shutil.copytree(marian_random, snapshot.parent / pull_request)
+    (snapshot.parent.parent / "refs" / "refs" / "pr").mkdir(parents=True)
+    (snapshot.parent.parent / "refs" / "refs" / "pr" / "3").write_text(pull_request)
+    model = kt.TransformerModel.from_preset("hf://Helsinki-NLP/opus-mt-xx-zz@refs/pr/3")
+    assert model.tokenizer is not None
 
 
 def test_a_directory_named_as_a_pretrained_preset_is_loaded_as_one_named_as_an_architecture(

@@ -242,21 +242,36 @@ def test_the_text_graph_detokenizes_as_the_marian_tokenizer(onnx_results, tokeni
 # --------------------------------------------------------------------------- #
 # translate.onnx refuses a multilingual vocabulary, in one line
 # --------------------------------------------------------------------------- #
-def test_a_multilingual_vocabulary_is_refused_for_the_text_graph(tokenizer, onnx_dir, tmp_path, monkeypatch, capsys):
+def test_a_multilingual_vocabulary_is_refused_for_the_text_graph(model, tokenizer, onnx_dir, tmp_path, monkeypatch,
+                                                                  capsys):
     many = multilingual(tokenizer)
     assert many.language_codes == [">>de<<", ">>fr<<"]
     with pytest.raises(ValueError, match=r"multilingual model \(2 target-language codes.*OnnxTranslator"):
         text_graph.check_tokenizer(many)
+    # An existing export: translate.onnx is refused, the export kept.
     copy = tmp_path / "copy"
     shutil.copytree(onnx_dir, copy, ignore=shutil.ignore_patterns("translate.onnx"))
     many.save(copy)
-    monkeypatch.setattr(onnx_export, "export_onnx", lambda *args, **kwargs: copy)
+    with pytest.raises(ValueError, match="multilingual"):
+        text_graph.write_text_graph(copy)
+    assert not (copy / "translate.onnx").exists() and (copy / "config.json").is_file()
+
+    # python -m export.onnx --with-tokenizer: refused in one line before any graph is converted.
+    multilingual_model = kt.TransformerModel.from_config(model.get_config())
+    multilingual_model.tokenizer = many
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("a graph was converted before the tokenizer was checked")
+
+    monkeypatch.setattr(onnx_export, "_load_model", lambda preset: multilingual_model)
+    monkeypatch.setattr(onnx_export, "build_fused_step", not_reached)
+    monkeypatch.setattr(onnx_export, "graph_functions", not_reached)
     with pytest.raises(SystemExit) as exit_info:
-        onnx_export.main(["--preset", "unused", "--output", str(copy), "--overwrite", "--with-tokenizer"])
+        onnx_export.main(["--preset", "unused", "--output", str(tmp_path / "new"), "--with-tokenizer"])
     assert exit_info.value.code == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "multilingual" in error and "OnnxTranslator" in error
-    assert not (copy / "translate.onnx").exists()
+    assert not (tmp_path / "new").exists()
 
 
 # --------------------------------------------------------------------------- #

@@ -186,10 +186,23 @@ def test_a_graph_that_differs_fails_validation_and_is_removed(exported, tmp_path
     assert not (copy / "translate.onnx").exists()
 
 
-def test_export_onnx_with_tokenizer_flag(exported, tmp_path, monkeypatch):
-    copy = tmp_path / "copy"
-    shutil.copytree(exported, copy)
-    (copy / "translate.onnx").unlink()
-    monkeypatch.setattr(onnx_export, "export_onnx", lambda *args, **kwargs: copy)
-    assert onnx_export.main(["--preset", "unused", "--output", str(copy), "--overwrite", "--with-tokenizer"]) == 0
-    assert (copy / "translate.onnx").is_file()
+def test_export_onnx_with_tokenizer_flag(tmp_path, monkeypatch, capsys):
+    """The flag reaches `export_onnx` (which writes translate.onnx inside the export: test_export_imported's
+    `onnx_dir`); a model without a tokenizer is refused in one line before any graph is converted."""
+    calls = []
+    monkeypatch.setattr(onnx_export, "export_onnx", lambda *args, **kwargs: calls.append(kwargs))
+    assert onnx_export.main(["--preset", "unused", "--output", str(tmp_path / "out"), "--with-tokenizer"]) == 0
+    assert calls[0]["with_tokenizer"] is True
+    monkeypatch.undo()
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("a graph was converted before the tokenizer was checked")
+
+    monkeypatch.setattr(onnx_export, "build_fused_step", not_reached)
+    monkeypatch.setattr(onnx_export, "graph_functions", not_reached)
+    with pytest.raises(SystemExit) as exit_info:
+        onnx_export.main(["--preset", "tiny", "--output", str(tmp_path / "tiny-onnx"), "--with-tokenizer"])
+    assert exit_info.value.code == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "tiny has no tokenizer.model" in error
+    assert not (tmp_path / "tiny-onnx").exists()

@@ -120,7 +120,9 @@ def resolve_handle(handle):
             "pickle such as pytorch_model.bin). Convert it once, where you trust the file: python -c \"from "
             f"transformers import AutoModelForSeq2SeqLM as M, AutoTokenizer as T; M.from_pretrained('{repo_id}')"
             f".save_pretrained('{local}'); T.from_pretrained('{repo_id}').save_pretrained('{local}')\" and pass "
-            f"the directory {local}, or name a revision that has model.safetensors (hf://{repo_id}@revision)"
+            f"the directory {local}, or name a revision that has model.safetensors (hf://{repo_id}@revision; the "
+            "Hub's safetensors conversion is often an open pull request, hf://org/name@refs/pr/N, listed in the "
+            "repository's Community tab)"
         )
     return directory
 
