@@ -266,6 +266,17 @@ def offline_hub(monkeypatch, tmp_path):
     return tmp_path / "hf-cache"
 
 
+def refuse_graph_conversion(monkeypatch):
+    """Makes `export.onnx` fail if it converts a graph: for refusals that must come before any conversion."""
+    from export import onnx as onnx_export
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("a graph was converted before the refusal")
+
+    for name in ("build_fused_step", "graph_functions"):
+        monkeypatch.setattr(onnx_export, name, not_reached)
+
+
 def populate_hub_cache(cache, repo_id, checkpoint, revision="0123456789abcdef0123456789abcdef01234567"):
     """Puts `checkpoint` in the Hugging Face cache layout as `repo_id`: models--org--name/snapshots/<rev>/, refs/main."""
     import shutil

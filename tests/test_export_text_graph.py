@@ -23,6 +23,7 @@ from export.validate import ValidationError  # noqa: E402
 from keras_transformer.translator import Translator  # noqa: E402
 
 from conftest import TINY_EXPORT_MAX_SEQUENCE_LENGTH as MAX_SEQUENCE_LENGTH  # noqa: E402
+from conftest import refuse_graph_conversion  # noqa: E402
 
 TEXTS = [
     "the cat sees a dog.",
@@ -194,12 +195,7 @@ def test_export_onnx_with_tokenizer_flag(tmp_path, monkeypatch, capsys):
     assert onnx_export.main(["--preset", "unused", "--output", str(tmp_path / "out"), "--with-tokenizer"]) == 0
     assert calls[0]["with_tokenizer"] is True
     monkeypatch.undo()
-
-    def not_reached(*args, **kwargs):
-        raise AssertionError("a graph was converted before the tokenizer was checked")
-
-    monkeypatch.setattr(onnx_export, "build_fused_step", not_reached)
-    monkeypatch.setattr(onnx_export, "graph_functions", not_reached)
+    refuse_graph_conversion(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
         onnx_export.main(["--preset", "tiny", "--output", str(tmp_path / "tiny-onnx"), "--with-tokenizer"])
     assert exit_info.value.code == 1
