@@ -34,6 +34,7 @@ import pathlib
 import numpy as np
 
 from keras_transformer.decoding import NO_PATIENCE
+from keras_transformer.presets import jsonable_config
 
 CONFIG_FILE = "config.json"
 # Dynamic axis -> its letter.
@@ -492,14 +493,6 @@ def hypotheses_feeds(plan, length_penalty, max_extra_length):
     return "sample_search", values
 
 
-def jsonable(config):
-    """A Keras `get_config()` as plain JSON; a dtype policy as its name, as a preset stores it."""
-    config = dict(config)
-    if isinstance(config.get("dtype"), dict):
-        config["dtype"] = config["dtype"].get("config", {}).get("name")
-    return json.loads(json.dumps(config, default=str))
-
-
 def is_export_of(format_):
     """`pathlib.Path -> bool`: whether a directory's `config.json` names `format_` (a `Format`; any version)."""
 
@@ -535,7 +528,7 @@ def model_fields(model):
         "head_value_dim": model.head_value_dim,
         "max_sequence_length": model.max_sequence_length,
         "cache_dtype": model.compute_dtype,
-        "model_config": jsonable(model.get_config()),
+        "model_config": jsonable_config(model.get_config()),
     }
 
 

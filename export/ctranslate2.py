@@ -135,6 +135,7 @@ import numpy as np
 
 from export import contract
 from export.contract import ValidationError
+from keras_transformer.presets import jsonable_config
 from keras_transformer.tokenizer import FIRST_ORDINARY_ID
 from keras_transformer.utils import atomic_directory, check_output_directory
 
@@ -464,7 +465,7 @@ def _metadata(model, tokens, quantization, validation=None):
             "id); with length_penalty > 0 they may differ more."
         ),
         "versions": contract.versions("ctranslate2"),
-        "model_config": contract.jsonable(model.get_config()),
+        "model_config": jsonable_config(model.get_config()),
         "validation": validation,
     }
 

@@ -23,7 +23,7 @@ from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 from keras_transformer.presets import (
-    CONFIG_FILE, METADATA_FILE, PRESETS, PRETRAINED_PRESETS, WEIGHTS_FILE, is_preset_directory,
+    CONFIG_FILE, METADATA_FILE, PRESETS, PRETRAINED_PRESETS, WEIGHTS_FILE, is_preset_directory, jsonable_config,
 )
 from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
 from keras_transformer.version import __version__
@@ -848,7 +848,7 @@ class TransformerModel(keras.Model):
                 "format_version": PRESET_FORMAT_VERSION,
                 "keras_transformer_version": __version__,
                 "keras_version": keras.__version__,
-                "config": _jsonable(self.get_config()),
+                "config": jsonable_config(self.get_config()),
             }
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             self.save_weights(str(staging / WEIGHTS_FILE))
@@ -927,15 +927,6 @@ def _constructor_args():
         for name, p in inspect.signature(TransformerModel.__init__).parameters.items()
         if name != "self" and p.kind is not p.VAR_KEYWORD
     ] + ["dtype", "name"]
-
-
-def _jsonable(config):
-    config = dict(config)
-    # Keras' dtype policy serializes as a dict; a preset stores the name.
-    policy = config.get("dtype")
-    if isinstance(policy, dict):
-        config["dtype"] = policy.get("config", {}).get("name", None)
-    return config
 
 
 def _load_preset_directory(cls, directory, overrides):

@@ -1,4 +1,4 @@
-"""Built-in presets: data, not code; and a preset directory's files (`is_preset_directory`).
+"""Built-in presets: data, not code; and a preset directory's files (`is_preset_directory`, `jsonable_config`).
 
 `PRESETS` are architectures (random weights). Each entry: `config`
 (TransformerModel arguments), `description`, the paper's reference, and
@@ -13,6 +13,7 @@ Paper: Vaswani et al., "Attention Is All You Need",
 NeurIPS 2017, arXiv:1706.03762; Table 3 lists base and big.
 """
 
+import json
 import pathlib
 
 PAPER = "Vaswani et al. 2017, arXiv:1706.03762"
@@ -31,6 +32,18 @@ def is_preset_directory(directory):
     """
     directory = pathlib.Path(directory)
     return (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
+
+def jsonable_config(config):
+    """A Keras `get_config()` as plain JSON holds it; a dtype policy as its name, as a preset stores it.
+
+    Framework-free: written into a preset's, an export's and a fine-tuning
+    run's config, and read back as written.
+    """
+    config = dict(config)
+    if isinstance(config.get("dtype"), dict):
+        config["dtype"] = config["dtype"].get("config", {}).get("name")
+    return json.loads(json.dumps(config, default=str))
+
 
 PRESETS = {
     "base": {

@@ -36,7 +36,7 @@ from keras_transformer import datasets
 from keras_transformer.convert import hf_model_type, is_hf_handle
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import TransformerModel
-from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS, is_preset_directory
+from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS, is_preset_directory, jsonable_config
 from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
 from keras_transformer.tokenizer import load_tokenizer, train_tokenizer
@@ -325,6 +325,7 @@ STATE_FILE = "state.json"
 TRAINING_DIR = "training"
 RESUME_FILE = "resume.weights.h5"  # in training/backup/
 RESUME_ATTRIBUTE = "keras_transformer_resume"
+MODEL_CONFIG_FILE = "model_config.json"  # in training/: a fine-tuning run's architecture, read at its resume
 RANDOM_STATE = "random_state"  # in the resume point: what draws the dropout masks (`_random_state`)
 # Arguments that may differ when an interrupted run is resumed: they do not
 # change what was already trained (the total length may grow or shrink down
@@ -784,6 +785,10 @@ def _check_preset(preset):
         raise BadArgumentError(f"Unknown preset {preset!r}: use one of {', '.join(PRESETS)} or a preset directory")
 
 
+_INIT_FROM_CHOICES = (f"a trained preset directory, a Hugging Face checkpoint directory, hf://org/name or one of "
+                      f"{', '.join(PRETRAINED_PRESETS)}")
+
+
 def _check_init_from(config):
     """Raises `BadArgumentError` unless `config.init_from` names a trained model and nothing contradicts it.
 
@@ -804,19 +809,25 @@ def _check_init_from(config):
                 f"{name}={getattr(config, name)!r} is for training a new vocabulary, but a run with --init-from "
                 f"keeps the tokenizer of {init_from}; drop --{name.replace('_', '-')}"
             )
-    others = (f"a trained preset directory, a Hugging Face checkpoint directory, hf://org/name or one of "
-              f"{', '.join(PRETRAINED_PRESETS)}")
     if isinstance(init_from, str) and init_from in PRESETS:
         raise BadArgumentError(
             f"--init-from {init_from} is an architecture with random weights: train it with --preset {init_from}, "
-            f"or fine-tune {others}"
+            f"or fine-tune {_INIT_FROM_CHOICES}"
         )
+    if not isinstance(init_from, (str, os.PathLike)):
+        raise BadArgumentError(f"--init-from {init_from!r} is not a directory; pass {_INIT_FROM_CHOICES}")
+    # A directory is checked when a run reads it (`_import_model`): a resumed run does not, and an hf://
+    # handle is resolved (downloaded, or found in the cache) then.
+
+
+def _check_init_directory(init_from):
+    """Raises `BadArgumentError` unless a local `init_from` is a directory with config.json."""
     if isinstance(init_from, str) and (init_from in PRETRAINED_PRESETS or is_hf_handle(init_from)):
-        return  # resolved (and downloaded, or found in the cache) when the run reads its inputs
-    if not isinstance(init_from, (str, os.PathLike)) or not os.path.isdir(init_from):
-        raise BadArgumentError(f"--init-from {init_from!r} is not a directory; pass {others}")
+        return
+    if not os.path.isdir(init_from):
+        raise BadArgumentError(f"--init-from {init_from!r} is not a directory; pass {_INIT_FROM_CHOICES}")
     if not os.path.isfile(os.path.join(init_from, "config.json")):
-        raise BadArgumentError(f"--init-from {init_from} is a directory without config.json; pass {others}")
+        raise BadArgumentError(f"--init-from {init_from} is a directory without config.json; pass {_INIT_FROM_CHOICES}")
 
 
 def default_average_last(preset):
@@ -1106,7 +1117,8 @@ class _Data:
     total_steps: int  # a multiple of `interval`
     fit_epochs: int  # total_steps // interval
     initial_epoch: int  # intervals already trained
-    imported: object = None  # init_from's model (`_import_model`); None: the model is built from `preset`
+    imported: object = None  # init_from's model (`_import_model`), for a run that starts from its weights
+    imported_config: dict = None  # init_from's architecture (a resumed run's: recorded in training/); None: `preset`
 
 
 def _prepare_data(run):
@@ -1115,7 +1127,14 @@ def _prepare_data(run):
     Raises `BadArgumentError` when a resume asks for fewer steps than are done.
     """
     config, texts = run.config, run.texts
-    imported = _import_model(config) if config.init_from is not None else None
+    imported = imported_config = None
+    if config.init_from is not None:
+        # A run resumed from a resume point has its weights there, its tokenizer and its architecture in
+        # training/: the checkpoint it started from is not read again (it may be gone, or offline).
+        imported_config = _recorded_model_config(run) if run.resume is not None else None
+        if imported_config is None:
+            imported = _import_model(config)
+            imported_config = jsonable_config(imported.get_config())
     saved = load_tokenizer(run.work) if run.state is not None else None
     if saved is not None:
         tokenizer, new_tokenizer = saved, False
@@ -1147,7 +1166,21 @@ def _prepare_data(run):
         valid_ids = data_lib.encode_pairs(tokenizer, texts.valid_sources, texts.valid_targets, config.max_length)
         valid_data = data_lib.make_dataset(*valid_ids, shuffle=False, **batching)
     return _Data(tokenizer, new_tokenizer, len(train_ids[0]), train_data, valid_data, batches_per_epoch, micro,
-                 interval, total_steps, fit_epochs, initial_epoch, imported=imported)
+                 interval, total_steps, fit_epochs, initial_epoch, imported=imported, imported_config=imported_config)
+
+
+def _recorded_model_config(run):
+    """The architecture a fine-tuning run recorded at its start (`MODEL_CONFIG_FILE`), or None (older runs)."""
+    path = run.work / MODEL_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise OutputDirectoryError(f"{path} is not readable JSON ({error}); pass --overwrite to start again") from None
+    if not isinstance(config, dict):
+        raise OutputDirectoryError(f"{path} does not hold a model config; pass --overwrite to start again")
+    return config
 
 
 def _import_model(config):
@@ -1165,6 +1198,7 @@ def _import_model(config):
             `run_training` raises as the `UserInputError` it is.
     """
     init_from = config.init_from
+    _check_init_directory(init_from)
     try:
         model = TransformerModel.from_preset(init_from, **dict(config.model_overrides or {}))
     except ModuleNotFoundError as error:  # an hf:// handle without the [hub] extra: its message says what to install
@@ -1213,6 +1247,8 @@ def _start(run, data):
         with atomic_directory(work) as staging:  # replaces a `training/` that is not resumed
             _write_state(staging / STATE_FILE, run.state)
             data.tokenizer.save(staging)
+            if data.imported_config is not None:
+                (staging / MODEL_CONFIG_FILE).write_text(json.dumps(data.imported_config, indent=2, sort_keys=True) + "\n")
         return
     remove_stale_temporaries(work)
     _remove_partial_files(work)
@@ -1237,13 +1273,15 @@ def _build_model(run, data):
     strategy_name, scope = resolve_strategy(config.strategy)
     overrides = dict(config.model_overrides or {})
     with scope:
-        if data.imported is not None:
-            # The checkpoint's architecture and weights, in variables made under the strategy.
-            model_config = data.imported.get_config()
+        if data.imported_config is not None:
+            # The checkpoint's architecture and weights (a resumed run's: the resume point's, below), in
+            # variables made under the strategy.
+            model_config = dict(data.imported_config)
             if "dtype" not in overrides:
                 model_config.pop("dtype", None)  # the run's policy (mixed precision), as for a preset
             model = TransformerModel.from_config(model_config)
-            model.set_weights(data.imported.get_weights())
+            if data.imported is not None:
+                model.set_weights(data.imported.get_weights())
         else:
             overrides.setdefault("vocabulary_size", data.tokenizer.vocabulary_size)
             overrides.setdefault("max_sequence_length", max(config.max_length, 8))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from export import contract
+from keras_transformer.presets import jsonable_config
 
 SIZES = {"hidden_dim": 16, "num_decoder_layers": 2, "num_heads": 4, "head_key_dim": 4, "head_value_dim": 3,
          "vocabulary_size": 60}
@@ -115,7 +116,7 @@ def test_feeds_take_the_contract_dtypes_and_names():
 
 def test_jsonable_stores_a_dtype_policy_by_name():
     config = {"dtype": {"class_name": "DTypePolicy", "config": {"name": "mixed_float16"}}, "path": pathlib.Path("a")}
-    assert contract.jsonable(config) == {"dtype": "mixed_float16", "path": "a"}
+    assert jsonable_config(config) == {"dtype": "mixed_float16", "path": "a"}
 
 
 BLOCK_FRAMEWORKS = """

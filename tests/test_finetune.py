@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -74,7 +75,9 @@ def test_fine_tuning_starts_from_the_imported_weights_keeps_the_tokenizer_and_re
     train_src, train_tgt = _write_pairs(tmp_path, "train", pairs)
     valid_src, valid_tgt = _write_pairs(tmp_path, "valid", pairs[:12])  # seen in training: its loss must fall
     output = tmp_path / "run"
-    arguments = dict(init_from=str(marian_trained), train_src=train_src, train_tgt=train_tgt, valid_src=valid_src,
+    source = tmp_path / "trained-checkpoint"  # deleted before the resume: a resumed run does not read it again
+    shutil.copytree(marian_trained, source)
+    arguments = dict(init_from=str(source), train_src=train_src, train_tgt=train_tgt, valid_src=valid_src,
                      valid_tgt=valid_tgt, steps=4, checkpoint_every=2, warmup_steps=4, learning_rate_scale=0.1,
                      tokens_per_batch=200, max_length=18, bleu_beam_size=1, verbose=0)
 
@@ -106,7 +109,7 @@ def test_fine_tuning_starts_from_the_imported_weights_keeps_the_tokenizer_and_re
     for expected, actual in zip(_weights(imported), built[0], strict=True):
         np.testing.assert_array_equal(actual, expected)  # the first update starts from the checkpoint
     state = json.loads((output / "training" / "state.json").read_text())
-    assert state["arguments"]["init_from"] == os.path.abspath(marian_trained)
+    assert state["arguments"]["init_from"] == os.path.abspath(source)
     assert state["arguments"]["preset"] is None and state["arguments"]["vocabulary_size"] is None
 
     # Another checkpoint is another run: refused, nothing touched.
@@ -117,12 +120,13 @@ def test_fine_tuning_starts_from_the_imported_weights_keeps_the_tokenizer_and_re
         training.run_training(output, **{**arguments, "init_from": None})  # training from scratch instead
     assert _snapshot(output) == before
 
+    shutil.rmtree(source)  # gone (or, for an hf:// handle, not in this machine's cache, offline)
     metadata = training.run_training(output, **arguments)  # the same command resumes
     assert len(built) == 2
     assert any(not np.array_equal(a, b) for a, b in zip(built[1], built[0]))  # the resume point, not the checkpoint
     resume = training.read_resume_point(output / "training" / "backup" / training.RESUME_FILE)
     assert (resume["intervals"], resume["step"], metadata["steps"]) == (2, 4, 4)
-    assert metadata["init_from"] == os.path.abspath(marian_trained)
+    assert metadata["init_from"] == os.path.abspath(source)
 
     # The loss on pairs it was fine-tuned on fell from the imported model's.
     from keras_transformer import data as data_lib
