@@ -320,6 +320,10 @@ class TransformerModel(keras.Model):
                 `{"encoder_token_ids": (B, S), "decoder_token_ids": (B, T)}`
                 (the constructor passes `(None, None)` for both), or None.
         """
+        if self.built:
+            # The constructor built every weight; a later `model.build(...)`
+            # (as for any Keras model) has nothing left to create.
+            return
         sequence = (None, None, self.hidden_dim)
         self.token_embedding.build((None, None))
         self.encoder_position.build(sequence)

@@ -54,6 +54,21 @@ def test_keras_file_round_trip(tmp_path, rng):
     np.testing.assert_allclose(logits(loaded, src, tgt), logits(model, src, tgt), rtol=1e-6, atol=1e-6)
 
 
+def test_build_on_the_built_model_keeps_its_weights(tmp_path, rng):
+    # The constructor builds the model; `model.build(...)` as called on any
+    # Keras model must leave it as it is.
+    model = tiny_model()
+    src, tgt = random_ids(rng, 2, 6), random_ids(rng, 2, 4)
+    before, count = logits(model, src, tgt), len(model.weights)
+    model.build({"encoder_token_ids": (2, 6), "decoder_token_ids": (2, 4)})
+    model.build()
+    assert len(model.weights) == count
+    np.testing.assert_array_equal(logits(model, src, tgt), before)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    np.testing.assert_allclose(logits(keras.saving.load_model(path), src, tgt), before, rtol=1e-6, atol=1e-6)
+
+
 def test_preset_directory_round_trip_gives_identical_logits(tmp_path, rng):
     model = tiny_model()
     src, tgt = random_ids(rng, 2, 6), random_ids(rng, 2, 4)
