@@ -320,6 +320,10 @@ class TransformerModel(keras.Model):
                 `{"encoder_token_ids": (B, S), "decoder_token_ids": (B, T)}`
                 (the constructor passes `(None, None)` for both), or None.
         """
+        if self.built:
+            # The constructor built every weight; a later `model.build(...)`
+            # (as for any Keras model) has nothing left to create.
+            return
         sequence = (None, None, self.hidden_dim)
         self.token_embedding.build((None, None))
         self.encoder_position.build(sequence)
@@ -373,10 +377,19 @@ class TransformerModel(keras.Model):
 
         Raises:
             RuntimeError: one line naming the backend, the format and the
-                project's exporter, where Keras cannot export this model.
+                project's exporter, where Keras cannot export this model
+                (on PyTorch also an `input_signature` with a None size).
+            ValueError: an `input_signature` of more than one entry (the
+                model takes one dict).
         """
         backend = keras.backend.backend()
         alternative = PROJECT_EXPORTERS.get(format)
+        if isinstance(input_signature, (list, tuple)) and len(input_signature) != 1:
+            # Keras passes each entry as a positional argument of `call`.
+            raise ValueError(
+                f"input_signature has {len(input_signature)} entries; the model takes one dict of inputs: "
+                "pass [{name: keras.InputSpec(...)}] for encoder_token_ids and decoder_token_ids"
+            )
 
         def refusal(reason):
             return RuntimeError(
@@ -387,12 +400,16 @@ class TransformerModel(keras.Model):
         if alternative and backend == "torch":
             if format == "tf_saved_model":
                 raise refusal("its PyTorch SavedModel export takes one tensor, not the dict of token ids")
+            fixed_shapes = (
+                "PyTorch's exporter fixes the shapes; for fixed shapes pass "
+                "input_signature=[{name: keras.InputSpec(shape=(B, L), dtype='int32', name=name)}] "
+                "for encoder_token_ids and decoder_token_ids"
+            )
             if input_signature is None:
-                raise refusal(
-                    "for any batch and length: PyTorch's exporter fixes the shapes; for fixed shapes pass "
-                    "input_signature=[{name: keras.InputSpec(shape=(B, L), dtype='int32', name=name)}] "
-                    "for encoder_token_ids and decoder_token_ids"
-                )
+                raise refusal(f"for any batch and length: {fixed_shapes}")
+            unknown = _specs_with_unknown_sizes(input_signature)
+            if unknown:
+                raise refusal(f"input_signature has unknown sizes ({', '.join(unknown)}): {fixed_shapes}")
         if input_signature is None:
             input_signature = self.export_input_signature()
         with _tf2onnx_without_reshape_merge(active=format == "onnx" and backend == "tensorflow"):
@@ -855,6 +872,16 @@ class TransformerModel(keras.Model):
             if tokenizer is not None:
                 tokenizer.save(staging)
             (staging / METADATA_FILE).write_text(json.dumps(metadata or {}, indent=2, sort_keys=True) + "\n")
+
+
+def _specs_with_unknown_sizes(input_signature):
+    """`"name shape"` of each spec in `input_signature` (nested lists, tuples, dicts) with a None size."""
+    found = []
+    for spec in keras.tree.flatten(input_signature):
+        shape = getattr(spec, "shape", None)
+        if shape is not None and any(size is None for size in shape):
+            found.append(f"{getattr(spec, 'name', None) or 'input'} {tuple(shape)}")
+    return found
 
 
 @contextlib.contextmanager

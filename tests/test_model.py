@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import keras_transformer as kt
+from keras_transformer.model import INPUT_NAMES
 from conftest import BACKEND, random_ids, tiny_model, to_numpy
 
 
@@ -52,6 +53,21 @@ def test_keras_file_round_trip(tmp_path, rng):
     loaded = keras.saving.load_model(path)
     assert isinstance(loaded, kt.TransformerModel)
     np.testing.assert_allclose(logits(loaded, src, tgt), logits(model, src, tgt), rtol=1e-6, atol=1e-6)
+
+
+def test_build_on_the_built_model_keeps_its_weights(tmp_path, rng):
+    # The constructor builds the model; `model.build(...)` as called on any
+    # Keras model must leave it as it is.
+    model = tiny_model()
+    src, tgt = random_ids(rng, 2, 6), random_ids(rng, 2, 4)
+    before, count = logits(model, src, tgt), len(model.weights)
+    model.build({"encoder_token_ids": (2, 6), "decoder_token_ids": (2, 4)})
+    model.build()
+    assert len(model.weights) == count
+    np.testing.assert_array_equal(logits(model, src, tgt), before)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    np.testing.assert_allclose(logits(keras.saving.load_model(path), src, tgt), before, rtol=1e-6, atol=1e-6)
 
 
 def test_preset_directory_round_trip_gives_identical_logits(tmp_path, rng):
@@ -412,6 +428,13 @@ def test_keras_export_on_torch_refuses_in_one_line_or_takes_fixed_shapes(tmp_pat
         with pytest.raises(RuntimeError, match=f"format='{fmt}' on the torch backend .*`{command} ") as error:
             model.export(str(tmp_path / fmt), format=fmt)
         assert "\n" not in str(error.value)
+    # An explicit signature with an unknown size is refused as well, before PyTorch's exporter fails inside.
+    for signature in (model.export_input_signature(),
+                      [{name: keras.InputSpec(shape=(None, 5), dtype="int32", name=name) for name in INPUT_NAMES}]):
+        with pytest.raises(RuntimeError, match=r"format='onnx' on the torch backend \(input_signature has unknown "
+                                               r"sizes \(.*\(None, .*`python -m export.onnx ") as error:
+            model.export(str(tmp_path / "m.onnx"), format="onnx", input_signature=signature)
+        assert "\n" not in str(error.value)
     inputs = _export_inputs(rng)
     signature = [{name: keras.InputSpec(shape=value.shape, dtype="int32", name=name) for name, value in inputs.items()}]
     model.export(str(tmp_path / "m.onnx"), format="onnx", verbose=False, input_signature=signature)
@@ -419,6 +442,13 @@ def test_keras_export_on_torch_refuses_in_one_line_or_takes_fixed_shapes(tmp_pat
     np.testing.assert_allclose(session.run(None, inputs)[0],
                                logits(model, inputs["encoder_token_ids"], inputs["decoder_token_ids"]),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_keras_export_refuses_a_signature_of_several_entries(tmp_path):
+    # Keras passes each entry as a positional argument; the model takes one dict.
+    specs = [keras.InputSpec(shape=(2, 4), dtype="int32", name=name) for name in INPUT_NAMES]
+    with pytest.raises(ValueError, match=r"input_signature has 2 entries; the model takes one dict of inputs"):
+        tiny_model().export(str(tmp_path / "m.onnx"), format="onnx", input_signature=specs)
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX's ONNX export needs jax2onnx")
