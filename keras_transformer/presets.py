@@ -33,6 +33,7 @@ def is_preset_directory(directory):
     directory = pathlib.Path(directory)
     return (directory / CONFIG_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
 
+
 def jsonable_config(config):
     """A Keras `get_config()` as plain JSON holds it; a dtype policy as its name, as a preset stores it.
 

@@ -506,16 +506,21 @@ class ResumePoint(keras.callbacks.Callback):
 
 
 def _read_state(path):
+    return _read_run_file(path, "a training state")
+
+
+def _read_run_file(path, what):
+    """The JSON object a run wrote at `path` (`what` it holds); `OutputDirectoryError` naming the way out."""
     try:
-        state = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+        value = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise OutputDirectoryError(
             f"{path} is not readable JSON ({error}); the training run there cannot be resumed: "
             "pass --overwrite to start again or choose another --output"
         ) from None
-    if not isinstance(state, dict):
-        raise OutputDirectoryError(f"{path} does not hold a training state; pass --overwrite or choose another --output")
-    return state
+    if not isinstance(value, dict):
+        raise OutputDirectoryError(f"{path} does not hold {what}; pass --overwrite or choose another --output")
+    return value
 
 
 def _write_state(path, state):
@@ -1172,15 +1177,7 @@ def _prepare_data(run):
 def _recorded_model_config(run):
     """The architecture a fine-tuning run recorded at its start (`MODEL_CONFIG_FILE`), or None (older runs)."""
     path = run.work / MODEL_CONFIG_FILE
-    if not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise OutputDirectoryError(f"{path} is not readable JSON ({error}); pass --overwrite to start again") from None
-    if not isinstance(config, dict):
-        raise OutputDirectoryError(f"{path} does not hold a model config; pass --overwrite to start again")
-    return config
+    return _read_run_file(path, "a model config") if path.is_file() else None
 
 
 def _import_model(config):
@@ -1248,7 +1245,8 @@ def _start(run, data):
             _write_state(staging / STATE_FILE, run.state)
             data.tokenizer.save(staging)
             if data.imported_config is not None:
-                (staging / MODEL_CONFIG_FILE).write_text(json.dumps(data.imported_config, indent=2, sort_keys=True) + "\n")
+                config_text = json.dumps(data.imported_config, indent=2, sort_keys=True) + "\n"
+                (staging / MODEL_CONFIG_FILE).write_text(config_text)
         return
     remove_stale_temporaries(work)
     _remove_partial_files(work)

@@ -214,7 +214,9 @@ class Service:
                     beam_size, float(self.settings.length_penalty), self.settings.max_extra_length,
                     self.settings.patience,
                 )
-                await self._loop.run_in_executor(self._executor, self.engine.translate, [warm_up_text(self.engine)], options)
+                await self._loop.run_in_executor(
+                    self._executor, self.engine.translate, [warm_up_text(self.engine)], options
+                )
         except Exception as error:  # noqa: BLE001 - reported, and the server stops
             self.failure = f"the model failed to translate a warm-up sentence: {type(error).__name__}: {error}"
             logger.exception("The model failed to translate a warm-up sentence")
