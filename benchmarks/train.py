@@ -104,12 +104,25 @@ def make_batch(config, seed=0):
 
 def training_flops(config, encoder_params, decoder_params):
     """FLOPs of one training step (see the module docstring)."""
-    batch, n = config["batch_size"], config["sequence_length"]
-    d, v, layers = config["hidden_dim"], config["vocabulary_size"], config["num_layers"]
-    tokens = batch * n
-    dense = 6 * (encoder_params * tokens + decoder_params * tokens)
-    output = 6 * d * v * tokens
-    attention = 12 * d * layers * (n * n + n * n + n * n) * batch
+    return transformer_training_flops(
+        encoder_params, decoder_params, config["hidden_dim"], config["vocabulary_size"], config["num_layers"],
+        config["num_layers"], config["batch_size"], config["sequence_length"], config["sequence_length"],
+    )
+
+
+def transformer_training_flops(encoder_parameters, decoder_parameters, hidden_dim, vocabulary_size,
+                               num_encoder_layers, num_decoder_layers, batch_size, source_length, target_length):
+    """FLOPs of one training step (forward + backward = 3 x forward) at padded lengths S and T.
+
+    6 * (encoder parameters * B * S + decoder parameters * B * T) for the
+    layers' products, 6 * d * V * B * T for the output projection, and
+    12 * d * B * (L_enc * S^2 + L_dec * (T^2 + T * S)) for the attention
+    scores and weighted sums; "parameters" exclude the embedding.
+    """
+    b, s, t, d = batch_size, source_length, target_length, hidden_dim
+    dense = 6 * (encoder_parameters * b * s + decoder_parameters * b * t)
+    output = 6 * d * vocabulary_size * b * t
+    attention = 12 * d * b * (num_encoder_layers * s * s + num_decoder_layers * (t * t + t * s))
     return dense + output + attention
 
 

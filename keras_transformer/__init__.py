@@ -13,6 +13,7 @@ from keras_transformer.version import __version__
 
 # Public name -> the module that defines it.
 _EXPORTS = {
+    "InPlaceAdam": "keras_transformer.optimizers",
     "LabelSmoothedCrossEntropy": "keras_transformer.losses",
     "TransformerModel": "keras_transformer.model",
     "WarmupSchedule": "keras_transformer.schedules",

@@ -36,6 +36,7 @@ from keras_transformer import datasets
 from keras_transformer.convert import hf_model_type, is_hf_handle
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import TransformerModel
+from keras_transformer.optimizers import InPlaceAdam
 from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS, is_preset_directory, jsonable_config
 from keras_transformer.progress import TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
@@ -140,7 +141,8 @@ def compile_model(
             import tensorflow as tf
 
             jit_compile = bool(tf.config.list_logical_devices("GPU"))
-    optimizer = keras.optimizers.Adam(
+    # Keras' Adam, updating in place (`InPlaceAdam`: the same formula and variables).
+    optimizer = InPlaceAdam(
         learning_rate=WarmupSchedule(
             model.hidden_dim, warmup_steps=warmup_steps, scale=learning_rate_scale,
             gradient_accumulation_steps=accumulation,

@@ -48,8 +48,12 @@ def _train_spm(lines, vocabulary_size):
     return model.getvalue()
 
 
-def _marian_vocab(source_proto, target_proto, language_codes=()):
-    """Marian's layout: `</s>` 0, `<unk>` 1, the pieces of both models (and codes), `<pad>` last."""
+def _marian_vocab(source_proto, target_proto, language_codes=(), vocabulary_size=None):
+    """Marian's layout: `</s>` 0, `<unk>` 1, the pieces of both models (and codes), `<pad>` last.
+
+    With `vocabulary_size`, unused pieces fill the vocabulary up to that many
+    entries (`<pad>` included), as large as the Hub's (58,101 in opus-mt-en-de).
+    """
     import sentencepiece as spm
 
     vocab = {"</s>": 0, "<unk>": 1}
@@ -60,13 +64,18 @@ def _marian_vocab(source_proto, target_proto, language_codes=()):
         for i in range(processor.get_piece_size()):
             if not (processor.is_control(i) or processor.is_unknown(i)):
                 vocab.setdefault(processor.id_to_piece(i), len(vocab))
+    if vocabulary_size is not None:
+        if vocabulary_size < len(vocab) + 1:
+            raise ValueError(f"vocabulary_size={vocabulary_size} is below the {len(vocab) + 1} entries the pieces need")
+        for i in range(vocabulary_size - 1 - len(vocab)):
+            vocab[f"<unused{i}>"] = len(vocab)
     vocab["<pad>"] = len(vocab)
     return vocab
 
 
 def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400, target_vocabulary_size=400,
                             activation_function="swish", language_codes=(), seed=0, max_sentences=4000,
-                            batch_size=32, max_tokens=40, **sizes):
+                            batch_size=32, max_tokens=40, vocabulary_size=None, **sizes):
     """Writes a Marian checkpoint in the Hugging Face layout; returns the directory.
 
     Args:
@@ -77,6 +86,9 @@ def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400
         source_vocabulary_size, target_vocabulary_size: pieces of source.spm and target.spm.
         activation_function: the config's (Marian: "swish").
         language_codes: e.g. (">>deu<<", ">>nld<<"): a multilingual target side.
+        vocabulary_size: optional int: fill vocab.json with unused pieces up
+            to this many entries (a Hub-sized vocabulary; the pieces stay those
+            of the two SentencePiece models).
         seed: torch's and NumPy's seed.
         max_sentences, batch_size, max_tokens: the training data: the first
             `max_sentences` pairs of at most `max_tokens` pieces.
@@ -94,7 +106,7 @@ def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400
     english, german = english[:max_sentences], german[:max_sentences]
     source_proto = _train_spm(english, source_vocabulary_size)
     target_proto = _train_spm(german, target_vocabulary_size)
-    vocab = _marian_vocab(source_proto, target_proto, language_codes)
+    vocab = _marian_vocab(source_proto, target_proto, language_codes, vocabulary_size)
     pad = vocab["<pad>"]
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
