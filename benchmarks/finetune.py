@@ -118,7 +118,7 @@ def prepare(shape, budgets, count):
         vocabulary_size, pieces = sizes.pop("vocabulary_size"), sizes.pop("pieces")
         build_marian_checkpoint(
             directory, source_vocabulary_size=pieces, target_vocabulary_size=pieces, max_sentences=10**6,
-            vocabulary_size=vocabulary_size, **sizes,
+            vocabulary_size=vocabulary_size, random_extras=False, **sizes,
         )
     missing = [b for b in budgets if not batches_path(shape, b).is_file()]
     if not missing:
@@ -166,12 +166,17 @@ class HuggingFace:
 
     framework = "torch"
 
-    def __init__(self, directory, tables, dropout, constant_rate=None):
+    def __init__(self, directory, tables, dropout, constant_rate=None, precision="float32"):
+        import contextlib
+
         import torch
         import transformers
 
         torch.manual_seed(0)
         self.torch = torch
+        # Mixed precision as a transformers user writes it on a CPU: autocast to bfloat16.
+        self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision != "float32" else (
+            contextlib.nullcontext)
         self.model = transformers.MarianMTModel.from_pretrained(str(directory), dropout=dropout)
         self.model.train()
         config = self.model.config
@@ -205,7 +210,8 @@ class HuggingFace:
     def step(self, batch):
         torch = self.torch
         source, mask, decoder, labels = batch
-        logits = self.model(input_ids=source, attention_mask=mask, decoder_input_ids=decoder).logits
+        with self.autocast():
+            logits = self.model(input_ids=source, attention_mask=mask, decoder_input_ids=decoder).logits
         loss = torch.nn.functional.cross_entropy(
             logits.float().view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100,
             label_smoothing=LABEL_SMOOTHING,
@@ -221,7 +227,7 @@ class HuggingFace:
 class Ours:
     """`TransformerModel.from_preset(dir)` compiled as the trainer compiles it."""
 
-    def __init__(self, directory, tables, dropout, constant_rate=None):
+    def __init__(self, directory, tables, dropout, constant_rate=None, precision="float32"):
         import keras
 
         from keras_transformer import training
@@ -230,7 +236,8 @@ class Ours:
 
         self.framework = keras.backend.backend()
         keras.utils.set_random_seed(0)
-        self.model = TransformerModel.from_preset(str(directory), dropout=dropout)
+        dtype = {"float32": "float32", "bfloat16": "mixed_bfloat16"}[precision]
+        self.model = TransformerModel.from_preset(str(directory), dropout=dropout, dtype=dtype)
         if constant_rate is None:
             training.compile_model(self.model, warmup_steps=WARMUP_STEPS, label_smoothing=LABEL_SMOOTHING)
         else:
@@ -253,10 +260,10 @@ class Ours:
         return float(np.asarray(loss[0] if isinstance(loss, (list, tuple)) else loss))
 
 
-def _contender(name, directory, tables, dropout, constant_rate=None):
+def _contender(name, directory, tables, dropout, constant_rate=None, precision="float32"):
     if name == "huggingface":
-        return HuggingFace(directory, tables, dropout, constant_rate)
-    return Ours(directory, tables, dropout, constant_rate)
+        return HuggingFace(directory, tables, dropout, constant_rate, precision)
+    return Ours(directory, tables, dropout, constant_rate, precision)
 
 
 def _peak_rss_mb():
@@ -280,7 +287,7 @@ def _matmul_peak(framework):
     return matmul_peak()
 
 
-def worker(name, shape, budget, mode, check_steps):
+def worker(name, shape, budget, mode, check_steps, precision):
     """Runs in its own process: commands on stdin, one JSON line each on stdout."""
     batches, tables = load_batches(shape, budget)
     send = _sender()
@@ -289,7 +296,7 @@ def worker(name, shape, budget, mode, check_steps):
         losses = [contender.step(contender.batch(*batches[i % len(batches)])) for i in range(check_steps)]
         send({"losses": losses})
         return
-    contender = _contender(name, checkpoint_dir(shape), tables, DROPOUT)
+    contender = _contender(name, checkpoint_dir(shape), tables, DROPOUT, precision=precision)
     prepared = [contender.batch(*b) for b in batches]
     peaks = [_matmul_peak(contender.framework)]
     start = time.perf_counter()
@@ -333,11 +340,12 @@ def _sender():
 # The coordinator
 # --------------------------------------------------------------------- #
 class Process:
-    def __init__(self, name, shape, budget, mode="speed", check_steps=3):
+    def __init__(self, name, shape, budget, mode="speed", check_steps=3, precision="float32"):
         backend = "torch" if name == "huggingface" else name
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
         command = [sys.executable, "-m", "benchmarks.finetune", "--worker", name, "--shapes", shape,
-                   "--budgets", str(budget), "--mode", mode, "--check-steps", str(check_steps)]
+                   "--budgets", str(budget), "--mode", mode, "--check-steps", str(check_steps),
+                   "--precision", precision]
         self.name = name
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True)
@@ -384,17 +392,17 @@ def summarize(times, indices, batches, flops):
     }
 
 
-def run_group(shape, budget, backends, rounds, steps):
-    """One (shape, budget): Hugging Face beside each of our backends in turn."""
+def run_group(shape, budget, backends, rounds, steps, precision):
+    """One (shape, budget, precision): Hugging Face beside each of our backends in turn."""
     batches, _ = load_batches(shape, budget)
     logger.info("%s, budget %d: %d batches, shapes %s, %d target tokens", shape, budget, len(batches),
                 sorted({b[0].shape + b[1].shape for b in batches}), sum(int((b[2] != 0).sum()) for b in batches))
-    hf = Process("huggingface", shape, budget)
+    hf = Process("huggingface", shape, budget, precision=precision)
     hf_ready = hf.ask()
     flops = [flops_per_batch(b, hf_ready, shape) for b in batches]
     rows, hf_times, hf_indices = {}, [], []
     for backend in backends:
-        ours = Process(backend, shape, budget)
+        ours = Process(backend, shape, budget, precision=precision)
         ready = ours.ask()
         if (ready["encoder_parameters"], ready["decoder_parameters"]) != (
                 hf_ready["encoder_parameters"], hf_ready["decoder_parameters"]):
@@ -428,7 +436,7 @@ def run_group(shape, budget, backends, rounds, steps):
     logger.info("%s %d huggingface: %.0f target tokens/s, %.3f s/step, peak RSS %.0f MB", shape, budget,
                 row["target_tokens_per_second"], row["seconds_per_step"], row["peak_rss_mb"])
     return {
-        "shape": shape, "budget": budget, "batches": len(batches),
+        "shape": shape, "budget": budget, "precision": precision, "batches": len(batches),
         "target_tokens_per_batch": [int((b[2] != 0).sum()) for b in batches],
         "batch_shapes": [list(b[0].shape) + [b[1].shape[1]] for b in batches],
         "contenders": rows,
@@ -461,11 +469,13 @@ def _versions():
 
 def table(results):
     """The README table: one row per (shape, budget, contender)."""
-    lines = ["| shape | budget | contender | target tokens/s | ratio to HF | s/step | MFU | peak RSS (MB) | "
-             "loss difference |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | budget | precision | contender | target tokens/s | ratio to HF | s/step | MFU | peak RSS (MB) | "
+             "loss difference |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     peak = results["matmul_peak_gflops"] * 1e9
     for group in results["groups"]:
         check = results["checks"].get(group["shape"], {}).get("max_abs_difference", {})
+        if group["precision"] != "float32":
+            check = {}
         for name in ("huggingface",) + BACKENDS:
             row = group["contenders"].get(name)
             if row is None:
@@ -473,7 +483,7 @@ def table(results):
             difference = "reference" if name == "huggingface" else (
                 f"{check[name]:.1e}" if name in check else "-")
             lines.append(
-                f"| {group['shape']} | {group['budget']} | {name} | {row['target_tokens_per_second']:,.0f} | "
+                f"| {group['shape']} | {group['budget']} | {group['precision']} | {name} | {row['target_tokens_per_second']:,.0f} | "
                 f"{row['ratio']:.2f}x | {row['seconds_per_step']:.3f} | {row['flops_per_second'] / peak:.0%} | "
                 f"{row['peak_rss_mb']:,.0f} | {difference} |"
             )
@@ -489,20 +499,26 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3, help="steps per contender per round")
     parser.add_argument("--check-steps", type=int, default=3)
+    parser.add_argument("--precisions", default="float32",
+                        help="float32 and/or bfloat16 (ours: mixed_bfloat16; Hugging Face: autocast to bfloat16)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness column")
     parser.add_argument("--output", default=str(RESULTS / "finetune.json"))
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("speed", "check"), default="speed", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
     budgets = [int(b) for b in args.budgets.split(",")]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     if args.worker:
-        worker(args.worker, shapes[0], budgets[0], args.mode, args.check_steps)
+        worker(args.worker, shapes[0], budgets[0], args.mode, args.check_steps, args.precision)
         return 0
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
+    precisions = args.precisions.split(",")
+    if set(precisions) - {"float32", "bfloat16"}:
+        parser.error("--precisions: float32 and/or bfloat16")
     backends = [b for b in args.backends.split(",") if b]
     if set(backends) - set(BACKENDS):
         parser.error(f"--backends: choose from {','.join(BACKENDS)}")
@@ -515,7 +531,8 @@ def main(argv=None):
         if not args.no_check:
             results["checks"][shape] = run_check(shape, min(budgets), backends, args.check_steps)
         for budget in budgets:
-            results["groups"].append(run_group(shape, budget, backends, args.rounds, args.steps))
+            for precision in precisions:
+                results["groups"].append(run_group(shape, budget, backends, args.rounds, args.steps, precision))
     results["matmul_peak_gflops"] = max(
         row["matmul_peak_gflops"] for group in results["groups"] for row in group["contenders"].values()
     )

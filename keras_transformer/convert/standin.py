@@ -75,7 +75,7 @@ def _marian_vocab(source_proto, target_proto, language_codes=(), vocabulary_size
 
 def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400, target_vocabulary_size=400,
                             activation_function="swish", language_codes=(), seed=0, max_sentences=4000,
-                            batch_size=32, max_tokens=40, vocabulary_size=None, **sizes):
+                            batch_size=32, max_tokens=40, vocabulary_size=None, random_extras=True, **sizes):
     """Writes a Marian checkpoint in the Hugging Face layout; returns the directory.
 
     Args:
@@ -89,6 +89,9 @@ def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400
         vocabulary_size: optional int: fill vocab.json with unused pieces up
             to this many entries (a Hub-sized vocabulary; the pieces stay those
             of the two SentencePiece models).
+        random_extras: with `train_steps=0`, give `final_logits_bias` and the
+            `<pad>` row random values (large ones: a converter that drops or
+            misplaces them is caught); False keeps transformers' init.
         seed: torch's and NumPy's seed.
         max_sentences, batch_size, max_tokens: the training data: the first
             `max_sentences` pairs of at most `max_tokens` pieces.
@@ -129,7 +132,7 @@ def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400
     model = transformers.MarianMTModel(config)
     if train_steps:
         _train(model, tokenizer, english, german, train_steps, batch_size, max_tokens, rng)
-    else:
+    elif random_extras:
         with torch.no_grad():
             model.final_logits_bias.copy_(torch.randn_like(model.final_logits_bias) * 0.5)
             model.model.shared.weight[pad].copy_(torch.randn_like(model.model.shared.weight[pad]))

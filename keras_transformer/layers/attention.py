@@ -11,6 +11,7 @@ import keras
 from keras import ops
 
 from keras_transformer.layers.arguments import check_attention_window, check_positive_int, check_rate
+from keras_transformer.layers.dense import Dense
 
 
 def clone_initializer(initializer):
@@ -306,7 +307,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.supports_masking = False
 
     def _dense(self, units, name):
-        return keras.layers.Dense(
+        return Dense(
             units,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             bias_initializer=clone_initializer(self.bias_initializer),

@@ -4,6 +4,7 @@ import keras
 
 from keras_transformer.layers.arguments import check_layer_args, head_dims
 from keras_transformer.layers.attention import MultiHeadAttention, clone_initializer
+from keras_transformer.layers.dense import Dense
 from keras_transformer.layers.residual import residual_connection
 
 
@@ -52,7 +53,7 @@ class TransformerLayerBase(keras.layers.Layer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
 
     def _dense(self, units, name, activation=None):
-        return keras.layers.Dense(
+        return Dense(
             units,
             activation=activation,
             kernel_initializer=clone_initializer(self.kernel_initializer),
