@@ -196,8 +196,14 @@ def save_resume_state(model, handle):
             entry.create_dataset(name, data=np.asarray(ops.convert_to_numpy(variable)))
 
 
-def load_resume_state(model, handle, path):
-    """Assigns W, A and B saved by `save_resume_state` (after Keras' `load_weights` set the merged kernels).
+def read_resume_state(model, handle, path):
+    """What `save_resume_state` wrote in the open HDF5 file `handle`, checked against `model`.
+
+    Read before Keras' `load_weights`, which would fail first (and less
+    clearly) on the optimizer's variables of another rank.
+
+    Returns:
+        `[(variable, array), ...]` for `restore_resume_state`; empty without LoRA.
 
     Raises:
         ValueError: naming `path`, when the file and the model disagree on LoRA.
@@ -206,14 +212,26 @@ def load_resume_state(model, handle, path):
     if model.lora_rank is None:
         if group is not None:
             raise ValueError(f"{path} was written by a LoRA run (rank={group.attrs['rank']}); the model has no LoRA")
-        return
+        return []
     if group is None or int(group.attrs["rank"]) != model.lora_rank:
         found = "no LoRA state" if group is None else f"LoRA rank={int(group.attrs['rank'])}"
         raise ValueError(f"{path} holds {found}; the model has LoRA rank={model.lora_rank}")
+    values = []
     for layer in lora_layers(model):
         entry = group.get(_relative_path(layer, model))
         if entry is None:
             raise ValueError(f"{path} has no LoRA state for {_relative_path(layer, model)}")
         for name, variable in (("kernel", layer._kernel), ("lora_kernel_a", layer.lora_kernel_a),
                                ("lora_kernel_b", layer.lora_kernel_b)):
-            variable.assign(np.asarray(entry[name]))
+            value = np.asarray(entry[name])
+            if value.shape != tuple(variable.shape):
+                raise ValueError(f"{path}: {_relative_path(layer, model)}/{name} has shape {value.shape}, "
+                                 f"the model {tuple(variable.shape)}")
+            values.append((variable, value))
+    return values
+
+
+def restore_resume_state(values):
+    """Assigns what `read_resume_state` returned, after Keras' `load_weights` set the merged kernels."""
+    for variable, value in values:
+        variable.assign(value)

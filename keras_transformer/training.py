@@ -456,9 +456,10 @@ def load_resume_point(model, path):
     """
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
-    model.load_weights(str(path))
     with h5py.File(path, "r") as handle:
-        lora.load_resume_state(model, handle, path)  # after load_weights, which set the merged kernels
+        lora_state = lora.read_resume_state(model, handle, path)  # a LoRA model's W, A and B, checked
+    model.load_weights(str(path))
+    lora.restore_resume_state(lora_state)  # over the merged kernels that load_weights set
     state = read_resume_point(path).get(RANDOM_STATE)
     if state is not None:
         _restore_seed_generators(model, state, path)
