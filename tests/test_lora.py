@@ -32,15 +32,18 @@ def _is_factor(variable):
     return variable.name in ("lora_kernel_a", "lora_kernel_b")
 
 
-def _trained_lora_model(rng, steps=3, **lora_arguments):
-    """A tiny model (learned positions, logits bias: every kind of weight) with LoRA, after `steps` updates."""
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny model (learned positions, logits bias: every kind of weight) with LoRA (alpha 8 / rank 4 = scale 2)
+    on attention and feed-forward, after 4 updates on one batch, with its weights before them (read only)."""
     model = tiny_model(position_encoding="learned", logits_bias=True)
-    model.enable_lora(4, **lora_arguments)
+    model.enable_lora(4, targets=["attention", "feedforward"], lora_alpha=8)
+    model.tokenizer = kt.train_tokenizer(TINY_CORPUS, 50)
     training.compile_model(model, warmup_steps=2)
-    batch = _batch(rng)
-    for _ in range(steps):
-        model.train_on_batch(*batch)
-    return model
+    before = _values(model.weights)
+    batch = _batch(np.random.default_rng(1))
+    losses = [float(model.train_on_batch(*batch)[0]) for _ in range(4)]
+    return model, before, losses
 
 
 def _logits(model, inputs):
@@ -73,38 +76,36 @@ def test_only_the_adapters_of_the_targets_are_trainable(targets, layers):
     assert model.count_params() == parameters + expected
 
 
-def test_frozen_weights_never_move_and_the_adapters_do(rng):
-    model = tiny_model(position_encoding="learned", logits_bias=True)
-    model.enable_lora(4, targets=["attention", "feedforward"])
-    training.compile_model(model, warmup_steps=2, learning_rate_scale=10.0)
-    frozen = _values(v for v in model.weights if not _is_factor(v))
-    factors = _values(v for v in model.weights if _is_factor(v))
-    assert not any(factors[path].any() for path in factors if path.endswith("lora_kernel_b"))  # Keras: B = 0
-    batch = _batch(rng)
-    losses = [float(model.train_on_batch(*batch)[0]) for _ in range(4)]
+def test_frozen_weights_never_move_and_the_adapters_do(trained):
+    model, before, losses = trained
+    assert not any(before[v.path].any() for v in model.weights if v.name == "lora_kernel_b")  # Keras: B = 0
     assert losses[-1] < losses[0]  # the adapters learn
-    for path, value in _values(v for v in model.weights if not _is_factor(v)).items():
-        np.testing.assert_array_equal(value, frozen[path], err_msg=path)
-    moved = _values(v for v in model.weights if _is_factor(v))
-    assert all(not np.array_equal(moved[path], factors[path]) for path in factors)
+    after = _values(model.weights)
+    for variable in model.weights:
+        if _is_factor(variable):
+            assert not np.array_equal(after[variable.path], before[variable.path]), variable.path
+        else:
+            np.testing.assert_array_equal(after[variable.path], before[variable.path], err_msg=variable.path)
 
 
 # ---------------------------------------------------------------------- #
 # Merged: the same model without adapters.
 # ---------------------------------------------------------------------- #
-def test_merged_model_has_numpy_merged_kernels_and_the_same_logits(rng):
-    model = _trained_lora_model(rng, targets=["attention", "feedforward"], lora_alpha=8)  # scale 8 / 4 = 2
+def test_merged_model_has_numpy_merged_kernels_and_the_same_logits(trained, rng):
+    model = trained[0]
     merged = model.merge_lora()
     plain = tiny_model(position_encoding="learned", logits_bias=True)
     assert not merged.lora_enabled and len(merged.weights) == len(plain.weights)
     assert not any(_is_factor(v) for v in merged.weights)
     assert [v.shape for v in merged.trainable_weights] == [v.shape for v in plain.trainable_weights]
+    assert merged.tokenizer is model.tokenizer
     merged_values = {v.path.split("/", 1)[1]: to_numpy(v) for v in merged.weights}
     checked = 0
     for layer in lora.lora_layers(model):
         kernel, a, b = (np.asarray(to_numpy(v), "float64") for v in (layer._kernel, layer.lora_kernel_a,
                                                                       layer.lora_kernel_b))
         path = layer._kernel.path.split("/", 1)[1]
+        # lora_alpha / rank = 8 / 4.
         np.testing.assert_allclose(merged_values[path], kernel + 2.0 * a @ b, rtol=1e-6, atol=1e-6, err_msg=path)
         assert np.abs(2.0 * a @ b).max() > 1e-4  # trained: the merge changes the kernel
         checked += 1
@@ -114,8 +115,8 @@ def test_merged_model_has_numpy_merged_kernels_and_the_same_logits(rng):
     assert model.lora_enabled and len(model.trainable_weights) == 64  # the LoRA model is unchanged
 
 
-def test_save_to_preset_writes_an_ordinary_merged_preset(tmp_path, rng):
-    model = _trained_lora_model(rng)
+def test_save_to_preset_writes_an_ordinary_merged_preset(trained, tmp_path, rng):
+    model = trained[0]
     model.save_to_preset(tmp_path / "preset")
     config = json.loads((tmp_path / "preset" / "config.json").read_text())
     assert "lora" not in json.dumps(config)
@@ -145,12 +146,11 @@ def test_weight_files_hold_float32_merged_kernels_under_mixed_precision(tmp_path
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the ONNX and SavedModel exporters run on TensorFlow")
-def test_every_exporter_takes_a_lora_model_merged(rng):
+def test_every_exporter_takes_a_lora_model_merged(trained):
     pytest.importorskip("ctranslate2")
     from export import ctranslate2, onnx, saved_model
 
-    model = _trained_lora_model(rng)
-    model.tokenizer = kt.train_tokenizer(TINY_CORPUS, 50)
+    model = trained[0]
     exported = [onnx._load_model(model), ctranslate2._load_model(model), saved_model._load(model, None)[0]]
     expected = lora.merged_weights(model)
     for loaded in exported:
@@ -233,12 +233,30 @@ def _tiny_trained_preset(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_training_with_lora_writes_an_ordinary_preset_of_the_averaged_merged_checkpoints(tmp_path, monkeypatch):
-    arguments = _tiny_trained_preset(tmp_path)
+def test_a_lora_run_resumes_with_lora_and_writes_an_ordinary_preset_of_the_averaged_merged_checkpoints(
+    tmp_path, monkeypatch
+):
+    arguments = dict(_tiny_trained_preset(tmp_path), lora_rank=4, lora_targets="feedforward", steps=2,
+                     checkpoint_every=1, average_last=2)
+    output = tmp_path / "run"
+    _run_until_the_first_resume_point(monkeypatch, output, arguments)  # as if killed there
+    resume_path = output / "training" / "backup" / training.RESUME_FILE
+    with h5py.File(resume_path) as handle:
+        assert int(handle[lora.RESUME_GROUP].attrs["rank"]) == 4
+    state = json.loads((output / "training" / "state.json").read_text())
+    assert (state["arguments"]["lora_rank"], state["arguments"]["lora_targets"]) == (4, list(FEEDFORWARD))
+    with pytest.raises(training.BadArgumentError, match=r"lora_rank=8 \(was 4\).*Repeat the original arguments"):
+        training.run_training(output, **{**arguments, "lora_rank": 8})
+
     inputs = {"encoder_token_ids": np.array([[5, 9, 12, 3, 0]], "int32"),
               "decoder_token_ids": np.array([[2, 7, 11, 6]], "int32")}
     seen = {}
-    fit = training._fit
+    build, fit = training._build_model, training._fit
+
+    def build_and_look(run, data):
+        model, strategy_name = build(run, data)
+        seen["built"] = (model.lora_rank, model.lora_targets, int(to_numpy(model.optimizer.iterations)))
+        return model, strategy_name
 
     def fit_and_look(run, data, model, strategy_name):
         loss = fit(run, data, model, strategy_name)
@@ -246,13 +264,13 @@ def test_run_training_with_lora_writes_an_ordinary_preset_of_the_averaged_merged
         seen["logits"] = _logits(model, inputs)
         return loss
 
+    monkeypatch.setattr(training, "_build_model", build_and_look)
     monkeypatch.setattr(training, "_fit", fit_and_look)
-    output = tmp_path / "run"
-    metadata = training.run_training(output, lora_rank=4, steps=2, checkpoint_every=1, average_last=2, **arguments)
+    # The targets by their layers' names are the same run as "feedforward".
+    metadata = training.run_training(output, **{**arguments, "lora_targets": list(FEEDFORWARD)})
+    assert seen["built"] == (4, FEEDFORWARD, 1)  # LoRA enabled before the resume point was loaded
     assert seen["trainable"] == {"lora_kernel_a", "lora_kernel_b"}
-    assert metadata["lora"] == {"rank": 4, "targets": list(ATTENTION)}
-    state = json.loads((output / "training" / "state.json").read_text())
-    assert (state["arguments"]["lora_rank"], state["arguments"]["lora_targets"]) == (4, list(ATTENTION))
+    assert metadata["steps"] == 2 and metadata["lora"] == {"rank": 4, "targets": list(FEEDFORWARD)}
 
     preset = kt.TransformerModel.from_preset(str(output))
     assert not preset.lora_enabled and not any(_is_factor(v) for v in preset.weights)
@@ -273,36 +291,6 @@ def test_run_training_with_lora_writes_an_ordinary_preset_of_the_averaged_merged
     for first, second, got in zip(*each, preset.get_weights(), strict=True):
         np.testing.assert_allclose(got, (first.astype("float64") + second) / 2, rtol=0, atol=1e-6)
     assert any(not np.array_equal(first, second) for first, second in zip(*each))
-
-
-@pytest.mark.slow
-def test_an_interrupted_lora_run_resumes_with_lora_and_refuses_another_rank(tmp_path, monkeypatch):
-    arguments = dict(_tiny_trained_preset(tmp_path), lora_rank=4, lora_targets="feedforward", steps=2,
-                     checkpoint_every=1, average_last=1)
-    output = tmp_path / "run"
-    _run_until_the_first_resume_point(monkeypatch, output, arguments)
-    resume_path = output / "training" / "backup" / training.RESUME_FILE
-    with h5py.File(resume_path) as handle:
-        assert lora.RESUME_GROUP in handle and int(handle[lora.RESUME_GROUP].attrs["rank"]) == 4
-    state = json.loads((output / "training" / "state.json").read_text())
-    assert state["arguments"]["lora_targets"] == list(FEEDFORWARD)
-
-    with pytest.raises(training.BadArgumentError, match=r"lora_rank=8 \(was 4\).*Repeat the original arguments"):
-        training.run_training(output, **{**arguments, "lora_rank": 8})
-    resumed = {}
-    build = training._build_model
-
-    def build_and_look(run, data):
-        model, strategy_name = build(run, data)
-        resumed["model"] = (model.lora_rank, model.lora_targets, int(to_numpy(model.optimizer.iterations)))
-        return model, strategy_name
-
-    monkeypatch.setattr(training, "_build_model", build_and_look)
-    # The targets by their layers' names are the same run as "feedforward".
-    metadata = training.run_training(output, **{**arguments, "lora_targets": list(FEEDFORWARD)})
-    assert resumed["model"] == (4, FEEDFORWARD, 1)  # LoRA enabled before the resume point was loaded
-    assert metadata["steps"] == 2 and metadata["lora"]["targets"] == list(FEEDFORWARD)
-    assert not kt.TransformerModel.from_preset(str(output)).lora_enabled
 
 
 # ---------------------------------------------------------------------- #
