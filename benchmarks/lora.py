@@ -18,11 +18,13 @@ Peak RSS is the process' `ru_maxrss` (model, optimizer state, gradients and
 the step's activations); `rss_after_build_mb` is the resident size after the
 model and its optimizer state were built (before the first step), so the
 difference is mostly what the steps add. The machine's load average is
-recorded beside each variant: on a shared machine the times move with it.
+recorded beside each process: on a shared machine the times move with it,
+so `--rounds` runs the variants' processes in turn that many times (full,
+lora, lora_ffn, full, ...) and the median is over every round's steps.
 
 ```
 python -m benchmarks.lora                     # TensorFlow backend, writes benchmarks/results/lora.json
-python -m benchmarks.lora --rank 16 --steps 10
+python -m benchmarks.lora --rank 16 --steps 10 --rounds 3
 ```
 """
 
@@ -98,6 +100,7 @@ def bench_variant(variant, rank, batch_size, length, warmup, steps, seed=0):
 
 
 def _run_child(variant, args, part):
+    """One process of `variant`: its result, with the load average before and after it."""
     env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
     command = [sys.executable, "-m", "benchmarks.lora", "--child", variant, "--output", str(part),
                "--rank", str(args.rank), "--batch-size", str(args.batch_size), "--length", str(args.length),
@@ -113,7 +116,7 @@ def _run_child(variant, args, part):
 
 def write_table(results):
     full = results.get("full")
-    lines = ["| variant | trainable params | s/step (median) | vs full | peak RSS MiB | vs full |",
+    lines = ["| variant | trainable params | s/step (median of every round) | vs full | peak RSS MiB | vs full |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, row in results.items():
         time_ratio = f"{row['seconds_per_step'] / full['seconds_per_step']:.2f}x" if full else "-"
@@ -131,6 +134,7 @@ def main(argv=None):
     parser.add_argument("--length", type=int, default=32, help="source and target tokens per sentence")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (tracing)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
+    parser.add_argument("--rounds", type=int, default=2, help="processes per variant, run in turn (default 2)")
     parser.add_argument("--results", default=str(RESULTS), help="directory for lora.json")
     parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
@@ -146,7 +150,21 @@ def main(argv=None):
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     results_dir = pathlib.Path(args.results)
     results_dir.mkdir(parents=True, exist_ok=True)
-    results = {variant: _run_child(variant, args, results_dir / f"lora_{variant}.part.json") for variant in variants}
+    rounds = [{variant: _run_child(variant, args, results_dir / f"lora_{variant}.part.json") for variant in variants}
+              for _ in range(args.rounds)]
+    results = {}
+    for variant in variants:
+        runs = [round_[variant] for round_ in rounds]
+        steps = [seconds for run in runs for seconds in run["step_seconds"]]
+        results[variant] = {
+            **{key: runs[0][key] for key in ("variant", "lora_rank", "lora_targets", "parameters",
+                                             "trainable_parameters", "optimizer_variables_mb")},
+            "seconds_per_step": statistics.median(steps),
+            "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
+            "rss_after_build_mb": max(run["rss_after_build_mb"] for run in runs),
+            "rounds": [{key: run[key] for key in ("seconds_per_step", "step_seconds", "warmup_seconds", "peak_rss_mb",
+                                                  "rss_after_build_mb", "load_average_1min")} for run in runs],
+        }
     import keras
     import tensorflow as tf
 
@@ -155,6 +173,7 @@ def main(argv=None):
         "batch": {"sentences": args.batch_size, "source_tokens": args.length, "target_tokens": args.length},
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
+        "rounds": args.rounds,
         "backend": "tensorflow",
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__},
         "machine": platform.processor() or platform.machine(),
