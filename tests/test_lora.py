@@ -1,4 +1,7 @@
-"""LoRA fine-tuning with Keras' `Dense.enable_lora` (issue 45, item 3): only the adapters train, presets and exports are merged."""
+"""LoRA fine-tuning with Keras' `Dense.enable_lora` (issue 45, item 3).
+
+Only the adapters train; checkpoints, presets and exports hold the merged kernels; a resume point the adapters.
+"""
 
 import json
 import shutil
