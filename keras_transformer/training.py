@@ -659,8 +659,6 @@ class TrainingConfig:
 
     preset: object = None  # None: DEFAULT_PRESET, unless init_from is given
     init_from: object = None
-    lora_rank: object = None  # None: every weight trains
-    lora_targets: object = None  # None: lora.DEFAULT_LORA_TARGETS
     train_src: object = None
     train_tgt: object = None
     valid_src: object = None
@@ -687,6 +685,8 @@ class TrainingConfig:
     verbose: object = None
     model_overrides: object = None
     tokenizer_max_sentences: object = None
+    lora_rank: object = None  # None: every weight trains
+    lora_targets: object = None  # None: lora.DEFAULT_LORA_TARGETS
 
     def __post_init__(self):
         _check_config(self)
