@@ -8,10 +8,12 @@ norms, biases, the logits bias), as keras-hub's `Backbone.enable_lora`
 freezes everything but the adapters.
 
 Files: Keras' `Dense.save_own_variables` writes the merged kernel `W +
-(alpha / r) A B` in the kernel's place and leaves `A` and `B` out, so a LoRA
-model's `.weights.h5` (a checkpoint, `save_to_preset`) is an ordinary
-model's, averaged and loaded as one. A resume point must give back `W`, `A`
-and `B` themselves: `save_resume_state` stores them beside the merged file.
+(alpha / r) A B` in the kernel's place and leaves `A` and `B` out (its
+`load_own_variables` zeroes them), so a LoRA model's `.weights.h5` (a
+checkpoint) is an ordinary model's, averaged and loaded as one;
+`TransformerModel.save_weights` merges in float32 under mixed precision
+(`kernels_merged_in_float32`). A resume point must give back `W`, `A` and `B`
+themselves: `save_resume_state` stores them beside the merged weights.
 
 References:
 - Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022, arXiv:2106.09685.
