@@ -514,10 +514,11 @@ def _is_marian(tokenizer):
 
 
 def _load_model(preset):
+    from keras_transformer.lora import merged_model
     from keras_transformer.model import TransformerModel
 
     if isinstance(preset, TransformerModel):
-        return preset
+        return merged_model(preset)  # LoRA adapters merged into the kernels
     return TransformerModel.from_preset(preset, dropout=0.0)
 
 

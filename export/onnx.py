@@ -881,6 +881,7 @@ def _config(model, files, opset, quantize):
 def _load_model(preset):
     import keras
 
+    from keras_transformer.lora import merged_model
     from keras_transformer.model import TransformerModel
 
     if keras.backend.backend() != "tensorflow":
@@ -890,7 +891,7 @@ def _load_model(preset):
             "Run with KERAS_BACKEND=tensorflow."
         )
     if isinstance(preset, TransformerModel):
-        return preset
+        return merged_model(preset)  # LoRA adapters merged into the kernels
     # Dropout is inactive at inference; 0.0 keeps it out of the traced graphs.
     return TransformerModel.from_preset(preset, dropout=0.0)
 

@@ -84,6 +84,7 @@ def _load(preset_or_model, tokenizer):
     """`(model, tokenizer)`, checked against each other; a clear error when there is no tokenizer."""
     import keras
 
+    from keras_transformer.lora import merged_model
     from keras_transformer.model import TOKENIZER_FILE, TransformerModel
     from keras_transformer.translator import Translator
 
@@ -93,7 +94,7 @@ def _load(preset_or_model, tokenizer):
             f"KERAS_BACKEND is {keras.backend.backend()!r}. Run with KERAS_BACKEND=tensorflow."
         )
     if isinstance(preset_or_model, TransformerModel):
-        model = preset_or_model
+        model = merged_model(preset_or_model)  # LoRA adapters merged into the kernels
         where = "the model has no tokenizer attached"
     elif isinstance(preset_or_model, (str, os.PathLike)):
         # Dropout is inactive at inference; 0.0 keeps it out of the traced graphs.

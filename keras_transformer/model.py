@@ -234,6 +234,8 @@ class TransformerModel(keras.Model):
         self.logits_bias = bool(logits_bias)
         self.head_key_dim, self.head_value_dim = key_dim_resolved, value_dim_resolved
         self.tokenizer = None
+        # Set by `enable_lora`; not in the config: a preset is always the merged model.
+        self.lora_rank, self.lora_alpha, self.lora_targets = None, None, ()
 
         self._create_sublayers(key_dim_resolved, value_dim_resolved)
         # All sizes are in the config, so the model is built (and has its
@@ -365,7 +367,8 @@ class TransformerModel(keras.Model):
         PyTorch only for the fixed shapes of an explicit `input_signature`.
         For translation (the search, its cache, the tokenizer) use the
         project's exporters, `python -m export.onnx` and
-        `python -m export.saved_model`.
+        `python -m export.saved_model`. A LoRA model is exported merged
+        (`merge_lora`).
 
         Example:
         >>> model = TransformerModel.from_preset("tiny")
@@ -382,6 +385,8 @@ class TransformerModel(keras.Model):
             ValueError: an `input_signature` of more than one entry (the
                 model takes one dict).
         """
+        if self.lora_enabled:  # served merged: the shapes and speed of the model without LoRA
+            return self.merge_lora().export(filepath, format, verbose, input_signature, **kwargs)
         backend = keras.backend.backend()
         alternative = PROJECT_EXPORTERS.get(format)
         if isinstance(input_signature, (list, tuple)) and len(input_signature) != 1:
@@ -756,6 +761,86 @@ class TransformerModel(keras.Model):
         }
 
     # ------------------------------------------------------------------ #
+    # LoRA
+    # ------------------------------------------------------------------ #
+    @property
+    def lora_enabled(self):
+        """Whether `enable_lora` was called: only the adapters train."""
+        return self.lora_rank is not None
+
+    def enable_lora(self, rank, targets=None, lora_alpha=None):
+        """Low-rank adapters (LoRA) on the target projections; every other weight is frozen.
+
+        Each target `Dense` computes `x (W + (lora_alpha / rank) A B) + b`
+        with Keras' `Dense.enable_lora`: `A [in, rank]` (He-uniform) and
+        `B [rank, out]` (zeros, so the outputs are unchanged until trained)
+        are the only trainable weights; `W`, the biases, the embedding, the
+        positions, the layer norms and the logits bias are frozen. Call it
+        before `compile`. `save_to_preset`, `export` and the project's
+        exporters write the merged model (`merge_lora`): the same shapes and
+        speed as before.
+
+        Args:
+            rank: int >= 1, the adapters' rank r.
+            targets: None (default: "attention"), or one or more names of
+                `lora.LORA_TARGET_NAMES`: "attention" (W^Q, W^K, W^V, W^O of
+                every self- and cross-attention), "feedforward" (W_1 and W_2
+                of the feed-forward networks), or single projections by layer
+                name ("query", "key", "value", "attention_output",
+                "feedforward_intermediate_dense", "feedforward_output_dense").
+            lora_alpha: optional number, the scale's numerator; default
+                `rank` (a scale of 1), as in Keras.
+
+        Example:
+        >>> model = TransformerModel.from_preset("tiny")
+        >>> model.enable_lora(4)
+        >>> sorted({w.name for w in model.trainable_weights})
+        ['lora_kernel_a', 'lora_kernel_b']
+
+        Raises:
+            ValueError: a rank that is not a positive integer, an unknown
+                target, a bad `lora_alpha`, a model that has LoRA already or
+                is quantized.
+
+        References:
+        - Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
+        """
+        from keras_transformer import lora
+
+        lora.enable_lora(self, rank, targets=targets, lora_alpha=lora_alpha)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """Keras' `save_weights`; with LoRA, the file holds the merged kernels, in float32 under mixed precision.
+
+        Keras' LoRA `Dense` writes `W + (alpha / r) A B` in place of `W`
+        and no adapters (an ordinary model's file), merged in the compute
+        dtype; here in the variables' dtype (`lora.kernels_merged_in_float32`).
+        """
+        from keras_transformer import lora
+
+        with lora.kernels_merged_in_float32(self):
+            return super().save_weights(filepath, *args, **kwargs)
+
+    def merge_lora(self):
+        """A new `TransformerModel` with each adapter merged into its kernel: `W + (alpha / r) A B`.
+
+        The same config (no LoRA), outputs and tokenizer; this model is
+        unchanged. What `save_to_preset` and the exporters write for a LoRA
+        model.
+
+        Raises:
+            ValueError: the model has no LoRA (`enable_lora`).
+        """
+        from keras_transformer import lora
+
+        if not self.lora_enabled:
+            raise ValueError("merge_lora: this model has no LoRA adapters; call enable_lora(rank) first")
+        merged = type(self).from_config(self.get_config())
+        merged.set_weights(lora.merged_weights(self))
+        merged.tokenizer = self.tokenizer
+        return merged
+
+    # ------------------------------------------------------------------ #
     # Config, presets
     # ------------------------------------------------------------------ #
     def get_config(self):
@@ -853,7 +938,12 @@ class TransformerModel(keras.Model):
                 what, with what score).
             overwrite: replace an earlier preset there (or an empty
                 directory); a directory of other files is refused.
+
+        A LoRA model (`enable_lora`) is written merged (`merge_lora`): an
+        ordinary preset, with no adapters in its config or weights.
         """
+        if self.lora_enabled:
+            return self.merge_lora().save_to_preset(directory, tokenizer, metadata, overwrite)
         directory = check_output_directory(
             directory, overwrite, is_preset_directory, "a preset directory (save_to_preset)", flag="overwrite=True"
         )

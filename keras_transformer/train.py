@@ -7,6 +7,8 @@ corpus. Run it again with the same --output to resume after an interruption.
 python -m keras_transformer.train --preset small --output runs/small                 # from scratch
 python -m keras_transformer.train --init-from opus_mt_en_de --output runs/finetuned \
     --train-src train.en --train-tgt train.de --steps 2000 --learning-rate-scale 0.1   # fine-tune
+python -m keras_transformer.train --init-from opus_mt_en_de --output runs/lora \
+    --train-src train.en --train-tgt train.de --steps 2000 --lora-rank 8               # LoRA adapters only
 ```
 """
 
@@ -20,6 +22,7 @@ from keras_transformer import cli
 if __name__ == "__main__":  # a command: quiet the frameworks before anything imports them
     cli.quiet_startup()
 
+from keras_transformer.lora import LORA_TARGET_NAMES, LORA_TARGETS  # noqa: E402
 from keras_transformer.training import STRATEGIES, UserInputError, run_training  # noqa: E402
 from keras_transformer.utils import (  # noqa: E402
     auto_or_bool, non_negative_int, positive_float, positive_int, unit_interval,
@@ -36,6 +39,12 @@ def build_parser():
     start.add_argument("--init-from", metavar="MODEL",
                        help="a trained model to fine-tune with its own tokenizer: a preset directory, a Hugging Face "
                             "Marian checkpoint directory, hf://org/name or a pretrained preset (e.g. opus_mt_en_de)")
+    lora = parser.add_argument_group("LoRA (with --init-from)")
+    lora.add_argument("--lora-rank", type=positive_int, metavar="R",
+                      help="train only rank-R LoRA adapters, every other weight frozen; the preset is written merged")
+    lora.add_argument("--lora-targets", nargs="+", choices=LORA_TARGET_NAMES, metavar="NAME",
+                      help="what the adapters adapt: attention (default), feedforward, or single projections "
+                           f"({', '.join(name for name in LORA_TARGET_NAMES if name not in LORA_TARGETS)})")
     parser.add_argument("--output", required=True, help="preset directory to write (resumed if interrupted)")
     parser.add_argument("--train-src", help="training source file (plain or .gz, one sentence per line)")
     parser.add_argument("--train-tgt", help="training target file, line-aligned with --train-src")
@@ -91,6 +100,8 @@ def _train(args):
         args.output,
         preset=args.preset,
         init_from=args.init_from,
+        lora_rank=args.lora_rank,
+        lora_targets=args.lora_targets,
         train_src=args.train_src,
         train_tgt=args.train_tgt,
         valid_src=args.valid_src,

@@ -33,6 +33,7 @@ import numpy as np
 
 from keras_transformer import data as data_lib
 from keras_transformer import datasets
+from keras_transformer import lora
 from keras_transformer.convert import hf_model_type, is_hf_handle
 from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import TransformerModel
@@ -382,6 +383,7 @@ def save_resume_point(model, path, intervals, **info):
         model.save_weights(temporary, overwrite=True)
         with h5py.File(temporary, "r+") as handle:
             handle.attrs[RESUME_ATTRIBUTE] = json.dumps(state)
+            lora.save_resume_state(model, handle)  # a LoRA model's frozen kernels and adapters, unmerged
 
 
 def _seed_state_variables(model):
@@ -456,7 +458,10 @@ def load_resume_point(model, path):
     """
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
+    with h5py.File(path, "r") as handle:
+        lora_state = lora.read_resume_state(model, handle, path)  # a LoRA model's W, A and B, checked
     model.load_weights(str(path))
+    lora.restore_resume_state(lora_state)  # over the merged kernels that load_weights set
     state = read_resume_point(path).get(RANDOM_STATE)
     if state is not None:
         _restore_seed_generators(model, state, path)
@@ -682,6 +687,8 @@ class TrainingConfig:
     verbose: object = None
     model_overrides: object = None
     tokenizer_max_sentences: object = None
+    lora_rank: object = None  # None: every weight trains
+    lora_targets: object = None  # None: lora.DEFAULT_LORA_TARGETS
 
     def __post_init__(self):
         _check_config(self)
@@ -711,6 +718,9 @@ class TrainingConfig:
             vocabulary_size = vocabulary_size or PRESETS[preset]["config"]["vocabulary_size"]
         # init_from is recorded when given: a run without it records the keys runs always recorded.
         fine_tuning = {"init_from": _path_or_name(self.init_from)} if self.init_from is not None else {}
+        if self.lora_rank is not None:
+            # The layers adapted: "attention" and its four projections by name are the same run.
+            fine_tuning.update(lora_rank=self.lora_rank, lora_targets=list(lora.target_layer_names(self.lora_targets)))
         arguments = {
             "preset": _path_or_name(preset), **fine_tuning, "train_src": _path_or_name(self.train_src),
             "train_tgt": _path_or_name(self.train_tgt), "valid_src": _path_or_name(self.valid_src),
@@ -764,9 +774,30 @@ def _check_config(config):
         _check_init_from(config)
     else:
         _check_preset(config.model_preset)
+    _check_lora(config)
     unpaired = [(config.train_src, config.train_tgt), (config.valid_src, config.valid_tgt)]
     if any((src is None) != (tgt is None) for src, tgt in unpaired):
         raise BadArgumentError("Pass --train-src with --train-tgt, and --valid-src with --valid-tgt")
+
+
+def _check_lora(config):
+    """Raises `BadArgumentError` for a bad `lora_rank` or `lora_targets`, or LoRA on a model trained from scratch."""
+    rank, targets = config.lora_rank, config.lora_targets
+    if rank is None:
+        if targets is not None:
+            raise BadArgumentError(f"lora_targets={targets!r} needs lora_rank (--lora-rank R)")
+        return
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise BadArgumentError(f"lora_rank={rank!r} must be an integer >= 1")
+    try:
+        lora.target_layer_names(targets, name="lora_targets")
+    except ValueError as error:
+        raise BadArgumentError(str(error)) from None
+    if config.init_from is None:
+        raise BadArgumentError(
+            f"lora_rank={rank} adapts a trained model: pass --init-from (a preset trains from random weights and "
+            "a new vocabulary, which LoRA would freeze)"
+        )
 
 
 def _check_preset(preset):
@@ -900,6 +931,14 @@ def run_training(output_dir, config=None, **overrides):
             `vocabulary_size` and `tokenizer_max_sentences` are refused.
             `model_overrides` may change what the checkpoint allows (e.g.
             `dropout`).
+        lora_rank: optional int r: fine-tune `init_from` with LoRA
+            (`TransformerModel.enable_lora`): only rank-r adapters of the
+            `lora_targets` train, every other weight is frozen. Checkpoints,
+            the averaged weights and the preset hold the merged kernels (an
+            ordinary model); the resume point also keeps the adapters.
+        lora_targets: what LoRA adapts (with `lora_rank`): a name or list of
+            names of `lora.LORA_TARGET_NAMES`; default "attention" (every
+            attention projection), "feedforward" adds the feed-forward layers.
         train_src, train_tgt, valid_src, valid_tgt: parallel text files.
         vocabulary_size: shared subword vocabulary; default: the preset's.
         tokens_per_batch: token budget per side of a batch (paper: ~25000).
@@ -1286,6 +1325,11 @@ def _build_model(run, data):
             overrides.setdefault("vocabulary_size", data.tokenizer.vocabulary_size)
             overrides.setdefault("max_sequence_length", max(config.max_length, 8))
             model = TransformerModel.from_preset(config.model_preset, **overrides)
+        if config.lora_rank is not None:  # before the optimizer and the resume point see the variables
+            model.enable_lora(config.lora_rank, targets=config.lora_targets)
+            logger.info("LoRA rank %d on %s: %d of %d parameters train", config.lora_rank,
+                        ", ".join(model.lora_targets), sum(int(np.prod(v.shape)) for v in model.trainable_weights),
+                        model.count_params())
         compile_model(
             model,
             warmup_steps=config.warmup_steps,
@@ -1375,7 +1419,7 @@ def _finalize(run, data, model, trained):
         averaged_path = work / "averaged.weights.h5"
         average_checkpoints(checkpoints, averaged_path)
         model.load_weights(str(averaged_path))
-    final.set_weights(model.get_weights())
+    final.set_weights(lora.merged_weights(model))  # a LoRA model's adapters merged: an ordinary model
     final.tokenizer = data.tokenizer
 
     metadata = _metadata(run, data, checkpoints, trained)
@@ -1397,6 +1441,7 @@ def _metadata(run, data, checkpoints, trained):
     metadata = {
         "preset": str(config.model_preset),
         **({"init_from": run.arguments["init_from"]} if config.init_from is not None else {}),
+        **({"lora": {"rank": config.lora_rank, "targets": run.arguments["lora_targets"]}} if config.lora_rank else {}),
         # Portable: the bundled corpus by name and version, other files as given.
         "data": {**datasets.data_record(run.texts.paths), "train_pairs": data.train_pairs},
         "steps": data.total_steps,
