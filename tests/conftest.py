@@ -101,6 +101,7 @@ BACKEND_INDEPENDENT = {
     "test_tokenizer.py": ["*"],
     "test_data.py": ["*"],
     "test_benchmarks.py": ["*"],
+    "test_benchmark_finetune.py": ["*"],
     "test_benchmark_quickstart.py": ["*"],
     # benchmarks/device.sh starts its own JAX and PyTorch processes.
     "test_device_benchmark.py": ["*"],

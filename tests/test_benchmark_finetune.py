@@ -1,0 +1,44 @@
+"""benchmarks.finetune's arithmetic: FLOPs per step, the summary of measured steps, the table."""
+
+import numpy as np
+
+from benchmarks import finetune
+from benchmarks.train import BENCH_SMALL, training_flops, transformer_training_flops
+
+
+def test_training_flops_count_layers_output_projection_and_attention():
+    # 1 encoder + 2 decoder layers, B=2, S=3, T=5, d=4, V=10, by hand:
+    # layers 6 * (100 * 2 * 3 + 200 * 2 * 5) = 15,600; output 6 * 4 * 10 * 2 * 5 = 2,400;
+    # attention 12 * 4 * 2 * (1 * 9 + 2 * (25 + 15)) = 8,544.
+    flops = transformer_training_flops(100, 200, hidden_dim=4, vocabulary_size=10, num_encoder_layers=1,
+                                       num_decoder_layers=2, batch_size=2, source_length=3, target_length=5)
+    assert flops == 15_600 + 2_400 + 8_544
+    # benchmarks.train's symmetric form is the same formula.
+    b, n, d, v, layers = (BENCH_SMALL[k] for k in ("batch_size", "sequence_length", "hidden_dim",
+                                                      "vocabulary_size", "num_layers"))
+    assert training_flops(BENCH_SMALL, 1000, 2000) == (
+        6 * (1000 + 2000) * b * n + 6 * d * v * b * n + 12 * d * layers * 3 * n * n * b
+    )
+
+
+def test_summary_counts_the_labels_of_the_batches_that_ran():
+    labels = [np.array([[5, 6, 0], [7, 0, 0]]), np.array([[5, 6, 7], [8, 9, 4]])]  # 3 and 6 target tokens
+    batches = [(None, None, y) for y in labels]
+    summary = finetune.summarize([1.0, 2.0, 3.0], [0, 1, 0], batches, flops=[10.0, 40.0])
+    assert summary["seconds_per_step"] == 2.0
+    assert summary["target_tokens_per_second"] == (3 + 6 + 3) / 6.0
+    assert summary["flops_per_second"] == (10 + 40 + 10) / 6.0
+
+
+def test_table_gives_ratio_mfu_and_the_loss_difference():
+    row = {"target_tokens_per_second": 1500.0, "ratio": 1.5, "seconds_per_step": 2.0,
+           "flops_per_second": 50e9, "peak_rss_mb": 2048.0}
+    results = {
+        "matmul_peak_gflops": 100.0,
+        "groups": [{"shape": "base", "budget": 2000, "precision": "float32", "contenders": {
+            "huggingface": dict(row, ratio=1.0, target_tokens_per_second=1000.0), "torch": row}}],
+        "checks": {"base": {"max_abs_difference": {"torch": 1.9e-4}}},
+    }
+    lines = finetune.table(results).splitlines()
+    assert lines[2] == "| base | 2000 | float32 | huggingface | 1,000 | 1.00x | 2.000 | 50% | 2,048 | reference |"
+    assert lines[3] == "| base | 2000 | float32 | torch | 1,500 | 1.50x | 2.000 | 50% | 2,048 | 1.9e-04 |"
