@@ -444,9 +444,23 @@ def test_an_interrupted_run_resumes_with_its_optimizer_state(tmp_path, monkeypat
     assert metadata["resumed_with_changes"] == [
         {"at_step": 1, "changed": {"average_last": [5, 2], "steps": [2, 3]}}]
     assert metadata["averaged_checkpoints"] == ["ckpt-00000002.weights.h5", "ckpt-00000003.weights.h5"]
-    assert [p.name for p in training.list_checkpoints(output / "training" / "checkpoints")] == [
-        f"ckpt-{step:08d}.weights.h5" for step in (1, 2, 3)]
-    assert kt.TransformerModel.from_preset(str(output)).tokenizer is not None
+    checkpoints = training.list_checkpoints(output / "training" / "checkpoints")
+    assert [p.name for p in checkpoints] == [f"ckpt-{step:08d}.weights.h5" for step in (1, 2, 3)]
+    model = kt.TransformerModel.from_preset(str(output))
+    assert model.tokenizer is not None
+
+    # Checkpoints and the average hold the model's weights (about their float32 bytes); only the resume point
+    # holds Adam's two moments too (3x: what every checkpoint weighed when written with model.save_weights).
+    # HDF5 adds about 2.4 KB per array (a quarter of this small model's 0.4 MB; under 1% of a base model's).
+    weight_bytes, limit = 4 * model.count_params(), 1.05 * 4 * model.count_params() + 4096 * len(model.weights)
+    assert limit < 2 * weight_bytes
+    for path in [*checkpoints, output / "training" / "averaged.weights.h5"]:
+        assert weight_bytes < path.stat().st_size < limit, (path.name, path.stat().st_size, weight_bytes)
+        with h5py.File(path, "r") as handle:
+            assert "optimizer" not in handle
+    assert resume_path.stat().st_size > 2.9 * weight_bytes, (resume_path.stat().st_size, weight_bytes)
+    with h5py.File(resume_path, "r") as handle:
+        assert "optimizer" in handle
 
 
 @pytest.mark.slow
@@ -645,7 +659,7 @@ def test_training_survives_random_sigkills(tmp_path):
     work = output / "training"
     resume = training.read_resume_point(work / "backup" / training.RESUME_FILE)
     assert (resume["intervals"], resume["step"]) == (steps, steps)
-    with h5py.File(work / "checkpoints" / f"ckpt-{steps:08d}.weights.h5", "r") as handle:
+    with h5py.File(work / "backup" / training.RESUME_FILE, "r") as handle:  # (checkpoints hold no optimizer state)
         counters = [np.asarray(handle[name]) for name in _datasets(handle) if name.startswith("optimizer/")]
         counters = [int(c) for c in counters if c.shape == () and np.issubdtype(c.dtype, np.integer)]
     assert counters == [steps]  # optimizer.iterations: no interval trained twice
