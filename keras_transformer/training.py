@@ -1446,6 +1446,7 @@ class _Averaged:
     path: pathlib.Path  # their average (`training/averaged.weights.h5`): the model's weights only
     model_config: dict  # the trained model's
     scores: dict  # the validation loss and token accuracy of the averaged weights, when there is validation text
+    seconds: float  # from the start of `run_training` to the averaged weights (metadata's `train_seconds_this_run`)
 
 
 def _average(run, data, model):
@@ -1463,6 +1464,7 @@ def _average(run, data, model):
         _load_model_weights(model, path)
     else:  # nothing to average (the checkpoints were removed): the last weights, as the others load them
         _atomic_save_weights(model, path)
+    seconds = round(time.time() - run.started, 1)
     scores = {}
     if data.valid_data is not None:
         verbose = _verbosity(run.config)
@@ -1471,7 +1473,7 @@ def _average(run, data, model):
             callbacks = [BatchCounter(progress)] if progress is not None else []
             results = model.evaluate(data.valid_data, verbose=0, return_dict=True, callbacks=callbacks)
         scores = {"valid_loss": float(results["loss"]), "valid_token_accuracy": float(results["masked_accuracy"])}
-    return _Averaged(checkpoints, path, model.get_config(), scores)
+    return _Averaged(checkpoints, path, model.get_config(), scores, seconds)
 
 
 def _optional_progress(verbose, description, total, unit):
@@ -1497,7 +1499,7 @@ def _finalize(run, data, averaged, trained):
     final.load_weights(str(averaged.path))
     final.tokenizer = data.tokenizer
 
-    metadata = _metadata(run, data, averaged.checkpoints, trained)
+    metadata = _metadata(run, data, averaged, trained)
     metadata.update(averaged.scores)
     if texts.valid_sources:
         metadata["valid_sentences"] = len(texts.valid_sources)
@@ -1513,7 +1515,7 @@ def _finalize(run, data, averaged, trained):
     return metadata
 
 
-def _metadata(run, data, checkpoints, trained):
+def _metadata(run, data, averaged, trained):
     """metadata.json before the validation scores: what trained the model, on what, for how long."""
     config = run.config
     metadata = {
@@ -1531,11 +1533,11 @@ def _metadata(run, data, checkpoints, trained):
             "average_last": config.checkpoints_averaged, "max_length": config.max_length,
             "seed": config.seed,
         },
-        "averaged_checkpoints": [p.name for p in checkpoints],
+        "averaged_checkpoints": [p.name for p in averaged.checkpoints],
         "backend": keras.backend.backend(),
         "strategy": trained["strategy"],
         "mixed_precision": config.mixed_precision,
-        "train_seconds_this_run": round(time.time() - run.started, 1),
+        "train_seconds_this_run": averaged.seconds,
         "final_train_loss": trained["final_train_loss"],
     }
     if run.state["changes"]:

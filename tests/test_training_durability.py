@@ -100,6 +100,8 @@ TRAIN_REQUIRED = ["--output", "unused-output"]
         (["--label-smoothing", "-0.1"], "--label-smoothing"),
         (["--seed", "-1"], "--seed"),
         (["--tokenizer-max-sentences", "0"], "--tokenizer-max-sentences"),
+        (["--validation-bleu-sentences", "0"], "--validation-bleu-sentences"),
+        (["--no-validation-bleu", "--validation-bleu-sentences", "5"], "not allowed with argument"),
     ],
 )
 def test_train_cli_refuses_nonsense_numbers(tmp_path, capsys, argv, name):
@@ -142,6 +144,8 @@ def test_average_checkpoints_cli_names_a_missing_input(tmp_path, capsys):
         (dict(average_last=0), "average_last=0"),
         (dict(checkpoint_every=0), "checkpoint_every=0"),
         (dict(label_smoothing=1.5), "label_smoothing"),
+        (dict(validation_bleu_sentences=0), r"^validation_bleu_sentences=0 must be an integer >= 1$"),
+        (dict(validation_bleu="no"), r"^validation_bleu='no' must be True or False$"),
         (dict(preset="tinyy"), "Unknown preset 'tinyy'"),
         (dict(train_src="missing.en", train_tgt="missing.de"), "missing.en"),
     ],
@@ -312,6 +316,41 @@ RECORDED_ARGUMENTS = [
     "checkpoint_every_minutes", "keep_checkpoints", "average_last", "strategy", "mixed_precision", "jit_compile",
     "bleu_beam_size", "seed", "model_overrides",
 ]
+
+
+def test_the_validation_options_are_changes_a_resume_applies_and_records(tmp_path, monkeypatch):
+    """What the end of a run scores is not what was trained: a resume may change it (`RESUMABLE_CHANGES`)."""
+    output, arguments = _interrupted_run(tmp_path, monkeypatch)
+
+    def stop(strategy):
+        raise RuntimeError("resumed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training, "resolve_strategy", stop)
+        with pytest.raises(RuntimeError, match="resumed"):
+            training.run_training(output, **arguments, validation_bleu=False, validation_bleu_sentences=20)
+    state = json.loads((output / "training" / "state.json").read_text())
+    assert state["changes"] == [{"at_step": 2, "changed": {"validation_bleu": [None, False],
+                                                            "validation_bleu_sentences": [None, 20]}}]
+    assert (state["arguments"]["validation_bleu"], state["arguments"]["validation_bleu_sentences"]) == (False, 20)
+
+
+def test_train_cli_passes_the_validation_options(tmp_path, monkeypatch):
+    from keras_transformer import train
+
+    received = {}
+    monkeypatch.setattr(train, "run_training", lambda output, **kwargs: received.update(kwargs) or {})
+    train.main(["--output", str(tmp_path / "out")])
+    assert (received["validation_bleu"], received["validation_bleu_sentences"]) == (
+        True, training.DEFAULT_VALIDATION_BLEU_SENTENCES)
+    train.main(["--output", str(tmp_path / "out"), "--no-validation-bleu"])
+    assert received["validation_bleu"] is False
+    train.main(["--output", str(tmp_path / "out"), "--validation-bleu-sentences", "50"])
+    assert (received["validation_bleu"], received["validation_bleu_sentences"]) == (True, 50)
+    # The default keeps the bundled corpus's whole validation split, so the Quick start's valid BLEU is unchanged.
+    from keras_transformer.datasets import load_bundled
+
+    assert training.DEFAULT_VALIDATION_BLEU_SENTENCES >= len(load_bundled("valid")[0])
 
 
 def test_a_config_object_is_the_same_run_as_its_keywords(tmp_path, monkeypatch):
