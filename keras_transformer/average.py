@@ -4,6 +4,9 @@
 replace the function `keras_transformer.average_checkpoints` with the module.)
 
 The paper averages the last 5 (base) or 20 (big) checkpoints (section 6.1).
+The average holds the model's weights only: an optimizer state in the inputs
+(a resume point, or a checkpoint of a run trained before checkpoints held the
+model's weights only) is left out.
 """
 
 import argparse

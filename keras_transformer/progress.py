@@ -3,7 +3,8 @@
 `model.fit` counts "epochs" and batches; `run_training` runs one fit epoch per
 checkpoint interval (the resume points), so Keras' own display would read
 `Epoch 1/29 ... 100/100` for a run asked for 18 passes over the data. This
-callback shows what was asked for instead.
+callback shows what was asked for instead. `CountProgress` shows the stages
+after `fit` (the validation loss and BLEU) in batches and sentences.
 """
 
 import logging
@@ -158,3 +159,97 @@ class TrainingProgress(keras.callbacks.Callback):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+class CountProgress:
+    """Progress of a loop over a known number of items (batches, sentences): a tqdm bar or logged lines.
+
+    For the stages outside `fit` that take minutes on a large model (the
+    validation loss and BLEU at the end of `run_training`). With `bar`, a
+    `tqdm` bar on stderr; without, a line logged (INFO, logger
+    `keras_transformer.progress`) at most every `every_seconds`. Either way
+    a last line says how many items took how long. `update(n)` is what
+    `Translator.translate(progress=...)` calls, so an instance counts the
+    sentences of a translation as they are done.
+
+    Args:
+        description: str, what is counted, e.g. "validation BLEU".
+        total: int, the number of items (None: unknown, no ETA).
+        unit: str, e.g. "sentences".
+        bar: bool, draw a progress bar (default: when stderr is a terminal).
+        every_seconds: float, the least time between two logged lines.
+
+    Example:
+    >>> with CountProgress("validation BLEU", total=469, unit="sentences", bar=False) as progress:
+    ...     translator.translate(sources, progress=progress)
+    ... INFO keras_transformer.progress: validation BLEU: 64/469 sentences (13%), 0:31 elapsed, ETA 3:16
+    ... INFO keras_transformer.progress: validation BLEU: 469 sentences in 3:49
+    """
+
+    def __init__(self, description, total, unit, bar=None, every_seconds=30.0):
+        if total is not None and total < 0:
+            raise ValueError(f"total={total} must be None or >= 0")
+        self.description = description
+        self.total = total
+        self.unit = unit
+        self.bar = sys.stderr.isatty() if bar is None else bool(bar)
+        self.every_seconds = float(every_seconds)
+        self.done = 0
+        self._bar = None
+        self._redirect = None
+        self._started = self._last_line = None
+
+    def __enter__(self):
+        self._started = self._last_line = time.monotonic()
+        if self.bar:
+            from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._bar = tqdm(total=self.total, desc=self.description, unit=f" {self.unit}", dynamic_ncols=True)
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+        else:
+            logger.info("%s", self.summary(self._started))
+        return self
+
+    def update(self, n=1):
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self._last_line >= self.every_seconds and (self.total is None or self.done < self.total):
+            self._last_line = now
+            logger.info("%s", self.summary(now))
+
+    def summary(self, now=None):
+        """`DESCRIPTION: DONE/TOTAL UNIT (P%), ELAPSED elapsed, ETA LEFT` (without TOTAL: no percentage, no ETA)."""
+        elapsed = (now if now is not None else time.monotonic()) - self._started
+        if not self.total:
+            return f"{self.description}: {self.done} {self.unit}, {format_duration(elapsed)} elapsed"
+        left = elapsed / self.done * (self.total - self.done) if self.done else None
+        return (f"{self.description}: {self.done}/{self.total} {self.unit} ({100 * self.done // self.total}%), "
+                f"{format_duration(elapsed)} elapsed, ETA {format_duration(left)}")
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if exc_type is None:
+            elapsed = time.monotonic() - self._started
+            logger.info("%s: %d %s in %s", self.description, self.done, self.unit, format_duration(elapsed))
+        return False
+
+
+class BatchCounter(keras.callbacks.Callback):
+    """Counts `evaluate`'s batches on a `CountProgress` (`model.evaluate(..., callbacks=[BatchCounter(p)])`)."""
+
+    def __init__(self, progress):
+        super().__init__()
+        self.progress = progress
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.progress.update(1)

@@ -23,7 +23,9 @@ if __name__ == "__main__":  # a command: quiet the frameworks before anything im
     cli.quiet_startup()
 
 from keras_transformer.lora import LORA_TARGET_NAMES, LORA_TARGETS  # noqa: E402
-from keras_transformer.training import STRATEGIES, UserInputError, run_training  # noqa: E402
+from keras_transformer.training import (  # noqa: E402
+    DEFAULT_VALIDATION_BLEU_SENTENCES, STRATEGIES, UserInputError, run_training,
+)
 from keras_transformer.utils import (  # noqa: E402
     auto_or_bool, non_negative_int, positive_float, positive_int, unit_interval,
 )
@@ -76,6 +78,14 @@ def build_parser():
     parser.add_argument("--jit-compile", type=auto_or_bool, default="auto", metavar="{auto,true,false}",
                         help="XLA-compile the training step (default auto: off under MirroredStrategy and for "
                              "TensorFlow on a CPU, else Keras' choice)")
+    validation = parser.add_mutually_exclusive_group()
+    validation.add_argument("--validation-bleu-sentences", type=positive_int, metavar="N",
+                            default=DEFAULT_VALIDATION_BLEU_SENTENCES,
+                            help="the validation BLEU at the end scores the first N validation sentences "
+                                 f"(default: {DEFAULT_VALIDATION_BLEU_SENTENCES}, all of the bundled corpus's)")
+    validation.add_argument("--no-validation-bleu", dest="validation_bleu", action="store_false",
+                            help="skip the validation BLEU at the end (beam search: minutes for a large model on a "
+                                 "CPU); the validation loss is still computed")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace a run or preset at --output once the new one is complete")
     cli.add_verbose_argument(parser)
@@ -123,6 +133,8 @@ def _train(args):
         strategy=args.strategy,
         mixed_precision=args.mixed_precision,
         jit_compile=args.jit_compile,
+        validation_bleu=args.validation_bleu,
+        validation_bleu_sentences=args.validation_bleu_sentences,
         seed=args.seed,
         overwrite=args.overwrite,
         model_overrides={"dropout": args.dropout} if args.dropout is not None else None,

@@ -18,6 +18,7 @@ Distribution (`strategy=`):
 import base64
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from keras_transformer.losses import LabelSmoothedCrossEntropy
 from keras_transformer.model import TransformerModel
 from keras_transformer.optimizers import InPlaceAdam
 from keras_transformer.presets import PRESETS, PRETRAINED_PRESETS, is_preset_directory, jsonable_config
-from keras_transformer.progress import TrainingProgress
+from keras_transformer.progress import BatchCounter, CountProgress, TrainingProgress
 from keras_transformer.schedules import WarmupSchedule
 from keras_transformer.tokenizer import load_tokenizer, train_tokenizer
 from keras_transformer.utils import (
@@ -170,9 +171,30 @@ def accumulation_steps(gradient_accumulation_steps):
     return int(k) if k and k > 1 else None
 
 
+OPTIMIZER_GROUP = "optimizer"  # where Keras' `save_weights` puts a compiled model's optimizer state
+
+
 def _atomic_save_weights(model, path):
-    with atomic_path(path, suffix=".weights.h5") as temporary:
-        model.save_weights(temporary, overwrite=True)
+    """Writes the model's weights, without its optimizer state, as a `.weights.h5` file (atomically).
+
+    About the size of the weights; `model.save_weights` on a compiled model
+    also writes Adam's two moments (3x the size), which only a resume point
+    needs (`save_resume_point`).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    # A LoRA model's file holds its merged kernels in float32, as `TransformerModel.save_weights` writes them.
+    with atomic_path(path, suffix=".weights.h5") as temporary, lora.kernels_merged_in_float32(model):
+        keras.saving.save_weights(model, temporary, objects_to_skip=[optimizer] if optimizer is not None else None)
+
+
+def _load_model_weights(model, path):
+    """Loads a weights file's model weights into `model`, leaving its optimizer state as it is.
+
+    The file may hold an optimizer state (a resume point, or a checkpoint
+    written before they held the model's weights only) or not.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    model.load_weights(str(path), objects_to_skip=[optimizer] if optimizer is not None else None)
 
 
 def list_checkpoints(directory):
@@ -186,6 +208,11 @@ def list_checkpoints(directory):
 
 class PeriodicCheckpoint(keras.callbacks.Callback):
     """Saves `ckpt-{update}.weights.h5` every `every_steps` updates or `every_minutes` minutes.
+
+    A checkpoint holds the model's weights only (what is averaged), not the
+    optimizer state: about the size of the parameters, a third of what
+    `model.save_weights` writes for a model compiled with Adam. The resume
+    point (`ResumePoint`) keeps the optimizer state.
 
     Counts optimizer updates (`optimizer.iterations`), not batches: under
     gradient accumulation a checkpoint is written once, after the batch that
@@ -266,19 +293,25 @@ class StopOnNaN(keras.callbacks.Callback):
 
 
 def average_checkpoints(paths, output=None):
-    """Element-wise mean of several Keras weight files (paper section 6.1).
+    """Element-wise mean of the model weights of several Keras weight files (paper section 6.1).
 
     Works on the HDF5 files directly, so no model is needed: every float
-    weight present in the first file is averaged across all files; optimizer
-    state and integer arrays (step counters) are taken from the last file.
+    weight of the model is averaged across the files (in float64, one weight
+    at a time, so memory holds one weight of each file, not the files);
+    integer arrays are taken from the last file. An optimizer state in the
+    files (Keras' `optimizer/` group: a resume point, or a checkpoint
+    written before checkpoints held the model's weights only) is left out:
+    the average is a model's weights, about the size of its parameters.
 
     Args:
-        paths: weight files (`.weights.h5`) of the same model.
-        output: optional path; the averaged weights are written there in the
-            same layout (atomically), loadable with `model.load_weights`.
+        paths: weight files (`.weights.h5`) of the same model, with or
+            without an optimizer state.
+        output: optional path; the averaged weights are written there in
+            Keras' layout without the optimizer state (atomically), loadable
+            with `model.load_weights`.
 
     Returns:
-        dict mapping each dataset path to its averaged numpy array.
+        dict mapping each of the model's dataset paths to its averaged numpy array.
     """
     paths = [pathlib.Path(p) for p in paths]
     if not paths:
@@ -295,30 +328,48 @@ def average_checkpoints(paths, output=None):
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"No such checkpoint: {path}")
-    names = []
-    with open_hdf5(paths[0]) as first:
-        first.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
     averaged = {}
-    for name in names:
-        arrays = []
-        for path in paths:
-            with open_hdf5(path) as handle:
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(open_hdf5(path)) for path in paths]
+        groups, names = _model_entries(handles[0])
+        writer = None
+        if output is not None:
+            # Closed (LIFO) before `atomic_path` renames the file into place.
+            writer = stack.enter_context(h5py.File(stack.enter_context(atomic_path(output, suffix=".h5")), "w"))
+            for name in groups:
+                writer.require_group(name).attrs.update(handles[0][name].attrs)
+        for name in names:
+            for path, handle in zip(paths, handles):
                 if name not in handle:
                     raise ValueError(f"{path} has no weight {name!r} (present in {paths[0]}): different models?")
-                arrays.append(np.asarray(handle[name]))
-        if any(a.shape != arrays[0].shape for a in arrays):
-            raise ValueError(f"Weight {name!r} has different shapes across checkpoints: {[a.shape for a in arrays]}")
-        if np.issubdtype(arrays[0].dtype, np.floating) and not name.startswith("optimizer/"):
-            averaged[name] = np.mean(np.stack([a.astype("float64") for a in arrays]), axis=0).astype(arrays[0].dtype)
-        else:
-            averaged[name] = arrays[-1]
-    if output is not None:
-        with atomic_path(output, suffix=".h5") as temporary:
-            shutil.copyfile(paths[-1], temporary)
-            with h5py.File(temporary, "r+") as handle:
-                for name, value in averaged.items():
-                    handle[name][...] = value
+            shapes = [handle[name].shape for handle in handles]
+            if any(shape != shapes[0] for shape in shapes):
+                raise ValueError(f"Weight {name!r} has different shapes across checkpoints: {shapes}")
+            dtype = handles[0][name].dtype
+            if np.issubdtype(dtype, np.floating):
+                total = np.zeros(shapes[0], "float64")
+                for handle in handles:
+                    total += np.asarray(handle[name], dtype="float64")
+                value = (total / len(handles)).astype(dtype)
+            else:
+                value = np.asarray(handles[-1][name])
+            averaged[name] = value
+            if writer is not None:
+                writer.create_dataset(name, data=value).attrs.update(handles[-1][name].attrs)
     return averaged
+
+
+def _model_entries(handle):
+    """`(groups, datasets)`: the paths in a Keras weights file outside its optimizer state, in file order."""
+    groups, datasets = [], []
+
+    def visit(name, item):
+        if name == OPTIMIZER_GROUP or name.startswith(OPTIMIZER_GROUP + "/"):
+            return
+        (datasets if isinstance(item, h5py.Dataset) else groups).append(name)
+
+    handle.visititems(visit)
+    return groups, datasets
 
 
 # ---------------------------------------------------------------------- #
@@ -335,7 +386,7 @@ RANDOM_STATE = "random_state"  # in the resume point: what draws the dropout mas
 # to what is done). Every other recorded argument must be repeated as given.
 RESUMABLE_CHANGES = (
     "steps", "epochs", "keep_checkpoints", "average_last", "checkpoint_every_minutes", "strategy", "jit_compile",
-    "bleu_beam_size",
+    "bleu_beam_size", "validation_bleu", "validation_bleu_sentences",
 )
 
 
@@ -632,11 +683,14 @@ def _remove_partial_files(work):
 # The arguments of a run, checked once.
 # ---------------------------------------------------------------------- #
 DEFAULT_PRESET = "small"  # the architecture of a run that names neither preset nor init_from
+# The validation BLEU at the end scores at most this many sentences (the first ones): the bundled
+# corpus's whole validation split (469), and a bounded share of a large one (beam search is the slow part).
+DEFAULT_VALIDATION_BLEU_SENTENCES = 500
 # The integer arguments (checked in this order; `seed` may be 0, `max_length`
 # is >= 3, the others are >= 1) and those of them that may be None.
 _INTEGERS = ("vocabulary_size", "tokens_per_batch", "max_length", "warmup_steps", "gradient_accumulation_steps",
-             "checkpoint_every", "keep_checkpoints", "average_last", "bleu_beam_size", "seed",
-             "tokenizer_max_sentences", "steps", "epochs")
+             "checkpoint_every", "keep_checkpoints", "average_last", "bleu_beam_size", "validation_bleu_sentences",
+             "seed", "tokenizer_max_sentences", "steps", "epochs")
 _OPTIONAL_INTEGERS = ("steps", "epochs", "vocabulary_size", "gradient_accumulation_steps", "tokenizer_max_sentences",
                       "average_last")
 
@@ -682,6 +736,8 @@ class TrainingConfig:
     mixed_precision: object = None
     jit_compile: object = "auto"
     bleu_beam_size: int = 4
+    validation_bleu: bool = True
+    validation_bleu_sentences: int = DEFAULT_VALIDATION_BLEU_SENTENCES
     seed: int = 0
     overwrite: bool = False
     verbose: object = None
@@ -735,6 +791,10 @@ class TrainingConfig:
             "strategy": self.strategy, "mixed_precision": self.mixed_precision, "jit_compile": self.jit_compile,
             "bleu_beam_size": self.bleu_beam_size, "seed": self.seed,
             "model_overrides": dict(self.model_overrides or {}),
+            # Recorded when not the default, so that a run recorded before these existed resumes as it was.
+            **({"validation_bleu": False} if not self.validation_bleu else {}),
+            **({"validation_bleu_sentences": self.validation_bleu_sentences}
+               if self.validation_bleu_sentences != DEFAULT_VALIDATION_BLEU_SENTENCES else {}),
         }
         return json.loads(json.dumps(arguments, default=str))  # as it reads back from state.json
 
@@ -770,6 +830,8 @@ def _check_config(config):
         )
     if config.jit_compile not in ("auto", True, False):
         raise BadArgumentError(f"jit_compile={config.jit_compile!r} must be 'auto', True or False")
+    if not isinstance(config.validation_bleu, (bool, np.bool_)):
+        raise BadArgumentError(f"validation_bleu={config.validation_bleu!r} must be True or False")
     if config.init_from is not None:
         _check_init_from(config)
     else:
@@ -909,8 +971,13 @@ def run_training(output_dir, config=None, **overrides):
     The work is done in stages, each a function below: `_prepare` (the
     work directory and the resume decision; reads only), `_prepare_data`
     (tokenizer, the imported model, batches; reads only), `_start` (the first writes),
-    `_build_model`, `_fit` and `_finalize` (averaging, metadata, validation
-    BLEU, installing the preset).
+    `_build_model`, `_fit`, `_average` (averaging, validation loss) and
+    `_finalize` (the averaged model, metadata, validation BLEU, installing
+    the preset). Checkpoints and the averaged weights hold the model's
+    weights only; the resume point holds the optimizer state too. At most
+    one model with an optimizer state is in memory at a time: the imported
+    model is freed once its weights are copied, and the trained model
+    before the averaged one is built.
 
     Args:
         output_dir: where the preset (config.json, model.weights.h5 with
@@ -968,6 +1035,14 @@ def run_training(output_dir, config=None, **overrides):
             scaling is added by Keras for float16).
         jit_compile: see `compile_model`.
         bleu_beam_size: beam for the validation BLEU at the end.
+        validation_bleu: bool; False skips the validation BLEU at the end
+            (beam search over the validation sentences: minutes for a base-
+            sized model on a CPU); the validation loss is still computed.
+        validation_bleu_sentences: the validation BLEU scores the first this
+            many validation sentences (default 500: all of the bundled
+            corpus's 469); `metadata.json` records how many were scored
+            (`valid_bleu_sentences`, 0 when skipped) of how many
+            (`valid_sentences`). The validation loss uses all of them.
         seed: data shuffling and initialisation seed.
         overwrite: replace an existing run or preset in `output_dir` (only a
             directory written by this trainer, or an empty one). The new run
@@ -1004,7 +1079,10 @@ def run_training(output_dir, config=None, **overrides):
     with _global_policy(config.mixed_precision):
         model, strategy_name = _build_model(run, data)
         final_train_loss = _fit(run, data, model, strategy_name)
-        return _finalize(run, data, model, {"strategy": strategy_name, "final_train_loss": final_train_loss})
+        averaged = _average(run, data, model)
+        del model
+        gc.collect()  # frees the trained model and its optimizer state (reference cycles) before `_finalize`
+        return _finalize(run, data, averaged, {"strategy": strategy_name, "final_train_loss": final_train_loss})
 
 
 def _configure(config, overrides):
@@ -1320,7 +1398,9 @@ def _build_model(run, data):
                 model_config.pop("dtype", None)  # the run's policy (mixed precision), as for a preset
             model = TransformerModel.from_config(model_config)
             if data.imported is not None:
-                model.set_weights(data.imported.get_weights())
+                for variable, value in zip(model.weights, data.imported.weights, strict=True):
+                    variable.assign(value)  # one weight at a time: no third copy of the weights in memory
+                data.imported = None  # freed: the run's model holds its weights now
         else:
             overrides.setdefault("vocabulary_size", data.tokenizer.vocabulary_size)
             overrides.setdefault("max_sequence_length", max(config.max_length, 8))
@@ -1370,7 +1450,7 @@ def _fit(run, data, model, strategy_name):
         config.model_preset, model.count_params(), data.total_steps, micro, "" if micro == 1 else "es",
         data.batches_per_epoch, strategy_name,
     )
-    verbose = config.verbose if config.verbose is not None else (1 if sys.stderr.isatty() else 2)
+    verbose = _verbosity(config)
     if verbose:
         # In steps and passes over the data, not Keras' fit epochs (checkpoint intervals).
         callbacks.append(TrainingProgress(
@@ -1400,42 +1480,89 @@ def _fit(run, data, model, strategy_name):
     return final_train_loss
 
 
-def _finalize(run, data, model, trained):
-    """Stage 5: averages the last checkpoints, scores them on the validation text, installs the preset.
+def _verbosity(config):
+    """`config.verbose`, or its default: 1 (a progress bar) on a terminal, 2 (lines) otherwise."""
+    return config.verbose if config.verbose is not None else (1 if sys.stderr.isatty() else 2)
+
+
+@dataclasses.dataclass
+class _Averaged:
+    """What `_average` leaves for `_finalize` once the trained model is freed."""
+
+    checkpoints: list  # the checkpoint files averaged (none: the trained model's last weights)
+    path: pathlib.Path  # their average (`training/averaged.weights.h5`): the model's weights only
+    model_config: dict  # the trained model's
+    scores: dict  # the validation loss and token accuracy of the averaged weights, when there is validation text
+    seconds: float  # from the start of `run_training` to the averaged weights (metadata's `train_seconds_this_run`)
+
+
+def _average(run, data, model):
+    """Stage 5: averages the last checkpoints into `averaged.weights.h5` and gives their validation loss.
+
+    The loss is the trained model's (compiled, under the run's strategy and
+    precision) with the averaged weights loaded; its optimizer state is left
+    as it is.
+    """
+    work = run.work
+    checkpoints = list_checkpoints(work / "checkpoints")[-run.config.checkpoints_averaged:]
+    path = work / "averaged.weights.h5"
+    if checkpoints:
+        average_checkpoints(checkpoints, path)  # one weight at a time; without the optimizer state
+        _load_model_weights(model, path)
+    else:  # nothing to average (the checkpoints were removed): the last weights, as the others load them
+        _atomic_save_weights(model, path)
+    seconds = round(time.time() - run.started, 1)
+    scores = {}
+    if data.valid_data is not None:
+        verbose = _verbosity(run.config)
+        batches = int(data.valid_data.cardinality())
+        with _optional_progress(verbose, "validation loss", batches if batches >= 0 else None, "batches") as progress:
+            callbacks = [BatchCounter(progress)] if progress is not None else []
+            results = model.evaluate(data.valid_data, verbose=0, return_dict=True, callbacks=callbacks)
+        scores = {"valid_loss": float(results["loss"]), "valid_token_accuracy": float(results["masked_accuracy"])}
+    return _Averaged(checkpoints, path, model.get_config(), scores, seconds)
+
+
+def _optional_progress(verbose, description, total, unit):
+    """A `CountProgress` (a bar with `verbose` 1, lines with 2) as a context manager; None with `verbose` 0."""
+    if not verbose:
+        return contextlib.nullcontext()
+    return CountProgress(description, total, unit, bar=verbose == 1)
+
+
+def _finalize(run, data, averaged, trained):
+    """Stage 6: the averaged model (float32, no optimizer), its validation BLEU, metadata, the preset installed.
 
     Args:
+        averaged: what `_average` returned.
         trained: `{"strategy": ..., "final_train_loss": ...}` from the model and fit stages.
 
     Returns:
         dict: the metadata written to `metadata.json`.
     """
-    work = run.work
-    # Average the last checkpoints (paper section 6.1) into a fresh, uncompiled model.
-    checkpoints = list_checkpoints(work / "checkpoints")[-run.config.checkpoints_averaged:]
-    model_config = model.get_config()
-    model_config["dtype"] = "float32"
+    config, texts = run.config, run.texts
+    model_config = dict(averaged.model_config, dtype="float32")
     final = TransformerModel.from_config(model_config)
-    if checkpoints:
-        averaged_path = work / "averaged.weights.h5"
-        average_checkpoints(checkpoints, averaged_path)
-        model.load_weights(str(averaged_path))
-    final.set_weights(lora.merged_weights(model))  # a LoRA model's adapters merged: an ordinary model
+    final.load_weights(str(averaged.path))
     final.tokenizer = data.tokenizer
 
-    metadata = _metadata(run, data, checkpoints, trained)
-    if data.valid_data is not None:
-        results = model.evaluate(data.valid_data, verbose=0, return_dict=True)
-        metadata["valid_loss"] = float(results["loss"])
-        metadata["valid_token_accuracy"] = float(results["masked_accuracy"])
-        texts = run.texts
-        metadata.update(_validation_bleu(final, data.tokenizer, texts.valid_sources, texts.valid_targets,
-                                         run.config.bleu_beam_size))
+    metadata = _metadata(run, data, averaged, trained)
+    metadata.update(averaged.scores)
+    if texts.valid_sources:
+        metadata["valid_sentences"] = len(texts.valid_sources)
+        metadata["valid_bleu_sentences"] = 0
+        if config.validation_bleu:
+            count = min(config.validation_bleu_sentences, len(texts.valid_sources))
+            metadata.update(_validation_bleu(
+                final, data.tokenizer, texts.valid_sources[:count], texts.valid_targets[:count],
+                config.bleu_beam_size, verbose=_verbosity(config),
+            ))
     _install_preset(final, metadata, run.root, run.output_dir, run.state)
     logger.info("Wrote %s: %s", run.output_dir, {k: v for k, v in metadata.items() if k.startswith("valid")})
     return metadata
 
 
-def _metadata(run, data, checkpoints, trained):
+def _metadata(run, data, averaged, trained):
     """metadata.json before the validation scores: what trained the model, on what, for how long."""
     config = run.config
     metadata = {
@@ -1454,11 +1581,11 @@ def _metadata(run, data, checkpoints, trained):
             "average_last": config.checkpoints_averaged, "max_length": config.max_length,
             "seed": config.seed,
         },
-        "averaged_checkpoints": [p.name for p in checkpoints],
+        "averaged_checkpoints": [p.name for p in averaged.checkpoints],
         "backend": keras.backend.backend(),
         "strategy": trained["strategy"],
         "mixed_precision": config.mixed_precision,
-        "train_seconds_this_run": round(time.time() - run.started, 1),
+        "train_seconds_this_run": averaged.seconds,
         "final_train_loss": trained["final_train_loss"],
     }
     if run.state["changes"]:
@@ -1466,16 +1593,26 @@ def _metadata(run, data, checkpoints, trained):
     return metadata
 
 
-def _validation_bleu(model, tokenizer, sources, references, beam_size):
-    """sacreBLEU and chrF of the averaged model on the validation split."""
+def _validation_bleu(model, tokenizer, sources, references, beam_size, verbose=0):
+    """sacreBLEU and chrF of the averaged model on `sources` (the first validation sentences), and their count.
+
+    `verbose` 1 shows a progress bar in sentences, 2 a line every 30
+    seconds (`CountProgress`), 0 nothing.
+    """
     from keras_transformer.evaluate import evaluate
     from keras_transformer.translator import Translator
 
-    result = evaluate(Translator(model, tokenizer), sources, references, beam_size=beam_size)
+    started = time.monotonic()
+    description = f"validation BLEU (beam {beam_size})"
+    with _optional_progress(verbose, description, len(sources), "sentences") as progress:
+        result = evaluate(Translator(model, tokenizer), sources, references, beam_size=beam_size,
+                          progress=progress or False)
     return {
         "valid_bleu": round(result["bleu"], 2),
         "valid_chrf": round(result["chrf"], 2),
         "valid_bleu_signature": result["bleu_signature"],
+        "valid_bleu_sentences": result["sentences"],
+        "valid_bleu_seconds": round(time.monotonic() - started, 1),
     }
 
 

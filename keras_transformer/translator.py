@@ -4,6 +4,7 @@ No training framework is imported here: the ONNX Runtime server
 (`export.runtime.OnnxTranslator`) uses this class too.
 """
 
+import contextlib
 import itertools
 import logging
 import os
@@ -71,7 +72,14 @@ class _NoBar:
 
 
 def _progress_bar(progress, **kwargs):
-    """A tqdm bar on stderr when `progress`; tqdm is imported only then (it adds to a server's start-up)."""
+    """A tqdm bar on stderr when `progress` is true; tqdm is imported only then (it adds to a server's start-up).
+
+    `progress` may also be the caller's own counter (anything with
+    `update(n)`, such as a tqdm bar or `progress.CountProgress`), which is
+    then told the sentences done and left open.
+    """
+    if callable(getattr(progress, "update", None)):
+        return contextlib.nullcontext(progress)
     if not progress:
         return _NoBar()
     from tqdm.auto import tqdm
@@ -267,7 +275,9 @@ class Translator:
             length_penalty: float alpha >= 0. Defaults to 0.6.
             max_extra_length: int >= 0, output tokens beyond the source
                 length. Defaults to 50.
-            progress: bool, show a tqdm progress bar (on stderr).
+            progress: bool, show a tqdm progress bar (on stderr); or an
+                object with `update(n)` (a tqdm bar, `CountProgress`) told
+                the number of sentences done after each batch.
             max_batch_tokens: int >= 1 or None, padded source tokens per
                 search (see `length_batches`).
             target_prefix: None, or one str or None per text: the

@@ -149,6 +149,7 @@ BACKEND_INDEPENDENT = {
         "test_train_cli_*", "test_average_checkpoints_cli_*", "test_run_training_refuses_*", "test_overwrite_*",
         "test_a_directory_that_is_not_ours_*", "test_a_truncated_state_*", "test_a_finished_run_*",
         "test_resume_with_other_arguments_*", "test_resume_refuses_*", "test_a_run_without_progress_*",
+        "test_the_validation_options_are_*",
         "test_a_resumed_run_with_accumulation_*", "test_stale_temporaries_*", "test_atomic_directory_*",
         "test_an_interrupted_preset_installation_*",
     ],

@@ -18,7 +18,8 @@ import sys
 import pytest
 
 from conftest import (
-    BACKEND, ROOT, TINY_TRAINED_CHECKPOINT_EVERY, TINY_TRAINED_PARTS, TINY_TRAINED_STEPS, run_command,
+    BACKEND, ROOT, TINY_TRAINED_CHECKPOINT_EVERY, TINY_TRAINED_PARTS, TINY_TRAINED_STEPS, TINY_TRAINED_VALID_LINES,
+    run_command,
 )
 from keras_transformer import cli
 
@@ -122,9 +123,16 @@ def test_commands_print_no_noise_and_train_reports_steps(tmp_path, tiny_trained)
                        r"val_loss [\d.]+, lr [\d.e+-]+; [\d:]+ elapsed, ETA [\d:?]+", train_stderr)
     every = TINY_TRAINED_CHECKPOINT_EVERY
     assert lines == [str(step) for step in range(every, TINY_TRAINED_STEPS + 1, every)], train_stderr[-3000:]
+    # The validation at the end shows progress (the command's stderr is not a terminal: lines, no bar).
+    for line in (r"validation loss: 0/\d+ batches \(0%\)", r"validation loss: \d+ batches in \d+:\d\d",
+                 rf"validation BLEU \(beam 4\): 0/{TINY_TRAINED_VALID_LINES} sentences \(0%\)",
+                 rf"validation BLEU \(beam 4\): {TINY_TRAINED_VALID_LINES} sentences in \d+:\d\d"):
+        assert re.search(line, train_stderr), (line, train_stderr[-3000:])
     run = tiny_trained / TINY_TRAINED_PARTS["preset"]
+    metadata = json.loads((run / "metadata.json").read_text())
+    assert metadata["valid_sentences"] == metadata["valid_bleu_sentences"] == TINY_TRAINED_VALID_LINES
     # Portable metadata: the bundled corpus by name and version, other files as given.
-    data = json.loads((run / "metadata.json").read_text())["data"]
+    data = metadata["data"]
     assert data["train"] == ["bundled:libreoffice_en_de/train.en.gz", "bundled:libreoffice_en_de/train.de.gz"]
     assert data["valid"] == [str(tiny_trained / name) for name in TINY_TRAINED_PARTS["valid"]]
     assert data["bundled_corpus"]["name"] == "libreoffice_en_de" and data["bundled_corpus"]["version"]

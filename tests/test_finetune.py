@@ -1,9 +1,11 @@
 """Fine-tuning a trained model: `run_training(init_from=...)`, `train --init-from`, and the commands on checkpoints."""
 
+import gc
 import hashlib
 import json
 import os
 import shutil
+import weakref
 
 import numpy as np
 import pytest
@@ -86,14 +88,24 @@ def test_fine_tuning_starts_from_the_imported_weights_keeps_the_tokenizer_and_re
 
     monkeypatch.setattr(training, "train_tokenizer", no_vocabulary)
     built = []  # the weights of the model each run trains, before its first update
-    build = training._build_model
+    trained = []  # a weak reference to that model
+    build, finalize = training._build_model, training._finalize
 
     def build_and_record(run, data):
+        imported = weakref.ref(data.imported) if data.imported is not None else None
         model, strategy = build(run, data)
         built.append(_weights(model))
+        trained.append(weakref.ref(model))
+        gc.collect()
+        assert imported is None or imported() is None, "the imported model outlived the copy of its weights"
         return model, strategy
 
+    def finalize_after_the_trained_model_is_freed(run, data, averaged, scores):
+        assert trained[-1]() is None, "the trained model (and its optimizer state) is alive beside the averaged one"
+        return finalize(run, data, averaged, scores)
+
     monkeypatch.setattr(training, "_build_model", build_and_record)
+    monkeypatch.setattr(training, "_finalize", finalize_after_the_trained_model_is_freed)
 
     # Stopped after its first resume point (2 of 4 steps), as if killed there.
     save = training.ResumePoint.on_epoch_end

@@ -1,4 +1,4 @@
-"""TrainingProgress: progress in optimizer steps and passes over the data, on every backend."""
+"""TrainingProgress: progress in optimizer steps and passes over the data, on every backend; CountProgress."""
 
 import logging
 
@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_transformer.progress import TrainingProgress, format_duration
+from keras_transformer.progress import BatchCounter, CountProgress, TrainingProgress, format_duration
 
 
 def fit(progress, gradient_accumulation_steps=None, epochs=3, batches_per_epoch=4):
@@ -86,3 +86,31 @@ def test_arguments_are_checked():
 )
 def test_format_duration(seconds, expected):
     assert format_duration(seconds) == expected
+
+
+def test_count_progress_logs_a_line_at_the_start_on_updates_and_at_the_end(caplog, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("keras_transformer.progress.time.monotonic", lambda: clock[0])
+    with caplog.at_level(logging.INFO, logger="keras_transformer.progress"):
+        with CountProgress("validation BLEU", total=10, unit="sentences", bar=False, every_seconds=30) as progress:
+            for seconds in (10, 25, 29):  # at 10, 35 and 64 s: only 35 s is 30 s after the last line
+                clock[0] += seconds
+                progress.update(2)
+            clock[0] += 30
+            progress.update(4)  # the last items: the closing line says it
+    assert progress_lines(caplog) == [
+        "validation BLEU: 0/10 sentences (0%), 0:00 elapsed, ETA ?",
+        "validation BLEU: 4/10 sentences (40%), 0:35 elapsed, ETA 0:52",
+        "validation BLEU: 10 sentences in 1:34",
+    ]
+
+
+def test_count_progress_counts_evaluate_batches_on_a_bar(capsys):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((10, 3), "float32")
+    with CountProgress("validation loss", total=5, unit="batches", bar=True) as progress:
+        model.evaluate(x, x[:, :1], batch_size=2, verbose=0, callbacks=[BatchCounter(progress)])
+    assert progress.done == 5
+    assert "validation loss: 100%" in capsys.readouterr().err

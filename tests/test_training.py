@@ -1,8 +1,11 @@
+import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
+import h5py
 import keras
 import numpy as np
 import pytest
@@ -364,16 +367,78 @@ def test_two_jax_processes_train_like_one(tmp_path):
             np.testing.assert_allclose(p0[f"w{i}"], single[f"w{i}"], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_validation_bleu_reports_scores_and_signature():
+def test_validation_bleu_reports_scores_and_signature(caplog):
     from keras_transformer.datasets import load_bundled
+    from keras_transformer.evaluate import evaluate
 
     english, german = load_bundled("valid")
     tokenizer = kt.train_tokenizer(english[:200] + german[:200], vocabulary_size=300)
     model = tiny_model(vocabulary_size=tokenizer.vocabulary_size)
-    result = training._validation_bleu(model, tokenizer, english[:4], german[:4], beam_size=2)
-    assert set(result) == {"valid_bleu", "valid_chrf", "valid_bleu_signature"}
+    with caplog.at_level(logging.INFO, logger="keras_transformer.progress"):
+        result = training._validation_bleu(model, tokenizer, english[:4], german[:4], beam_size=2, verbose=2)
+    assert set(result) == {"valid_bleu", "valid_chrf", "valid_bleu_signature", "valid_bleu_sentences",
+                           "valid_bleu_seconds"}
     assert 0.0 <= result["valid_bleu"] <= 100.0
     assert result["valid_bleu_signature"].startswith("BLEU|")
+    assert result["valid_bleu_sentences"] == 4 and result["valid_bleu_seconds"] >= 0
+    # A line when it starts and one when it ends, counting the sentences the translator reports as done.
+    lines = [r.getMessage() for r in caplog.records if r.name == "keras_transformer.progress"]
+    assert lines[0].startswith("validation BLEU (beam 2): 0/4 sentences (0%), 0:00 elapsed"), lines
+    assert re.fullmatch(r"validation BLEU \(beam 2\): 4 sentences in \d+:\d\d", lines[-1]), lines
+    # The same score as evaluating without progress: the progress counter changes nothing of the batches.
+    assert result["valid_bleu"] == round(evaluate(kt.Translator(model, tokenizer), english[:4], german[:4],
+                                                  beam_size=2)["bleu"], 2)
+
+
+def test_average_checkpoints_leaves_out_the_optimizer_state_of_old_checkpoints(tmp_path):
+    """Checkpoints hold the model's weights; older ones (written with model.save_weights) also Adam's state.
+
+    Both average (in the library and the command) into the model's weights only, which load into a compiled
+    model without touching its optimizer state.
+    """
+    x = {"encoder_token_ids": np.full((2, 5), 7, "int32"), "decoder_token_ids": np.full((2, 4), 8, "int32")}
+    y = np.full((2, 4), 9, "int32")
+    first, second = tiny_model(vocabulary_size=20, seed=0), tiny_model(vocabulary_size=20, seed=1)
+    weights = []
+    for model, step in ((first, 0), (second, 1), (second, 2)):
+        if step < 2:
+            training.compile_model(model, warmup_steps=10)
+        model.fit(x, y, epochs=1, verbose=0)
+        path = tmp_path / f"ckpt-{step:08d}.weights.h5"
+        if step < 2:
+            model.save_weights(str(path))  # as checkpoints were written before: with the optimizer state
+        else:
+            training._atomic_save_weights(model, path)
+        weights.append([to_numpy(w) for w in model.weights])
+    sizes = [(tmp_path / f"ckpt-{step:08d}.weights.h5").stat().st_size for step in range(3)]
+    assert sizes[1] - sizes[2] >= 2 * 4 * second.count_params(), sizes  # Adam's two moments, left out
+    with h5py.File(tmp_path / "ckpt-00000001.weights.h5", "r") as old, \
+            h5py.File(tmp_path / "ckpt-00000002.weights.h5", "r") as new:
+        assert "optimizer" in old and "optimizer" not in new
+        assert sorted(new) == sorted(name for name in old if name != "optimizer")
+
+    averaged = training.average_checkpoints(training.list_checkpoints(tmp_path), tmp_path / "avg.weights.h5")
+    assert not any(name.startswith("optimizer") for name in averaged)
+    with h5py.File(tmp_path / "avg.weights.h5", "r") as handle:
+        assert "optimizer" not in handle
+    assert (tmp_path / "avg.weights.h5").stat().st_size < 1.1 * sizes[2]
+
+    # Into a compiled model with an optimizer state (the trained model at the end of a run): that state stays.
+    optimizer_state = [to_numpy(v) for v in first.optimizer.variables]
+    training._load_model_weights(first, tmp_path / "avg.weights.h5")
+    for actual, *originals in zip([to_numpy(w) for w in first.weights], *weights):
+        np.testing.assert_allclose(actual, np.mean(originals, axis=0), rtol=1e-6, atol=1e-7)
+    for expected, variable in zip(optimizer_state, first.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(to_numpy(variable), expected)
+
+    from keras_transformer import average as cli
+
+    cli.main([str(tmp_path / "ckpt-00000000.weights.h5"), str(tmp_path / "ckpt-00000001.weights.h5"),
+              "--output", str(tmp_path / "cli.weights.h5")])
+    uncompiled = tiny_model(vocabulary_size=20, seed=99)
+    uncompiled.load_weights(str(tmp_path / "cli.weights.h5"))
+    for actual, first, second in zip([to_numpy(w) for w in uncompiled.weights], weights[0], weights[1]):
+        np.testing.assert_allclose(actual, (first + second) / 2, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -100,6 +100,8 @@ TRAIN_REQUIRED = ["--output", "unused-output"]
         (["--label-smoothing", "-0.1"], "--label-smoothing"),
         (["--seed", "-1"], "--seed"),
         (["--tokenizer-max-sentences", "0"], "--tokenizer-max-sentences"),
+        (["--validation-bleu-sentences", "0"], "--validation-bleu-sentences"),
+        (["--no-validation-bleu", "--validation-bleu-sentences", "5"], "not allowed with argument"),
     ],
 )
 def test_train_cli_refuses_nonsense_numbers(tmp_path, capsys, argv, name):
@@ -142,6 +144,8 @@ def test_average_checkpoints_cli_names_a_missing_input(tmp_path, capsys):
         (dict(average_last=0), "average_last=0"),
         (dict(checkpoint_every=0), "checkpoint_every=0"),
         (dict(label_smoothing=1.5), "label_smoothing"),
+        (dict(validation_bleu_sentences=0), r"^validation_bleu_sentences=0 must be an integer >= 1$"),
+        (dict(validation_bleu="no"), r"^validation_bleu='no' must be True or False$"),
         (dict(preset="tinyy"), "Unknown preset 'tinyy'"),
         (dict(train_src="missing.en", train_tgt="missing.de"), "missing.en"),
     ],
@@ -314,6 +318,41 @@ RECORDED_ARGUMENTS = [
 ]
 
 
+def test_the_validation_options_are_changes_a_resume_applies_and_records(tmp_path, monkeypatch):
+    """What the end of a run scores is not what was trained: a resume may change it (`RESUMABLE_CHANGES`)."""
+    output, arguments = _interrupted_run(tmp_path, monkeypatch)
+
+    def stop(strategy):
+        raise RuntimeError("resumed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(training, "resolve_strategy", stop)
+        with pytest.raises(RuntimeError, match="resumed"):
+            training.run_training(output, **arguments, validation_bleu=False, validation_bleu_sentences=20)
+    state = json.loads((output / "training" / "state.json").read_text())
+    assert state["changes"] == [{"at_step": 2, "changed": {"validation_bleu": [None, False],
+                                                            "validation_bleu_sentences": [None, 20]}}]
+    assert (state["arguments"]["validation_bleu"], state["arguments"]["validation_bleu_sentences"]) == (False, 20)
+
+
+def test_train_cli_passes_the_validation_options(tmp_path, monkeypatch):
+    from keras_transformer import train
+
+    received = {}
+    monkeypatch.setattr(train, "run_training", lambda output, **kwargs: received.update(kwargs) or {})
+    train.main(["--output", str(tmp_path / "out")])
+    assert (received["validation_bleu"], received["validation_bleu_sentences"]) == (
+        True, training.DEFAULT_VALIDATION_BLEU_SENTENCES)
+    train.main(["--output", str(tmp_path / "out"), "--no-validation-bleu"])
+    assert received["validation_bleu"] is False
+    train.main(["--output", str(tmp_path / "out"), "--validation-bleu-sentences", "50"])
+    assert (received["validation_bleu"], received["validation_bleu_sentences"]) == (True, 50)
+    # The default keeps the bundled corpus's whole validation split, so the Quick start's valid BLEU is unchanged.
+    from keras_transformer.datasets import load_bundled
+
+    assert training.DEFAULT_VALIDATION_BLEU_SENTENCES >= len(load_bundled("valid")[0])
+
+
 def test_a_config_object_is_the_same_run_as_its_keywords(tmp_path, monkeypatch):
     """`run_training(output, TrainingConfig(...), **overrides)` records what the keyword call recorded."""
     output, arguments = _interrupted_run(tmp_path, monkeypatch)
@@ -444,9 +483,23 @@ def test_an_interrupted_run_resumes_with_its_optimizer_state(tmp_path, monkeypat
     assert metadata["resumed_with_changes"] == [
         {"at_step": 1, "changed": {"average_last": [5, 2], "steps": [2, 3]}}]
     assert metadata["averaged_checkpoints"] == ["ckpt-00000002.weights.h5", "ckpt-00000003.weights.h5"]
-    assert [p.name for p in training.list_checkpoints(output / "training" / "checkpoints")] == [
-        f"ckpt-{step:08d}.weights.h5" for step in (1, 2, 3)]
-    assert kt.TransformerModel.from_preset(str(output)).tokenizer is not None
+    checkpoints = training.list_checkpoints(output / "training" / "checkpoints")
+    assert [p.name for p in checkpoints] == [f"ckpt-{step:08d}.weights.h5" for step in (1, 2, 3)]
+    model = kt.TransformerModel.from_preset(str(output))
+    assert model.tokenizer is not None
+
+    # Checkpoints and the average hold the model's weights (about their float32 bytes); only the resume point
+    # holds Adam's two moments too (3x: what every checkpoint weighed when written with model.save_weights).
+    # HDF5 adds about 2.4 KB per array (a quarter of this small model's 0.4 MB; under 1% of a base model's).
+    weight_bytes, limit = 4 * model.count_params(), 1.05 * 4 * model.count_params() + 4096 * len(model.weights)
+    assert limit < 2 * weight_bytes
+    for path in [*checkpoints, output / "training" / "averaged.weights.h5"]:
+        assert weight_bytes < path.stat().st_size < limit, (path.name, path.stat().st_size, weight_bytes)
+        with h5py.File(path, "r") as handle:
+            assert "optimizer" not in handle
+    assert resume_path.stat().st_size > 2.9 * weight_bytes, (resume_path.stat().st_size, weight_bytes)
+    with h5py.File(resume_path, "r") as handle:
+        assert "optimizer" in handle
 
 
 @pytest.mark.slow
@@ -645,7 +698,7 @@ def test_training_survives_random_sigkills(tmp_path):
     work = output / "training"
     resume = training.read_resume_point(work / "backup" / training.RESUME_FILE)
     assert (resume["intervals"], resume["step"]) == (steps, steps)
-    with h5py.File(work / "checkpoints" / f"ckpt-{steps:08d}.weights.h5", "r") as handle:
+    with h5py.File(work / "backup" / training.RESUME_FILE, "r") as handle:  # (checkpoints hold no optimizer state)
         counters = [np.asarray(handle[name]) for name in _datasets(handle) if name.startswith("optimizer/")]
         counters = [int(c) for c in counters if c.shape == () and np.issubdtype(c.dtype, np.integer)]
     assert counters == [steps]  # optimizer.iterations: no interval trained twice
