@@ -527,20 +527,27 @@ def main(argv=None):
     results = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                "versions": _versions(), "rounds": args.rounds, "steps_per_round": args.steps,
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "groups": [], "checks": {}}
+    output = pathlib.Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
     for shape in shapes:
         if not args.no_check:
             results["checks"][shape] = run_check(shape, min(budgets), backends, args.check_steps)
         for budget in budgets:
             for precision in precisions:
                 results["groups"].append(run_group(shape, budget, backends, args.rounds, args.steps, precision))
+                _write(results, output)  # after each group: a later failure (memory) keeps what was measured
+    print(table(results))
+    return 0
+
+
+def _write(results, output):
     results["matmul_peak_gflops"] = max(
         row["matmul_peak_gflops"] for group in results["groups"] for row in group["contenders"].values()
     )
-    output = pathlib.Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results))
-    return 0
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    temporary = output.with_suffix(".tmp")
+    temporary.write_text(json.dumps(results, indent=1) + "\n")
+    os.replace(temporary, output)
 
 
 if __name__ == "__main__":
