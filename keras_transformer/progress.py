@@ -25,6 +25,16 @@ def format_duration(seconds):
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
 
 
+def _close_bar(owner):
+    """Ends `owner`'s tqdm bar and the logging redirection opened with it (both None when lines are logged)."""
+    if owner._redirect is not None:
+        owner._redirect.__exit__(None, None, None)
+        owner._redirect = None
+    if owner._bar is not None:
+        owner._bar.close()
+        owner._bar = None
+
+
 class TrainingProgress(keras.callbacks.Callback):
     """Shows training progress in optimizer steps, with an ETA, and a line per checkpoint.
 
@@ -153,12 +163,7 @@ class TrainingProgress(keras.callbacks.Callback):
         self._bar.update(step - self._bar.n)
 
     def on_train_end(self, logs=None):
-        if self._redirect is not None:
-            self._redirect.__exit__(None, None, None)
-            self._redirect = None
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        _close_bar(self)
 
 
 class CountProgress:
@@ -232,12 +237,7 @@ class CountProgress:
                 f"{format_duration(elapsed)} elapsed, ETA {format_duration(left)}")
 
     def __exit__(self, exc_type, exc_value, traceback):
-        if self._redirect is not None:
-            self._redirect.__exit__(None, None, None)
-            self._redirect = None
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        _close_bar(self)
         if exc_type is None:
             elapsed = time.monotonic() - self._started
             logger.info("%s: %d %s in %s", self.description, self.done, self.unit, format_duration(elapsed))
