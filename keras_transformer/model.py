@@ -455,6 +455,14 @@ class TransformerModel(keras.Model):
         entered = _OUTPUT_KERNEL.get()  # `transposed_output_kernel`'s [D, V] copy
         if entered is not None and entered[0] is self:
             logits = ops.matmul(x, entered[1])
+        elif (self.logits_bias and keras.backend.backend() == "torch"
+              and keras.backend.standardize_dtype(x.dtype) == "float32"):
+            # One product with the bias inside (addmm), not a second [B, T, V] tensor for the sum:
+            # at an OPUS-MT vocabulary (58k) that tensor is the largest of a training step.
+            import torch
+
+            embeddings = ops.convert_to_tensor(self.token_embedding.embeddings)  # [V, D]
+            return torch.nn.functional.linear(x, embeddings, ops.convert_to_tensor(self.logits_bias_weight))
         else:
             logits = self.token_embedding(x, reverse=True)
         logits = ops.cast(logits, "float32")  # [B, T, V]
