@@ -19,6 +19,7 @@ from keras import ops
 
 from keras_transformer.checks import check_batch_sizes, check_cache_index, check_token_ids
 from keras_transformer.layers.arguments import check_layer_args, check_positive_int, head_dims
+from keras_transformer.layers.dense import product_with_bias
 from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
@@ -457,12 +458,10 @@ class TransformerModel(keras.Model):
             logits = ops.matmul(x, entered[1])
         elif (self.logits_bias and keras.backend.backend() == "torch"
               and keras.backend.standardize_dtype(x.dtype) == "float32"):
-            # One product with the bias inside (addmm), not a second [B, T, V] tensor for the sum:
+            # One product with the bias inside, not a second [B, T, V] tensor for the sum:
             # at an OPUS-MT vocabulary (58k) that tensor is the largest of a training step.
-            import torch
-
             embeddings = ops.convert_to_tensor(self.token_embedding.embeddings)  # [V, D]
-            return torch.nn.functional.linear(x, embeddings, ops.convert_to_tensor(self.logits_bias_weight))
+            return product_with_bias(x, ops.transpose(embeddings), self.logits_bias_weight)  # float32 [B, T, V]
         else:
             logits = self.token_embedding(x, reverse=True)
         logits = ops.cast(logits, "float32")  # [B, T, V]

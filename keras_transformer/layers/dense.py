@@ -3,6 +3,25 @@
 import keras
 
 
+def product_with_bias(inputs, kernel, bias):
+    """`inputs @ kernel + bias` as one PyTorch product (`torch.nn.functional.linear`, i.e. `addmm`).
+
+    The one home of the fused bias on PyTorch: the projections (`Dense`) and
+    the logits bias of `TransformerModel`. Keras' `x @ kernel` then `+ bias`
+    makes a second tensor of the output's size for the sum.
+
+    Args:
+        inputs: `[..., D_in]` torch tensor.
+        kernel: `[D_in, units]` (a transposed view is fine: no copy is made).
+        bias: `[units]`.
+    """
+    import torch
+
+    kernel = keras.ops.convert_to_tensor(kernel)
+    bias = keras.ops.convert_to_tensor(bias)
+    return torch.nn.functional.linear(inputs, kernel.t(), bias.to(kernel.dtype))
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class Dense(keras.layers.Dense):
     """`keras.layers.Dense`, with the bias added inside the product on PyTorch.
@@ -18,11 +37,7 @@ class Dense(keras.layers.Dense):
     def call(self, inputs, training=None):
         if keras.backend.backend() != "torch" or self.bias is None:
             return super().call(inputs, training=training)
-        import torch
-
-        kernel = keras.ops.convert_to_tensor(self.kernel)  # [D_in, units]; LoRA's sum when enabled
-        bias = keras.ops.convert_to_tensor(self.bias)
-        x = torch.nn.functional.linear(inputs, kernel.t(), bias.to(kernel.dtype))  # x @ kernel + bias
+        x = product_with_bias(inputs, self.kernel, self.bias)  # the kernel is LoRA's sum when enabled
         if self.activation is not None:
             x = self.activation(x)
         return x
