@@ -77,8 +77,6 @@ def smoothed_token_losses(logits, labels, eps):
                 (upstream,) = args
             upstream = ops.cast(upstream, z.dtype)  # [B, T]
             if backend == "torch":
-                import torch
-
                 probs = (z - log_normalizer.unsqueeze(-1)).exp_()  # the one [B, T, V] tensor
                 if eps > 0.0:
                     probs.sub_(eps / vocabulary_size)

@@ -30,6 +30,37 @@ def tiny_model(**overrides):
     return kt.TransformerModel(**config)
 
 
+def resume_after_the_first_interval(tmp_path, build):
+    """`build(1234)` trained 3 intervals of 2 steps with a resume point, and `build(7)` resumed after interval 1.
+
+    `build(seed)` returns a compiled model; seed 7 gives other weights and
+    dropout seeds, as another process may get. Returns `(uninterrupted,
+    resumed, first)`, `first` being the resume point written after interval 1.
+    """
+    import shutil
+
+    import tensorflow as tf
+
+    from keras_transformer import training
+
+    x = {"encoder_token_ids": np.full((2, 5), 7, "int32"), "decoder_token_ids": np.full((2, 4), 8, "int32")}
+    dataset = tf.data.Dataset.from_tensors((x, np.full((2, 4), 9, "int32"))).repeat()
+    path, first = tmp_path / training.RESUME_FILE, tmp_path / "after-interval-1.weights.h5"
+
+    class KeepTheFirst(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                shutil.copyfile(path, first)
+
+    model = build(1234)
+    model.fit(dataset, epochs=3, steps_per_epoch=2, callbacks=[training.ResumePoint(path), KeepTheFirst()], verbose=0)
+    resumed = build(7)
+    state = training.load_resume_point(resumed, first)
+    resumed.fit(dataset, epochs=3, initial_epoch=1, steps_per_epoch=2, verbose=0,
+                callbacks=[training.ResumePoint(tmp_path / "resumed.weights.h5", random_state=state)])
+    return model, resumed, first
+
+
 def random_ids(rng, batch, length, vocabulary_size=50, low=4):
     """Ids in [low, vocabulary_size), i.e. no special ids."""
     return rng.integers(low, vocabulary_size, size=(batch, length)).astype("int32")

@@ -4,7 +4,6 @@ Only the adapters train; checkpoints, presets and exports hold the merged kernel
 """
 
 import json
-import shutil
 
 import h5py
 import keras
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 
 import keras_transformer as kt
-from conftest import BACKEND, TINY_CORPUS, random_ids, tiny_model, to_numpy
+from conftest import BACKEND, TINY_CORPUS, random_ids, resume_after_the_first_interval, tiny_model, to_numpy
 from keras_transformer import lora, training
 from test_training_durability import _run_until_the_first_resume_point
 
@@ -169,35 +168,19 @@ def test_every_exporter_takes_a_lora_model_merged(trained):
 # ---------------------------------------------------------------------- #
 def test_a_lora_resume_point_continues_bit_for_bit(tmp_path):
     """Keras' weight file holds merged kernels and no adapters; the resume point keeps W, A and B themselves."""
-    import tensorflow as tf
-
-    x = {"encoder_token_ids": np.full((2, 5), 7, "int32"), "decoder_token_ids": np.full((2, 4), 8, "int32")}
-    dataset = tf.data.Dataset.from_tensors((x, np.full((2, 4), 9, "int32"))).repeat()
-    path, first = tmp_path / training.RESUME_FILE, tmp_path / "after-interval-1.weights.h5"
-
-    class KeepTheFirst(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == 0:
-                shutil.copyfile(path, first)
-
     def lora_model(seed):
         model = tiny_model(vocabulary_size=20, dropout=0.3, seed=seed)
         model.enable_lora(2, targets=["attention", "feedforward"])
         training.compile_model(model, warmup_steps=10, learning_rate_scale=10.0)
         return model
 
-    model = lora_model(1234)
-    model.fit(dataset, epochs=3, steps_per_epoch=2, callbacks=[training.ResumePoint(path), KeepTheFirst()], verbose=0)
+    model, resumed, first = resume_after_the_first_interval(tmp_path, lora_model)
 
     merged_only = lora_model(7)
     merged_only.optimizer.build(merged_only.trainable_variables)
     merged_only.load_weights(str(first))  # what Keras alone restores: merged kernels, adapters zero
     assert not any(to_numpy(v).any() for v in merged_only.weights if _is_factor(v))
 
-    resumed = lora_model(7)  # other weights and dropout seeds, as another process may get
-    state = training.load_resume_point(resumed, first)
-    resumed.fit(dataset, epochs=3, initial_epoch=1, steps_per_epoch=2, verbose=0,
-                callbacks=[training.ResumePoint(tmp_path / "resumed.weights.h5", random_state=state)])
     for expected, actual in zip(model.weights, resumed.weights, strict=True):
         np.testing.assert_array_equal(to_numpy(actual), to_numpy(expected), err_msg=expected.path)
 

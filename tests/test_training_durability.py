@@ -11,12 +11,11 @@ import time
 import uuid
 
 import h5py
-import keras
 import numpy as np
 import pytest
 
 import keras_transformer as kt
-from conftest import BACKEND, tiny_model, to_numpy
+from conftest import BACKEND, resume_after_the_first_interval, tiny_model, to_numpy
 from keras_transformer import training, utils
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -434,28 +433,12 @@ def test_a_resume_point_continues_with_the_same_dropout_masks(tmp_path):
     and torch's generator, which Keras' PyTorch dropout draws from); without it
     the resumed model drew step 0's masks again.
     """
-    import shutil
+    def build(seed):
+        model = tiny_model(vocabulary_size=20, dropout=0.3, seed=seed)
+        training.compile_model(model, warmup_steps=10)
+        return model
 
-    import tensorflow as tf
-
-    x = {"encoder_token_ids": np.full((2, 5), 7, "int32"), "decoder_token_ids": np.full((2, 4), 8, "int32")}
-    dataset = tf.data.Dataset.from_tensors((x, np.full((2, 4), 9, "int32"))).repeat()
-    path, first = tmp_path / training.RESUME_FILE, tmp_path / "after-interval-1.weights.h5"
-
-    class KeepTheFirst(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == 0:
-                shutil.copyfile(path, first)
-
-    model = tiny_model(vocabulary_size=20, dropout=0.3)
-    training.compile_model(model, warmup_steps=10)
-    model.fit(dataset, epochs=3, steps_per_epoch=2, callbacks=[training.ResumePoint(path), KeepTheFirst()], verbose=0)
-
-    resumed = tiny_model(vocabulary_size=20, dropout=0.3, seed=7)  # other dropout seeds, as another process may get
-    training.compile_model(resumed, warmup_steps=10)
-    state = training.load_resume_point(resumed, first)
-    resumed.fit(dataset, epochs=3, initial_epoch=1, steps_per_epoch=2, verbose=0,
-                callbacks=[training.ResumePoint(tmp_path / "resumed.weights.h5", random_state=state)])
+    model, resumed, _ = resume_after_the_first_interval(tmp_path, build)
     for expected, actual in zip(model.weights, resumed.weights):
         np.testing.assert_array_equal(to_numpy(actual), to_numpy(expected), err_msg=expected.path)
 
