@@ -58,6 +58,7 @@ SETTINGS = {
     "lr1": {"learning_rate_scale": 1.0},
     "lr1_warmup200": {"learning_rate_scale": 1.0, "warmup_steps": 200},
     "batch8k": {"tokens_per_batch": 8192},
+    "bf16_lr1": {"mixed_precision": "mixed_bfloat16", "learning_rate_scale": 1.0},
 }
 """Levers on top of the Quick start's settings, by name."""
 

@@ -24,7 +24,7 @@ if __name__ == "__main__":  # a command: quiet the frameworks before anything im
 
 from keras_transformer.lora import LORA_TARGET_NAMES, LORA_TARGETS  # noqa: E402
 from keras_transformer.training import (  # noqa: E402
-    DEFAULT_VALIDATION_BLEU_SENTENCES, STRATEGIES, UserInputError, run_training,
+    DEFAULT_VALIDATION_BLEU_SENTENCES, MIXED_PRECISIONS, STRATEGIES, UserInputError, run_training,
 )
 from keras_transformer.utils import (  # noqa: E402
     auto_or_bool, non_negative_int, positive_float, positive_int, unit_interval,
@@ -74,7 +74,9 @@ def build_parser():
     parser.add_argument("--average-last", type=positive_int,
                         help="average the last K checkpoints (default: the preset's; paper: 5 base, 20 big)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
-    parser.add_argument("--mixed-precision", choices=["mixed_bfloat16", "mixed_float16"])
+    parser.add_argument("--mixed-precision", choices=MIXED_PRECISIONS,
+                        help="auto: mixed_bfloat16 where the CPU (AVX512-BF16, AMX) or GPU computes it natively, "
+                             "else float32 (default: float32)")
     parser.add_argument("--jit-compile", type=auto_or_bool, default="auto", metavar="{auto,true,false}",
                         help="XLA-compile the training step (default auto: off under MirroredStrategy and for "
                              "TensorFlow on a CPU, else Keras' choice)")

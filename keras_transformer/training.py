@@ -57,7 +57,61 @@ from keras_transformer.utils import (
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "mirrored", "multi_worker", "none")
+MIXED_PRECISIONS = ("auto", "float32", "mixed_bfloat16", "mixed_float16")
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d+)\.weights\.h5$")
+
+
+def native_bfloat16():
+    """`(bool, why)`: whether this machine multiplies bfloat16 matrices natively, and what says so.
+
+    The accelerator Keras' backend trains on (a CUDA GPU of compute
+    capability 8.0 or later, a TPU), else the CPU's own instructions
+    (`avx512_bf16` or `amx_bf16` in Linux's /proc/cpuinfo). Elsewhere
+    bfloat16 is emulated and slower than float32.
+    """
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.is_bf16_supported(), f"GPU {torch.cuda.get_device_name()}"
+    elif backend == "jax":
+        import jax
+
+        device = jax.devices()[0]
+        if device.platform == "tpu":
+            return True, "TPU"
+        if device.platform == "gpu":
+            capability = getattr(device, "compute_capability", "0.0")
+            return float(capability) >= 8.0, f"GPU compute capability {capability}"
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            capability = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0))
+            return tuple(capability) >= (8, 0), f"GPU compute capability {capability}"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    found = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
+    return bool(found), f"CPU with {found[0]}" if found else "CPU without avx512_bf16 or amx_bf16"
+
+
+def resolve_mixed_precision(mixed_precision):
+    """The Keras policy a run uses for `mixed_precision` (`MIXED_PRECISIONS` or None), None for float32.
+
+    "auto" is "mixed_bfloat16" where `native_bfloat16()` says so, else
+    float32; the choice is logged.
+    """
+    if mixed_precision == "auto":
+        native, why = native_bfloat16()
+        resolved = "mixed_bfloat16" if native else None
+        logger.info("mixed_precision=auto: %s (%s)", resolved or "float32", why)
+        return resolved
+    return None if mixed_precision == "float32" else mixed_precision
 
 
 def resolve_strategy(strategy="auto"):
@@ -824,9 +878,9 @@ def _check_config(config):
         raise BadArgumentError(f"label_smoothing={smoothing!r} must be in [0, 1)")
     if config.strategy not in STRATEGIES:
         raise BadArgumentError(f"strategy={config.strategy!r} must be one of {STRATEGIES}")
-    if config.mixed_precision not in (None, "mixed_bfloat16", "mixed_float16"):
+    if config.mixed_precision is not None and config.mixed_precision not in MIXED_PRECISIONS:
         raise BadArgumentError(
-            f"mixed_precision={config.mixed_precision!r} must be None, 'mixed_bfloat16' or 'mixed_float16'"
+            f"mixed_precision={config.mixed_precision!r} must be None or one of {MIXED_PRECISIONS}"
         )
     if config.jit_compile not in ("auto", True, False):
         raise BadArgumentError(f"jit_compile={config.jit_compile!r} must be 'auto', True or False")
@@ -1031,8 +1085,11 @@ def run_training(output_dir, config=None, **overrides):
             default: the preset's (`PRESETS[name]["average_last"]`: 5 for
             base, 20 for big, as in the paper), 5 for a preset directory.
         strategy: see `resolve_strategy`.
-        mixed_precision: None, "mixed_bfloat16" or "mixed_float16" (loss
-            scaling is added by Keras for float16).
+        mixed_precision: None or "float32", "mixed_bfloat16",
+            "mixed_float16" (loss scaling is added by Keras for float16), or
+            "auto": bfloat16 where the machine computes it natively
+            (`native_bfloat16`: a CPU with AVX512-BF16 or AMX, a GPU of compute
+            capability 8.0+), else float32.
         jit_compile: see `compile_model`.
         bleu_beam_size: beam for the validation BLEU at the end.
         validation_bleu: bool; False skips the validation BLEU at the end
@@ -1076,13 +1133,15 @@ def run_training(output_dir, config=None, **overrides):
         data = _prepare_data(run)
     # From here on the run writes, in `run.root / training` only.
     _start(run, data)
-    with _global_policy(config.mixed_precision):
+    mixed_precision = resolve_mixed_precision(config.mixed_precision)
+    with _global_policy(mixed_precision):
         model, strategy_name = _build_model(run, data)
         final_train_loss = _fit(run, data, model, strategy_name)
         averaged = _average(run, data, model)
         del model
         gc.collect()  # frees the trained model and its optimizer state (reference cycles) before `_finalize`
-        return _finalize(run, data, averaged, {"strategy": strategy_name, "final_train_loss": final_train_loss})
+        trained = {"strategy": strategy_name, "mixed_precision": mixed_precision, "final_train_loss": final_train_loss}
+        return _finalize(run, data, averaged, trained)
 
 
 def _configure(config, overrides):
@@ -1584,7 +1643,7 @@ def _metadata(run, data, averaged, trained):
         "averaged_checkpoints": [p.name for p in averaged.checkpoints],
         "backend": keras.backend.backend(),
         "strategy": trained["strategy"],
-        "mixed_precision": config.mixed_precision,
+        "mixed_precision": trained["mixed_precision"],
         "train_seconds_this_run": averaged.seconds,
         "final_train_loss": trained["final_train_loss"],
     }

@@ -441,6 +441,26 @@ def test_average_checkpoints_leaves_out_the_optimizer_state_of_old_checkpoints(t
         np.testing.assert_allclose(actual, (first + second) / 2, rtol=1e-6, atol=1e-7)
 
 
+def test_auto_mixed_precision_is_bfloat16_exactly_where_the_machine_computes_it_natively(monkeypatch, tmp_path):
+    native, why = training.native_bfloat16()
+    assert isinstance(why, str) and why
+    assert training.resolve_mixed_precision("auto") == ("mixed_bfloat16" if native else None)
+    assert training.resolve_mixed_precision("float32") is None
+    assert training.resolve_mixed_precision(None) is None
+    assert training.resolve_mixed_precision("mixed_float16") == "mixed_float16"
+    if not why.startswith("CPU"):
+        pytest.skip(f"an accelerator decides here ({why})")
+    # A CPU's own flags decide where no accelerator is seen.
+    for flags, expected in (("fpu avx512f avx512_bf16 amx_tile", True), ("fpu avx2 avx512f", False)):
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        real_open = open
+        monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+            cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+        assert training.native_bfloat16()[0] is expected
+        monkeypatch.undo()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(BACKEND == "torch", reason="bfloat16 CPU matmuls are very slow in torch eager")
 def test_mixed_precision_with_gradient_accumulation_trains_and_writes_a_float32_preset(tmp_path):

@@ -145,6 +145,7 @@ def test_average_checkpoints_cli_names_a_missing_input(tmp_path, capsys):
         (dict(label_smoothing=1.5), "label_smoothing"),
         (dict(validation_bleu_sentences=0), r"^validation_bleu_sentences=0 must be an integer >= 1$"),
         (dict(validation_bleu="no"), r"^validation_bleu='no' must be True or False$"),
+        (dict(mixed_precision="bfloat16"), r"^mixed_precision='bfloat16' must be None or one of \('auto', "),
         (dict(preset="tinyy"), "Unknown preset 'tinyy'"),
         (dict(train_src="missing.en", train_tgt="missing.de"), "missing.en"),
     ],
