@@ -111,6 +111,22 @@ def test_the_paper_model_imports_back(paper_export, tiny_preset_dir):
     assert imported.tokenizer.encode(SENTENCES) == model.tokenizer.encode(SENTENCES)
 
 
+def test_the_built_in_tiny_preset_exports_exactly(tmp_path):
+    """The paper's architecture as the `tiny` preset (random init, dropout 0.1 kept in config.json)."""
+    keras.utils.set_random_seed(3)
+    model = kt.TransformerModel.from_preset("tiny")
+    directory = export_huggingface(model, tmp_path / "hf", validation_sentences=2)
+    config = json.loads((directory / "config.json").read_text())
+    assert (config["d_model"], config["encoder_layers"], config["activation_function"], config["dropout"]) == (
+        64, 2, "relu", model.dropout)
+    rng = np.random.default_rng(0)
+    sources = np.concatenate([rng.integers(4, 1000, (2, 7)), np.full((2, 1), 3)], 1).astype("int32")
+    targets = np.concatenate([np.full((2, 1), 2), rng.integers(4, 1000, (2, 5))], 1).astype("int32")
+    ours = to_numpy(model({"encoder_token_ids": sources, "decoder_token_ids": targets}))
+    theirs = hf_logits(directory, sources, targets, np.arange(1000))
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
 def test_a_model_without_tokenizer_exports_the_model_files(tmp_path):
     model = tiny_model(activation="gelu", logits_bias=True)
     model.logits_bias_weight.assign(np.random.default_rng(0).normal(size=model.vocabulary_size).astype("float32"))
