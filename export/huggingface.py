@@ -171,9 +171,8 @@ def feature_permutation(model):
 # Ids
 # ---------------------------------------------------------------------- #
 def _is_marian(tokenizer):
-    from keras_transformer.marian_tokenizer import MarianTokenizer
-
-    return isinstance(tokenizer, MarianTokenizer)
+    """Whether the tokenizer renumbers a Marian vocabulary (it has `marian_ids`: an imported checkpoint's)."""
+    return getattr(tokenizer, "marian_ids", None) is not None
 
 
 class IdMap:
@@ -557,7 +556,13 @@ def export_huggingface(model, directory, overwrite=False, metadata=None, validat
     ids = IdMap(model)
     tensors = hf_tensors(model, ids)
     languages = _languages(metadata)
-    from safetensors.numpy import save_file
+    try:
+        from safetensors.numpy import save_file
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "The Hugging Face export writes model.safetensors: pip install \"keras-aiayn[hub]\" (safetensors)",
+            name="safetensors",
+        ) from None
 
     with atomic_directory(output) as staging:
         logger.info("Writing the Marian checkpoint (%d tensors)", len(tensors))
