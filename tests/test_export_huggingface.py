@@ -82,6 +82,8 @@ def test_the_paper_model_exports_exactly(paper_export, tiny_preset_dir):
                                         max_length=len(source) + 11)[0].tolist()
         assert theirs == ours[: len(theirs)] and ours[len(theirs):] == [0] * (len(ours) - len(theirs))
         assert theirs[-1] == 3  # ended (forced at the maximum length on both sides)
+        # and MarianTokenizer decodes them (its start piece <s> included) as ours does.
+        assert tokenizer.batch_decode([theirs], skip_special_tokens=True) == model.tokenizer.decode([ours])
 
     # The export's own validation recorded the same.
     record = json.loads((paper_export / huggingface.METADATA_FILE).read_text())
