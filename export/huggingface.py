@@ -1,0 +1,733 @@
+"""Export a TransformerModel as a Hugging Face checkpoint: `python -m export.huggingface`.
+
+The directory is what `MarianMTModel.save_pretrained` and
+`MarianTokenizer.save_pretrained` write (`config.json`,
+`generation_config.json`, `model.safetensors`; `source.spm`, `target.spm`,
+`vocab.json`, `tokenizer_config.json`) and a model card (`README.md`), so
+`transformers` loads it with `MarianMTModel.from_pretrained(DIR)` and
+`MarianTokenizer.from_pretrained(DIR)`, and `huggingface-cli upload`
+publishes it. The tensors are written with `safetensors` and NumPy alone:
+exporting needs neither PyTorch nor `transformers`; validating does.
+
+Marian (Hugging Face's `MarianMTModel`) is the paper's architecture with a
+few more options, and every post-LN, sinusoidal `TransformerModel` is one
+exactly:
+
+| `TransformerModel`                         | Marian (`config.json`)                 |
+|--------------------------------------------|----------------------------------------|
+| `activation` relu / gelu / silu            | `activation_function` relu / gelu / swish |
+| embeddings times sqrt(d_model), one matrix | `scale_embedding`, tied `model.shared` |
+| `logits_bias` (or none: zeros)             | `final_logits_bias`                    |
+| `layer_norm_epsilon=1e-5`                  | PyTorch's LayerNorm default            |
+| `position_encoding="sinusoidal_halves"`    | its own table (sin \\| cos halves)     |
+| `position_encoding="sinusoidal"` (paper)   | the same, features permuted (below)    |
+
+Positions: the paper's table interleaves sines and cosines (feature 2i the
+sine, 2i + 1 the cosine of one frequency); Marian's puts the sines in the
+first half and the cosines in the second, with the same frequencies. So
+Marian's table is ours with its features permuted: `halves[:, k] =
+interleaved[:, P[k]]` with `P = [0, 2, 4, ..., 1, 3, 5, ...]`
+(`feature_permutation`). Every operation on the residual stream is
+equivariant to a permutation of its features (sums, LayerNorm with gamma and
+beta permuted alike, the embedding scale), and every projection that reads
+the stream (queries, keys and values, also the cross-attention's keys and
+values reading the encoder's output; the first feed-forward layer; the
+output projection, which is the embedding matrix) or writes it (each
+attention's output projection, the second feed-forward layer) can take the
+permuted stream by permuting its input rows or its output columns and
+bias. The permuted model computes the same logits, which the export's
+validation (and tests/test_export_huggingface.py) checks against
+`transformers` itself.
+
+Ids: an imported Marian checkpoint (a `MarianTokenizer`) goes back out with
+its own ids and files (`vocab.json`, `source.spm`, `target.spm`): each row
+of the embeddings and of the logits bias returns to its Marian id, and the
+added start piece's row (equal to `<pad>`'s in an imported model) becomes
+`<pad>`'s, from which Marian's decoder starts; our pad id's own row is
+dropped (Marian never reads it: padding is masked and `<pad>` is never
+generated). A model with our shared SentencePiece `Tokenizer` keeps our ids:
+`vocab.json` maps each piece to its id, `source.spm` and `target.spm` are
+both `tokenizer.model`, and `config.json` says pad 0, start 2
+(`decoder_start_token_id`), end 3, so `MarianTokenizer` gives our ids. A
+model without a tokenizer gets the model files alone (ids as ours).
+
+Our search never generates the pad or start id; `generation_config.json`
+says so to `generate` (`bad_words_ids`), so greedy `generate` gives our
+greedy tokens. Beam search does not match ours: `generate` scores
+hypotheses `log P / |Y| ** length_penalty`, ours with GNMT's penalty.
+
+Not expressible, refused in one line naming the option: pre-LN
+(`normalize_first=True`), learned positions, a restricted attention window,
+per-head key or value sizes other than `hidden_dim / num_heads`, a
+LayerNorm epsilon other than 1e-5, and mixed feed-forward activations.
+
+Example:
+
+```
+python -m export.huggingface --preset path/to/preset --output exported/hf
+```
+
+```python
+from transformers import MarianMTModel, MarianTokenizer
+
+model = MarianMTModel.from_pretrained("exported/hf")
+tokenizer = MarianTokenizer.from_pretrained("exported/hf")
+batch = tokenizer(["A sentence."], return_tensors="pt")
+print(tokenizer.batch_decode(model.generate(**batch, num_beams=1), skip_special_tokens=True))
+```
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import pathlib
+import sys
+import warnings
+
+import numpy as np
+
+from export import contract
+from export.contract import ValidationError
+from keras_transformer.utils import atomic_directory, check_output_directory
+
+# Named, not __name__, so that `python -m export.huggingface` logs under the same name.
+logger = logging.getLogger("export.huggingface")
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+MODEL_CARD_FILE = "README.md"
+# Ours, beside Hugging Face's files: the export's own record (ids, versions, the validation result).
+METADATA_FILE = "keras_transformer.json"
+# `TransformerModel.activation` -> Marian's `activation_function` (transformers' ACT2FN names;
+# Keras' "gelu" is the exact, erf one, as transformers' "gelu").
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "silu": "swish"}
+MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; Marian's config has no field for it
+MAX_EXTRA_LENGTH = 50
+VALIDATION_SENTENCES = 8
+LOGITS_ATOL = 1e-4
+
+
+class UnsupportedModelError(ValueError):
+    """The model uses something a Marian checkpoint cannot express."""
+
+
+# ---------------------------------------------------------------------- #
+# What Marian can express
+# ---------------------------------------------------------------------- #
+def check_exportable(model):
+    """Raises `UnsupportedModelError`, in one line naming the option, if Marian cannot compute what `model` does."""
+    def refuse(option, why):
+        raise UnsupportedModelError(f"{option} cannot be exported as a Marian checkpoint: {why}")
+
+    if model.normalize_first:
+        refuse("normalize_first=True (pre-LN)", "MarianMTModel normalizes after each sub-layer (post-LN)")
+    if model.position_encoding not in ("sinusoidal", "sinusoidal_halves"):
+        refuse(f"position_encoding={model.position_encoding!r}", "MarianMTModel's positions are fixed sinusoids")
+    if model.attention_window is not None:
+        refuse(f"attention_window={model.attention_window}", "MarianMTModel's self-attention sees every position")
+    head_dim = model.hidden_dim // model.num_heads
+    if model.head_key_dim != head_dim or model.head_value_dim != head_dim:
+        refuse(
+            f"key_dim={model.head_key_dim}, value_dim={model.head_value_dim}",
+            f"MarianMTModel's heads have hidden_dim / num_heads = {model.hidden_dim} / {model.num_heads} features "
+            "each, for queries, keys and values alike",
+        )
+    if not math.isclose(float(model.layer_norm_epsilon), MARIAN_LAYER_NORM_EPSILON, rel_tol=1e-9, abs_tol=0.0):
+        refuse(f"layer_norm_epsilon={model.layer_norm_epsilon}",
+               f"MarianMTModel's LayerNorms use PyTorch's default, {MARIAN_LAYER_NORM_EPSILON}")
+    activation_function(model)
+
+
+def activation_function(model):
+    """Marian's `activation_function` for the one feed-forward activation all of `model`'s layers use."""
+    import keras
+
+    names = {keras.activations.serialize(layer.activation) for layer in (*model.encoder_layers, *model.decoder_layers)}
+    if len(names) != 1 or not names <= set(ACTIVATIONS):
+        raise UnsupportedModelError(
+            f"activation {sorted(names)} cannot be exported as a Marian checkpoint: its layers share one "
+            f"activation_function, of which this exporter maps {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[names.pop()]
+
+
+def feature_permutation(model):
+    """`[D]` int: Marian's feature k is our feature `P[k]` (the identity for Marian's own layout).
+
+    The paper's table has the sine of frequency i at feature 2i and its
+    cosine at 2i + 1; Marian's has them at i and D/2 + i.
+    """
+    if model.position_encoding == "sinusoidal_halves":
+        return np.arange(model.hidden_dim)
+    return np.concatenate([np.arange(0, model.hidden_dim, 2), np.arange(1, model.hidden_dim, 2)])
+
+
+# ---------------------------------------------------------------------- #
+# Ids
+# ---------------------------------------------------------------------- #
+def _is_marian(tokenizer):
+    """Whether the tokenizer renumbers a Marian vocabulary (it has `marian_ids`: an imported checkpoint's)."""
+    return getattr(tokenizer, "marian_ids", None) is not None
+
+
+class IdMap:
+    """Our ids and the checkpoint's.
+
+    Attributes:
+        to_hf: `[V]` int, the checkpoint's id of each of our ids.
+        rows: `[V_hf]` int, the id of ours whose embedding row (and logits
+            bias, and logit) each checkpoint id takes.
+        pad, end, start: the checkpoint's special ids.
+        vocab: dict piece -> checkpoint id (`vocab.json`), or None (no tokenizer).
+        pieces: dict of the special pieces (`pad_token`, `unk_token`, `eos_token`), or None.
+    """
+
+    def __init__(self, model):
+        tokenizer = model.tokenizer
+        size = model.vocabulary_size
+        if tokenizer is not None and tokenizer.vocabulary_size != size:
+            raise ValueError(
+                f"The tokenizer has {tokenizer.vocabulary_size} pieces, the model vocabulary_size={size}"
+            )
+        if _is_marian(tokenizer):
+            vocab = tokenizer.vocab
+            self.to_hf = np.asarray(tokenizer.marian_ids, np.int64)
+            self.rows = np.empty(len(vocab), np.int64)
+            # Where two of our ids share a Marian id (our pad and the added start piece share <pad>'s),
+            # the start id's row wins: Marian's decoder starts from it; it never reads our pad's.
+            for ours in sorted(range(size), key=lambda i: i == model.start_id):
+                self.rows[self.to_hf[ours]] = ours
+            self.vocab = vocab
+            self.pieces = {"pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+                           "eos_token": tokenizer.end_token}
+        else:
+            self.to_hf = np.arange(size)
+            self.rows = np.arange(size)
+            self.vocab = self.pieces = None
+            if tokenizer is not None:
+                pieces = tokenizer.pieces()
+                if len(set(pieces)) != len(pieces):
+                    raise ValueError("The tokenizer's pieces are not unique: vocab.json maps pieces to ids")
+                self.vocab = {piece: i for i, piece in enumerate(pieces)}
+                self.pieces = {"pad_token": pieces[model.pad_id], "unk_token": pieces[model.unk_id],
+                               "eos_token": pieces[model.end_id]}
+        self.pad, self.end, self.start = (int(self.to_hf[i]) for i in (model.pad_id, model.end_id, model.start_id))
+
+    @property
+    def size(self):
+        return len(self.rows)
+
+    def suppressed(self):
+        """The checkpoint ids our search never generates (pad and start), as `bad_words_ids`."""
+        return [[i] for i in sorted({self.pad, self.start})]
+
+
+# ---------------------------------------------------------------------- #
+# Weights
+# ---------------------------------------------------------------------- #
+def _numpy(variable):
+    from keras import ops
+
+    return np.asarray(ops.convert_to_numpy(variable), dtype=np.float32)
+
+
+def hf_tensors(model, ids=None):
+    """`{name: float32 array}`: `model`'s weights under `MarianMTModel`'s names, in its layout.
+
+    PyTorch's `Linear` stores `[out, in]` (Keras' `Dense` kernels are `[in,
+    out]`); the residual-stream features are permuted by
+    `feature_permutation` (see the module docstring) and the vocabulary rows
+    ordered by `IdMap.rows`.
+    """
+    check_exportable(model)
+    ids = ids or IdMap(model)
+    order = feature_permutation(model)
+    tensors = {}
+
+    def put(name, value):
+        tensors[name] = np.ascontiguousarray(value, dtype=np.float32)
+
+    def reading(name, dense):  # reads the (permuted) stream: input rows permuted
+        put(f"{name}.weight", _numpy(dense.kernel)[order, :].T)
+        put(f"{name}.bias", _numpy(dense.bias))
+
+    def writing(name, dense):  # adds to the stream: output columns and bias permuted
+        put(f"{name}.weight", _numpy(dense.kernel)[:, order].T)
+        put(f"{name}.bias", _numpy(dense.bias)[order])
+
+    def norm(name, layer_norm):
+        put(f"{name}.weight", _numpy(layer_norm.gamma)[order])
+        put(f"{name}.bias", _numpy(layer_norm.beta)[order])
+
+    def attention(name, layer):
+        reading(f"{name}.q_proj", layer.query_dense)
+        reading(f"{name}.k_proj", layer.key_dense)
+        reading(f"{name}.v_proj", layer.value_dense)
+        writing(f"{name}.out_proj", layer.output_dense)
+
+    def feedforward(name, layer):
+        reading(f"{name}.fc1", layer.feedforward_intermediate)
+        writing(f"{name}.fc2", layer.feedforward_output)
+        norm(f"{name}.final_layer_norm", layer.feedforward_norm)
+
+    # One matrix: both embeddings and the output projection (tied in Marian, stored once).
+    put("model.shared.weight", _numpy(model.token_embedding.embeddings)[ids.rows][:, order])
+    bias = _numpy(model.logits_bias_weight) if model.logits_bias else np.zeros(model.vocabulary_size, np.float32)
+    put("final_logits_bias", bias[ids.rows][None, :])
+    for i, layer in enumerate(model.encoder_layers):
+        key = f"model.encoder.layers.{i}"
+        attention(f"{key}.self_attn", layer.self_attention)
+        norm(f"{key}.self_attn_layer_norm", layer.self_attention_norm)
+        feedforward(key, layer)
+    for i, layer in enumerate(model.decoder_layers):
+        key = f"model.decoder.layers.{i}"
+        attention(f"{key}.self_attn", layer.self_attention)
+        norm(f"{key}.self_attn_layer_norm", layer.self_attention_norm)
+        attention(f"{key}.encoder_attn", layer.cross_attention)
+        norm(f"{key}.encoder_attn_layer_norm", layer.cross_attention_norm)
+        feedforward(key, layer)
+    return tensors
+
+
+# ---------------------------------------------------------------------- #
+# Configs and tokenizer files
+# ---------------------------------------------------------------------- #
+def hf_config(model, ids):
+    """`config.json` of the `MarianMTModel` computing what `model` does."""
+    return {
+        "architectures": ["MarianMTModel"],
+        "model_type": "marian",
+        "vocab_size": ids.size,
+        "decoder_vocab_size": ids.size,
+        "d_model": model.hidden_dim,
+        "encoder_layers": len(model.encoder_layers),
+        "decoder_layers": len(model.decoder_layers),
+        "encoder_attention_heads": model.num_heads,
+        "decoder_attention_heads": model.num_heads,
+        "encoder_ffn_dim": model.intermediate_dim,
+        "decoder_ffn_dim": model.intermediate_dim,
+        "activation_function": activation_function(model),
+        "max_position_embeddings": model.max_sequence_length,
+        "dropout": float(model.dropout),
+        "attention_dropout": float(model.attention_dropout),
+        "activation_dropout": 0.0,
+        "encoder_layerdrop": 0.0,
+        "decoder_layerdrop": 0.0,
+        "init_std": 0.02,
+        "scale_embedding": True,
+        "share_encoder_decoder_embeddings": True,
+        "tie_word_embeddings": True,
+        "is_encoder_decoder": True,
+        "use_cache": True,
+        "pad_token_id": ids.pad,
+        "eos_token_id": ids.end,
+        "forced_eos_token_id": ids.end,
+        "decoder_start_token_id": ids.start,
+        "bos_token_id": None,
+        "dtype": "float32",
+    }
+
+
+def generation_config(model, ids):
+    """`generation_config.json`: our special ids, and the pad and start ids never generated (as our search)."""
+    return {
+        "bad_words_ids": ids.suppressed(),
+        "decoder_start_token_id": ids.start,
+        "eos_token_id": ids.end,
+        "forced_eos_token_id": ids.end,
+        "pad_token_id": ids.pad,
+        "max_length": model.max_sequence_length,
+        "num_beams": 4,
+    }
+
+
+def tokenizer_config(ids, languages):
+    """`tokenizer_config.json` for `MarianTokenizer` (one shared vocabulary)."""
+    return {
+        "tokenizer_class": "MarianTokenizer",
+        **ids.pieces,
+        "model_max_length": 512,
+        "separate_vocabs": False,
+        "sp_model_kwargs": {},
+        "source_lang": languages[0] if languages else None,
+        "target_lang": languages[1] if languages else None,
+    }
+
+
+def _write_tokenizer(directory, tokenizer, ids):
+    from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, VOCAB_FILE
+
+    if _is_marian(tokenizer):
+        source, target = tokenizer.source_proto, tokenizer.target_proto
+    else:
+        source = target = tokenizer.proto  # one shared vocabulary for both sides
+    (directory / SOURCE_SPM).write_bytes(source)
+    (directory / TARGET_SPM).write_bytes(target)
+    (directory / VOCAB_FILE).write_text(json.dumps(ids.vocab, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+
+
+def _write_json(path, value):
+    path.write_text(json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------- #
+# Model card
+# ---------------------------------------------------------------------- #
+def _languages(metadata):
+    """`[source, target]` language codes from a preset's `metadata.json` data files, or [] when unknown."""
+    data = metadata.get("data") or {}
+    corpus = (data.get("bundled_corpus") or {}).get("name", "")
+    parts = corpus.rsplit("_", 2)
+    if len(parts) == 3 and all(len(code) == 2 for code in parts[1:]):
+        return parts[1:]
+    files = data.get("train") or []
+    codes = []
+    for name in files:
+        if not isinstance(name, str):
+            return []
+        stem = name[:-3] if name.endswith(".gz") else name
+        suffix = pathlib.PurePosixPath(stem).suffix.lstrip(".")
+        codes.append(suffix)
+    if len(codes) == 2 and all(2 <= len(code) <= 3 and code.isalpha() for code in codes):
+        return codes
+    return []
+
+
+def model_card(model, metadata, languages, validation=None):
+    """`README.md`: what the model is, its data and scores as `metadata.json` records them; license left to fill in."""
+    data = metadata.get("data") or {}
+    front = ["---", "library_name: transformers", "pipeline_tag: translation", "tags:", "- translation",
+             "- marian", "- keras-aiayn"]
+    if languages:
+        front += ["language:"] + [f"- {code}" for code in languages]
+    else:
+        front += ["# language: [xx, yy]  (fill in: the source and target languages)"]
+    front += ["# license: (fill in, e.g. apache-2.0, and the training data's terms)", "---", ""]
+    pair = f" ({languages[0]} → {languages[1]})" if languages else ""
+    lines = [
+        f"# Transformer translation model{pair}",
+        "",
+        "A Transformer encoder-decoder (Vaswani et al., 2017, \"Attention Is All You Need\") exported from "
+        "[keras-aiayn](https://pypi.org/project/keras-aiayn/) with `python -m export.huggingface`, as a "
+        "`MarianMTModel` checkpoint.",
+        "",
+        "## Architecture",
+        "",
+        f"- {len(model.encoder_layers)} encoder and {len(model.decoder_layers)} decoder layers, d_model "
+        f"{model.hidden_dim}, d_ff {model.intermediate_dim}, {model.num_heads} heads, post-LN, "
+        f"activation {model.activation}, sinusoidal positions (at most {model.max_sequence_length} tokens)",
+        f"- vocabulary: {model.vocabulary_size} pieces"
+        + (" (SentencePiece, shared by both languages)" if model.tokenizer is not None else " (no tokenizer)"),
+        "",
+        "## Training",
+        "",
+    ]
+    if metadata:
+        for split in ("train", "valid", "test"):
+            if data.get(split):
+                lines.append(f"- {split} data: " + ", ".join(str(name) for name in data[split] if name))
+        corpus = data.get("bundled_corpus")
+        if corpus:
+            lines.append(f"- corpus: {corpus.get('name')} (version {corpus.get('version')})")
+        for key, label in (("preset", "architecture preset"), ("init_from", "fine-tuned from"),
+                           ("steps", "training steps"), ("train_pairs", "training sentence pairs")):
+            value = metadata.get(key, data.get(key))
+            if value is not None:
+                lines.append(f"- {label}: {value}")
+    else:
+        lines.append("Not recorded (the model was exported without a preset's metadata.json).")
+    lines += ["", "## Evaluation", ""]
+    scores = [(key, label) for key, label in (("test_bleu", "test BLEU"), ("valid_bleu", "validation BLEU"),
+                                              ("valid_chrf", "validation chrF")) if metadata.get(key) is not None]
+    if scores:
+        for key, label in scores:
+            sentences = metadata.get("valid_bleu_sentences") if key.startswith("valid") else None
+            lines.append(f"- {label}: {metadata[key]}" + (f" ({sentences} sentences)" if sentences else ""))
+        if metadata.get("valid_bleu_signature"):
+            lines.append(f"- sacreBLEU signature: `{metadata['valid_bleu_signature']}`")
+    else:
+        lines.append("No score recorded.")
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import MarianMTModel, MarianTokenizer",
+        "",
+        "model = MarianMTModel.from_pretrained(\"PATH_OR_REPO\")",
+        "tokenizer = MarianTokenizer.from_pretrained(\"PATH_OR_REPO\")",
+        "batch = tokenizer([\"A sentence.\"], return_tensors=\"pt\")",
+        "print(tokenizer.batch_decode(model.generate(**batch, num_beams=1), skip_special_tokens=True))",
+        "```",
+        "",
+        "Greedy `generate` gives keras-aiayn's greedy tokens (checked at export); beam search scores "
+        "hypotheses with transformers' length penalty, not the GNMT penalty keras-aiayn uses.",
+    ]
+    if validation and not validation.get("skipped"):
+        lines += ["", f"Checked at export: logits within {validation['logits_atol']:g} of keras-aiayn's "
+                      f"(largest difference {validation['largest_logits_difference']:.1e}), the same greedy "
+                      f"tokens on {validation['sentences']} sentences."]
+    lines += ["", "## License", "", "Not set: fill in the license and the training data's terms before publishing.", ""]
+    return "\n".join(front + lines)
+
+
+# ---------------------------------------------------------------------- #
+# Export
+# ---------------------------------------------------------------------- #
+def _load(preset):
+    from keras_transformer.lora import merged_model
+    from keras_transformer.model import TransformerModel
+
+    if isinstance(preset, TransformerModel):
+        return merged_model(preset), {}  # LoRA adapters merged into the kernels
+    if not isinstance(preset, (str, os.PathLike)):
+        raise TypeError(
+            f"model must be a TransformerModel, a preset name or a directory, received {type(preset).__name__}"
+        )
+    model = TransformerModel.from_preset(preset)
+    metadata = {}
+    path = pathlib.Path(preset) / "metadata.json"
+    if path.is_file():
+        try:
+            metadata = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            logger.warning("%s is not valid JSON; the model card leaves its fields out", path)
+        metadata = metadata if isinstance(metadata, dict) else {}
+    return model, metadata
+
+
+def is_huggingface_export(directory):
+    """Whether `directory` is a Hugging Face Marian checkpoint (ours or another writer's)."""
+    from keras_transformer.convert import hf_model_type
+
+    directory = pathlib.Path(directory)
+    return hf_model_type(directory) == "marian" and (directory / WEIGHTS_FILE).is_file()
+
+
+def check_output(output, overwrite, preset=None, flag="overwrite=True (--overwrite)"):
+    """`utils.check_output_directory` for this export: only an earlier Marian checkpoint is replaced."""
+    return check_output_directory(
+        output, overwrite, is_huggingface_export, "a Hugging Face Marian checkpoint (python -m export.huggingface)",
+        source=preset, flag=flag,
+    )
+
+
+def export_huggingface(model, directory, overwrite=False, metadata=None, validate=True,
+                       validation_sentences=VALIDATION_SENTENCES):
+    """Writes `model` as a Hugging Face `MarianMTModel` checkpoint directory and validates it.
+
+    Args:
+        model: a `TransformerModel`, or a built-in preset name, a preset
+            directory (its `metadata.json` fills the model card), a Marian
+            checkpoint directory or an `hf://` handle.
+        directory: the directory to create.
+        overwrite: bool, replace an existing `directory` (only an earlier
+            Marian checkpoint).
+        metadata: optional dict as a preset's `metadata.json` (data, scores)
+            for the model card; read from the preset directory when None.
+        validate: bool; with `transformers` and PyTorch importable, load the
+            checkpoint with `MarianMTModel.from_pretrained` and compare
+            logits (within 1e-4), greedy `generate` tokens and
+            `MarianTokenizer` ids with ours. Without them it is skipped (said
+            in the log and in `keras_transformer.json`).
+        validation_sentences: int >= 1, sentences of the bundled test split
+            (random ids for a model without a tokenizer) for the comparison.
+
+    Returns:
+        `pathlib.Path` of the directory.
+
+    Raises:
+        FileExistsError: `directory` exists and `overwrite` is False.
+        ValueError: `directory` is the preset's own or not an earlier checkpoint.
+        UnsupportedModelError: Marian cannot express the model (one line naming the option).
+        export.contract.ValidationError: `transformers` computes something else.
+    """
+    if isinstance(validation_sentences, bool) or not isinstance(validation_sentences, int) or validation_sentences < 1:
+        raise ValueError(f"validation_sentences={validation_sentences!r} must be an integer >= 1")
+    output = check_output(directory, overwrite, model if isinstance(model, (str, os.PathLike)) else None)
+    model, read_metadata = _load(model)
+    metadata = read_metadata if metadata is None else metadata
+    check_exportable(model)
+    ids = IdMap(model)
+    tensors = hf_tensors(model, ids)
+    languages = _languages(metadata)
+    try:
+        from safetensors.numpy import save_file
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "The Hugging Face export writes model.safetensors: pip install \"keras-aiayn[hub]\" (safetensors)",
+            name="safetensors",
+        ) from None
+
+    with atomic_directory(output) as staging:
+        logger.info("Writing the Marian checkpoint (%d tensors)", len(tensors))
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        _write_json(staging / CONFIG_FILE, hf_config(model, ids))
+        _write_json(staging / GENERATION_CONFIG_FILE, generation_config(model, ids))
+        if model.tokenizer is not None:
+            _write_tokenizer(staging, model.tokenizer, ids)
+            _write_json(staging / TOKENIZER_CONFIG_FILE, tokenizer_config(ids, languages))
+        else:
+            logger.warning("The model has no tokenizer: the checkpoint has no tokenizer files (ids as ours)")
+        report = validate_huggingface(staging, model, sentences=validation_sentences) if validate else {
+            "skipped": "validate=False"}
+        (staging / MODEL_CARD_FILE).write_text(model_card(model, metadata, languages, report), encoding="utf-8")
+        contract.write_config(staging, _metadata(model, ids, report), METADATA_FILE)
+    logger.info("Exported %s", output)
+    return output
+
+
+def _metadata(model, ids, validation):
+    from keras_transformer.presets import jsonable_config
+
+    return {
+        "format_version": FORMAT_VERSION,
+        "engine": "transformers (MarianMTModel)",
+        "vocabulary_size": model.vocabulary_size,
+        "hf_vocabulary_size": ids.size,
+        "hf_ids": {"pad": ids.pad, "end": ids.end, "start": ids.start},
+        "feature_permutation": "identity" if model.position_encoding == "sinusoidal_halves" else
+        "Marian feature k = our feature P[k], P = even features then odd ones (interleaved -> halves sinusoids)",
+        "versions": contract.versions(optional=("transformers", "torch", "safetensors")),
+        "model_config": jsonable_config(model.get_config()),
+        "validation": validation,
+    }
+
+
+# ---------------------------------------------------------------------- #
+# Validation
+# ---------------------------------------------------------------------- #
+def _import_reference():
+    """`(torch, transformers)`, or None when either is missing."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    return torch, transformers
+
+
+def validate_huggingface(directory, model, sentences=VALIDATION_SENTENCES, atol=LOGITS_ATOL, seed=0):
+    """Loads the checkpoint with `transformers` and compares it with `model`.
+
+    In order: `MarianTokenizer` gives our ids (mapped) on the sentences; the
+    teacher-forced logits of `MarianMTModel.from_pretrained` equal ours
+    within `atol` at every position and vocabulary entry; greedy `generate`
+    (one sentence at a time, our maximum length) gives our greedy tokens.
+
+    Returns:
+        dict: `sentences`, `largest_logits_difference`, `logits_atol`,
+        `greedy_identical`; or `{"skipped": reason}` without transformers or PyTorch.
+
+    Raises:
+        export.contract.ValidationError: naming the first difference.
+    """
+    from keras import ops
+
+    from export.ctranslate2 import _keras_outputs, _validation_sources
+
+    reference = _import_reference()
+    if reference is None:
+        reason = "transformers and torch are not both importable (pip install transformers torch)"
+        logger.warning("Validation skipped: %s", reason)
+        return {"skipped": reason}
+    torch, transformers = reference
+    directory = pathlib.Path(directory)
+    ids = IdMap(model)
+    texts, sources = _validation_sources(model, sentences, seed=seed)
+
+    if model.tokenizer is not None:
+        with warnings.catch_warnings():  # "Recommended: pip install sacremoses" (Moses is not used to tokenize)
+            warnings.simplefilter("ignore", UserWarning)
+            hf_tokenizer = transformers.MarianTokenizer.from_pretrained(str(directory))
+        expected = [ids.to_hf[row].tolist() for row in model.tokenizer.encode(texts)]
+        actual = hf_tokenizer(texts)["input_ids"]
+        for text, ours, theirs in zip(texts, expected, actual):
+            if list(theirs) != ours:
+                raise ValidationError(f"MarianTokenizer gives {list(theirs)} for {text!r}; ours (mapped) {ours}")
+
+    hf_model = transformers.MarianMTModel.from_pretrained(str(directory)).eval()
+    # Logits: sources with the end id (padded), targets the start id then random ordinary ids.
+    rng = np.random.default_rng(seed)
+    length = min(12, model.max_sequence_length)
+    batch = np.zeros((len(sources), max(len(row) for row in sources) + 1), np.int32)
+    for i, row in enumerate(sources):
+        batch[i, : len(row) + 1] = list(row) + [model.end_id]
+    targets = np.concatenate([
+        np.full((len(sources), 1), model.start_id, np.int32),
+        rng.integers(4, model.vocabulary_size, size=(len(sources), length - 1)).astype(np.int32),
+    ], axis=1)
+    ours = np.asarray(ops.convert_to_numpy(model({"encoder_token_ids": batch, "decoder_token_ids": targets})),
+                      np.float32)[..., ids.rows]  # [B, T, V_hf]
+    with torch.no_grad():
+        theirs = hf_model(
+            input_ids=torch.tensor(ids.to_hf[batch]), attention_mask=torch.tensor(batch != model.pad_id),
+            decoder_input_ids=torch.tensor(ids.to_hf[targets]),
+        ).logits.numpy()
+    largest = float(np.max(np.abs(ours - theirs))) if ours.shape == theirs.shape else math.inf
+    if not largest <= atol:
+        raise ValidationError(
+            f"MarianMTModel's logits {theirs.shape} differ from Keras' {ours.shape} by {largest:.3g} > atol={atol:g}"
+        )
+
+    def describe(row):
+        return repr(texts[row]) if texts is not None else f"ids {sources[row]}"
+
+    keras_outputs = _keras_outputs(model, sources, 1, 0.0)
+    for row, (source, output) in enumerate(zip(sources, keras_outputs)):
+        encoder = torch.tensor([ids.to_hf[list(source) + [model.end_id]].tolist()])
+        # Ours: at most n + 50 ids with the end id (n: the source with its end id), below max_sequence_length.
+        limit = min(len(source) + 1 + MAX_EXTRA_LENGTH, model.max_sequence_length - 1)
+        with torch.no_grad():
+            generated = hf_model.generate(input_ids=encoder, num_beams=1, do_sample=False, max_length=limit + 1)
+        generated = generated[0, 1:].tolist()
+        generated = generated[: generated.index(ids.end)] if ids.end in generated else generated
+        expected = ids.to_hf[output].tolist() if output else []
+        if generated != expected:
+            raise ValidationError(
+                f"MarianMTModel's greedy generate differs from Keras' on sentence {row} ({describe(row)}): "
+                f"{generated[:12]}... != {expected[:12]}... (lengths {len(generated)} and {len(expected)})"
+            )
+    logger.info("transformers gives Keras' logits (largest difference %.1e) and greedy tokens on %d sentences",
+                largest, len(sources))
+    return {"sentences": len(sources), "largest_logits_difference": largest, "logits_atol": atol,
+            "greedy_identical": len(sources), "transformers": transformers.__version__}
+
+
+def main(argv=None):
+    from keras_transformer import cli
+
+    parser = argparse.ArgumentParser(
+        prog="python -m export.huggingface",
+        description="Export a TransformerModel as a Hugging Face MarianMTModel checkpoint (and check it with "
+        "transformers when installed).",
+    )
+    parser.add_argument("--preset", required=True,
+                        help="built-in preset name, preset directory, Marian checkpoint directory or hf://org/name")
+    parser.add_argument("--output", required=True, help="directory to create")
+    parser.add_argument("--validation-sentences", type=int, default=VALIDATION_SENTENCES,
+                        help=f"sentences compared with transformers (default {VALIDATION_SENTENCES})")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    cli.add_verbose_argument(parser)
+    args = parser.parse_args(argv)
+    cli.setup_logging(args.verbose)
+    logging.getLogger("export").setLevel(logging.INFO)
+    try:
+        check_output(args.output, args.overwrite, args.preset, flag="--overwrite")
+    except (FileExistsError, ValueError) as error:
+        parser.exit(2, f"error: {error}\n")
+    try:
+        export_huggingface(args.preset, args.output, overwrite=args.overwrite,
+                           validation_sentences=args.validation_sentences)
+    except (FileNotFoundError, ValueError, ImportError) as error:
+        parser.exit(1, f"error: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
