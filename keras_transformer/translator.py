@@ -152,6 +152,9 @@ class Translator:
     sampling (`sampling_topk`, `sampling_topp`, `sampling_temperature`,
     `seed`) run the model's `generate_hypotheses` (`TransformerModel` and
     `OnnxSeq2Seq` alike; `generation.generate_hypotheses` documents them).
+    Every method that searches takes its search options as keywords or as
+    one `SearchOptions` (`options=`), checked once, before anything is
+    translated, and handed to the model's search as that one value.
 
     The model may be a `TransformerModel`, the ONNX Runtime
     `export.runtime.OnnxSeq2Seq`, or any object implementing the decoding
@@ -172,6 +175,8 @@ class Translator:
     >>> translator.translate(["A sentence."], target_prefix=["Einen"])
     ['Einen Satz.']
     >>> translator.translate(["A sentence."], beam_size=1, sampling_topk=10, seed=1)
+    ['Ein Satz!']
+    >>> translator.translate(["A sentence."], options=SearchOptions(beam_size=1, sampling_topk=10, seed=1))
     ['Ein Satz!']
     >>> scores = translator.score(["A sentence."], ["Ein Satz."])  # [TargetScore(log_prob, ...)]
     >>> translator.translate_file("test.en.gz", "test.de", max_batch_tokens=4096)  # lines written
