@@ -146,8 +146,8 @@ def check_refusals(translator):
     with pytest.raises(ValueError, match=r"^pass the search options as options= or as keywords, not both: "
                                          r"received options and beam_size=2$"):
         translator.translate(TEXTS, beam_size=2, options=SearchOptions(beam_size=3))
-    with pytest.raises(ValueError, match=r"^translate gives one output per source; options.num_hypotheses=2 is "
-                                         r"translate_hypotheses'$"):
+    with pytest.raises(ValueError, match=r"^translate gives one output per source, received "
+                                         r"options.num_hypotheses=2; call translate_hypotheses for more$"):
         translator.translate(TEXTS, options=SearchOptions(num_hypotheses=2))
     with pytest.raises(ValueError, match=r"^pass the search options .* received options and num_hypotheses=2$"):
         translator.translate_hypotheses(TEXTS, num_hypotheses=2, options=SearchOptions(num_hypotheses=2))

@@ -143,7 +143,8 @@ def refuse_hypotheses(options, method, other):
     """Refuses `options.num_hypotheses` > 1 in a call that gives one output per source (`translate`, `generate`)."""
     if options.count != 1:
         raise ValueError(
-            f"{method} gives one output per source; options.num_hypotheses={options.num_hypotheses} is {other}'s"
+            f"{method} gives one output per source, received options.num_hypotheses={options.num_hypotheses}; "
+            f"call {other} for more"
         )
 
 
