@@ -8,7 +8,9 @@ re-exported here: a request's options are made and checked once, by
 import dataclasses
 import math
 
-from keras_transformer.search.options import SearchOptions  # noqa: F401  (re-exported)
+from keras_transformer.search.options import SearchOptions
+
+__all__ = ["SearchOptions", "ServerSettings"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ class SearchOptions:
 
     Example:
     >>> options = SearchOptions(beam_size=1, sampling_topk=10, seed=1)
-    >>> translator.translate(["A sentence."], options=options)   # = translate(..., beam_size=1, sampling_topk=10, seed=1)
+    >>> translator.translate(["A sentence."], options=options)  # as beam_size=1, sampling_topk=10, seed=1
     >>> SearchOptions(beam_size=0)
     ValueError: beam_size=0 must be an integer >= 1 (1 is greedy search)
     """
