@@ -67,18 +67,17 @@ import numpy as np  # noqa: E402
 from export import contract  # noqa: E402
 from export.contract import CONFIG_FILE, ValidationError, check_graph_signature  # noqa: E402
 from export.steps import DRIVERS, step_search  # noqa: E402
-from keras_transformer.decoding import (  # noqa: E402
-    check_hypotheses_args,
-    check_search_args,
-    collect_hypotheses,
-    finish_rows,
-    hypotheses_plan,
-    no_hypotheses,
-    target_prefix_ids,
-)
+from keras_transformer.decoding import collect_hypotheses, finish_rows, no_hypotheses, target_prefix_ids  # noqa: E402
+from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords  # noqa: E402
 from keras_transformer.token_ids import check_id_range  # noqa: E402
 from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer  # noqa: E402
-from keras_transformer.translate import add_file_arguments, check_file_arguments, translate_lines  # noqa: E402
+from keras_transformer.translate import (  # noqa: E402
+    add_file_arguments,
+    add_search_arguments,
+    check_file_arguments,
+    search_options,
+    translate_lines,
+)
 from keras_transformer.translator import Translator  # noqa: E402
 
 # Named, not __name__, so that `python -m export.runtime` logs under the same name.
@@ -658,7 +657,7 @@ class OnnxSeq2Seq:
 
     def generate(
         self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False,
-        patience=None,
+        patience=None, options=None,
     ):
         """Greedy (`beam_size=1`) or beam search.
 
@@ -669,35 +668,34 @@ class OnnxSeq2Seq:
         / `greedy_update` around the fused decoder step (`export.steps`);
         with `driver="whole"`, the `beam_search` / `greedy_search` graph in
         one call. With a `patience`, beam search is `generate_hypotheses`'
-        best (as `generation.generate`).
+        best (as `generation.generate`). `options`: a `SearchOptions`
+        instead of the search keywords (one or the other).
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s;
             with `return_scores=True`, also the float32 scores `[B]`.
         """
-        check_search_args(beam_size, length_penalty, max_extra_length, patience)
+        options = resolve(options, **search_keywords(locals()))
+        refuse_hypotheses(options, "generate", "generate_hypotheses")
         ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
         if ids.shape[0] == 0:
             empty = np.zeros((0, 0), np.int32)
             return (empty, np.zeros((0,), np.float32)) if return_scores else empty
-        if patience is not None and beam_size > 1:  # the option is the n-best search's, as in `generation.generate`
-            best = self.generate_hypotheses(
-                ids, beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length,
-                patience=patience,
-            )
+        if options.patience is not None and options.beam_size > 1:  # the n-best search's, as `generation.generate`
+            best = self.generate_hypotheses(ids, options=options)
             sequences = finish_rows(best.sequences[:, 0], self.end_id, self.pad_id)
             return (sequences, best.scores[:, 0]) if return_scores else sequences
         if self.driver == "steps":
-            plan = hypotheses_plan(ids, None, beam_size, 1, 1, 1.0, 1.0, 0)
-            sequences, scores, _ = self._step_search(plan, length_penalty, max_extra_length)
+            plan = options.plan(ids)
+            sequences, scores, _ = self._step_search(plan, options.length_penalty, options.max_extra_length)
             sequences, scores = sequences[:, 0], scores[:, 0]
         else:
-            values = {"encoder_token_ids": np.ascontiguousarray(ids), "alpha": length_penalty,
-                      "max_extra_length": max_extra_length}
+            values = {"encoder_token_ids": np.ascontiguousarray(ids), "alpha": options.length_penalty,
+                      "max_extra_length": options.max_extra_length}
             graph = "greedy_search"
-            if beam_size > 1:
-                graph, values["beam_size"] = "beam_search", beam_size
+            if options.beam_size > 1:
+                graph, values["beam_size"] = "beam_search", options.beam_size
             outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
             sequences, scores = outputs["sequences"], outputs["scores"]
         sequences = finish_rows(sequences, self.end_id, self.pad_id)
@@ -727,6 +725,7 @@ class OnnxSeq2Seq:
         sampling_temperature=1.0,
         seed=0,
         patience=None,
+        options=None,
     ):
         """`keras_transformer.generation.generate_hypotheses` on ONNX Runtime.
 
@@ -737,28 +736,26 @@ class OnnxSeq2Seq:
         (`export.steps`), or with
         `driver="whole"` by the `beam_hypotheses` / `sample_search` graph in
         one call: the same tokens, scores and log-probabilities (within
-        float32 rounding), the same samples for the same seed.
+        float32 rounding), the same samples for the same seed. `options`: a
+        `SearchOptions` instead of the search keywords (one or the other).
 
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
         """
-        check_search_args(beam_size, length_penalty, max_extra_length, patience)
-        check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed)
+        options = resolve(options, **search_keywords(locals()))
         ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
         prefix = target_prefix_ids(target_prefix, ids.shape[0], self)
         if ids.shape[0] == 0:
-            return no_hypotheses(num_hypotheses)
-        plan = hypotheses_plan(
-            ids, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed, patience
-        )
+            return no_hypotheses(options.count)
+        plan = options.plan(ids, prefix)
         if self.driver == "steps":
-            sequences, scores, log_probs = self._step_search(plan, length_penalty, max_extra_length)
+            sequences, scores, log_probs = self._step_search(plan, options.length_penalty, options.max_extra_length)
         else:
-            graph, values = contract.hypotheses_feeds(plan, length_penalty, max_extra_length)
+            graph, values = contract.hypotheses_feeds(plan, options.length_penalty, options.max_extra_length)
             outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
             sequences, scores, log_probs = outputs["sequences"], outputs["scores"], outputs["log_probs"]
-        return collect_hypotheses(plan, sequences, scores, log_probs, num_hypotheses, self)
+        return collect_hypotheses(plan, sequences, scores, log_probs, options.count, self)
 
 
 class OnnxTranslator(Translator):
@@ -809,11 +806,7 @@ def main(argv=None):
                     "ONNX model, streaming: a file of any size translates in bounded memory.",
     )
     parser.add_argument("--model", required=True, help="directory written by `python -m export.onnx`")
-    parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy (default 4)")
-    parser.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha (default 0.6)")
-    parser.add_argument(
-        "--max-extra-length", type=int, default=50, help="output tokens beyond the source length (default 50)"
-    )
+    add_search_arguments(parser)
     parser.add_argument(
         "--threads", type=int, default=None,
         help="ONNX Runtime threads per session (default: one per core; 1 on a busy machine)",
@@ -822,10 +815,6 @@ def main(argv=None):
     add_file_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show ONNX Runtime's provider choice")
     args = parser.parse_args(argv)
-    if args.beam_size < 1:
-        parser.error(f"--beam-size must be >= 1, received {args.beam_size}")
-    if args.max_extra_length < 0 or not args.length_penalty >= 0:
-        parser.error("--max-extra-length and --length-penalty must be >= 0")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, received {args.threads}")
     logging.basicConfig(
@@ -833,12 +822,10 @@ def main(argv=None):
     )
     try:
         check_file_arguments(args)
+        options = search_options(args)  # before loading the model: a bad value is refused at once, in one line
         translator = OnnxTranslator(args.model, intra_op_threads=args.threads, optimized_cache=optimized_cache(args))
         # Empty lines translate to empty lines, so the output lines up with the input.
-        count = translate_lines(
-            translator, args,
-            beam_size=args.beam_size, length_penalty=args.length_penalty, max_extra_length=args.max_extra_length,
-        )
+        count = translate_lines(translator, args, options=options)
     except (ValueError, OSError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.output is not None:

@@ -23,6 +23,7 @@ _EXPORTS = {
     "train_tokenizer": "keras_transformer.tokenizer",
     "average_checkpoints": "keras_transformer.training",
     "Translator": "keras_transformer.translator",
+    "SearchOptions": "keras_transformer.search.options",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__", "layers"])

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from keras_transformer.token_ids import check_id_range
+from keras_transformer.utils import is_integer, is_real
 
 # Source and output buffer lengths are rounded up to a multiple of this, so
 # that a compiled search is traced once per bucket rather than once per
@@ -32,22 +33,13 @@ NO_PATIENCE = int(np.iinfo(np.int32).max)
 
 def check_search_args(beam_size, length_penalty, max_extra_length, patience=None):
     """Raises `ValueError` naming the argument unless all are valid."""
-    if isinstance(beam_size, bool) or not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
+    if not is_integer(beam_size) or beam_size < 1:
         raise ValueError(f"beam_size={beam_size!r} must be an integer >= 1 (1 is greedy search)")
-    if (
-        isinstance(length_penalty, bool)
-        or not isinstance(length_penalty, (int, float, np.integer, np.floating))
-        or not math.isfinite(length_penalty)
-        or length_penalty < 0
-    ):
+    if not is_real(length_penalty) or not math.isfinite(length_penalty) or length_penalty < 0:
         raise ValueError(f"length_penalty={length_penalty!r} must be a finite number >= 0 (the paper uses 0.6)")
-    if (
-        isinstance(max_extra_length, bool)
-        or not isinstance(max_extra_length, (int, np.integer))
-        or max_extra_length < 0
-    ):
+    if not is_integer(max_extra_length) or max_extra_length < 0:
         raise ValueError(f"max_extra_length={max_extra_length!r} must be an integer >= 0")
-    if patience is not None and (not _is_number(patience) or not math.isfinite(patience) or patience <= 0):
+    if patience is not None and (not is_real(patience) or not math.isfinite(patience) or patience <= 0):
         raise ValueError(
             f"patience={patience!r} must be None (stop when no live beam can win: the exact search) or a finite "
             "number > 0 (CTranslate2's patience: stop a row once round(beam_size * patience) hypotheses ended)"
@@ -117,31 +109,23 @@ class Hypotheses(NamedTuple):
     log_probs: np.ndarray
 
 
-def _is_int(value):
-    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
-
-
-def _is_number(value):
-    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
-
-
 def check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed):
     """Raises `ValueError` naming the first bad argument of `generate_hypotheses` (and `translate`).
 
     `sampling_topk=1` is no sampling (the usual search); any other value
     samples, with `beam_size=1`, `num_hypotheses` samples per source.
     """
-    if not _is_int(num_hypotheses) or num_hypotheses < 1:
+    if not is_integer(num_hypotheses) or num_hypotheses < 1:
         raise ValueError(f"num_hypotheses={num_hypotheses!r} must be an integer >= 1")
-    if not _is_int(sampling_topk) or sampling_topk < 0:
+    if not is_integer(sampling_topk) or sampling_topk < 0:
         raise ValueError(
             f"sampling_topk={sampling_topk!r} must be an integer >= 0 (1: no sampling, 0: the whole vocabulary)"
         )
-    if not _is_number(sampling_topp) or not 0 < sampling_topp <= 1:
+    if not is_real(sampling_topp) or not 0 < sampling_topp <= 1:
         raise ValueError(f"sampling_topp={sampling_topp!r} must be a number in (0, 1]")
-    if not _is_number(sampling_temperature) or not math.isfinite(sampling_temperature) or sampling_temperature <= 0:
+    if not is_real(sampling_temperature) or not math.isfinite(sampling_temperature) or sampling_temperature <= 0:
         raise ValueError(f"sampling_temperature={sampling_temperature!r} must be a finite number > 0")
-    if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+    if not is_integer(seed) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed={seed!r} must be an integer in [0, {MAX_SEED}]")
     if sampling_topk != 1 and beam_size != 1:
         raise ValueError(

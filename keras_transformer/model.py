@@ -666,7 +666,9 @@ class TransformerModel(keras.Model):
             cache = dict(cache, self_key=ops.stack(keys, axis=1), self_value=ops.stack(values, axis=1))
         return self._logits(x)[:, 0, :], cache
 
-    def generate(self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, patience=None):
+    def generate(
+        self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, patience=None, options=None
+    ):
         """Translates source ids with beam search (greedy for `beam_size=1`).
 
         A thin wrapper around `keras_transformer.generation.generate`, which
@@ -680,6 +682,8 @@ class TransformerModel(keras.Model):
                 source length. Defaults to 50 (the paper).
             patience: None (the exact search, the default) or a number > 0:
                 CTranslate2's early stop for beam search (see `generate`).
+            options: None, or a `SearchOptions` instead of the keywords
+                above (one or the other).
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s.
@@ -698,14 +702,16 @@ class TransformerModel(keras.Model):
             length_penalty=length_penalty,
             max_extra_length=max_extra_length,
             patience=patience,
+            options=options,
         )
 
-    def generate_hypotheses(self, encoder_token_ids, beam_size=4, num_hypotheses=1, **options):
+    def generate_hypotheses(self, encoder_token_ids, beam_size=4, num_hypotheses=1, options=None, **keywords):
         """The `num_hypotheses` best outputs per source, with scores: `generation.generate_hypotheses`.
 
-        A thin wrapper; `options` are `generate_hypotheses`' (`length_penalty`,
+        A thin wrapper; `keywords` are `generate_hypotheses`' (`length_penalty`,
         `max_extra_length`, `target_prefix`, `sampling_topk`, `sampling_topp`,
-        `sampling_temperature`, `seed`, `patience`).
+        `sampling_temperature`, `seed`, `patience`); `options` a `SearchOptions`
+        instead of the search keywords (one or the other).
 
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
@@ -713,7 +719,7 @@ class TransformerModel(keras.Model):
         from keras_transformer.generation import generate_hypotheses
 
         return generate_hypotheses(
-            self, encoder_token_ids, beam_size=beam_size, num_hypotheses=num_hypotheses, **options
+            self, encoder_token_ids, beam_size=beam_size, num_hypotheses=num_hypotheses, options=options, **keywords
         )
 
     def attention_scores(self, encoder_token_ids, decoder_token_ids):

@@ -31,13 +31,38 @@ from keras_transformer.textio import (  # noqa: E402
     read_lines,
     write_lines,
 )
+from keras_transformer.search.options import DEFAULTS, SearchOptions, resolve  # noqa: E402
 from keras_transformer.translator import DEFAULT_WINDOW, Translator  # noqa: E402  (no framework: NumPy)
 from keras_transformer.utils import positive_int  # noqa: E402
 
 __all__ = [
-    "add_file_arguments", "build_parser", "check_file_arguments", "main", "read_lines", "translate_lines",
-    "write_lines",
+    "add_file_arguments", "add_search_arguments", "build_parser", "check_file_arguments", "main", "read_lines",
+    "search_options", "translate_lines", "write_lines",
 ]
+
+
+def add_search_arguments(parser):
+    """`--beam-size`, `--length-penalty`, `--max-extra-length`, shared with `python -m export.runtime`.
+
+    The sampling options and `--patience` are `add_file_arguments`'; `search_options` makes the
+    `SearchOptions` of them all.
+    """
+    parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy (default 4)")
+    parser.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha (default 0.6)")
+    parser.add_argument(
+        "--max-extra-length", type=int, default=50, help="output tokens beyond the source length (default 50)"
+    )
+    return parser
+
+
+def search_options(args, **search):
+    """The `SearchOptions` of a command's search arguments (those `args` has); `search` keywords replace them.
+
+    Raises:
+        ValueError: a bad value, in `SearchOptions`' one line (the commands print it and exit with 2).
+    """
+    values = {name: getattr(args, name) for name in DEFAULTS if hasattr(args, name)}
+    return SearchOptions(**{**values, **search})
 
 
 def add_file_arguments(parser):
@@ -87,12 +112,14 @@ def show_progress(args):
     return not args.no_progress and sys.stderr.isatty()
 
 
-def translate_lines(translator, args, **search):
-    """Translates `args.src` (or stdin) into `args.output` (or stdout); returns the number of lines."""
+def translate_lines(translator, args, options=None, **search):
+    """Translates `args.src` (or stdin) into `args.output` (or stdout); returns the number of lines.
+
+    `options`: the `SearchOptions`; by default `search_options(args, **search)`.
+    """
+    options = search_options(args, **search) if options is None else resolve(options, **search)
     batching = dict(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, window=args.window,
-                    progress=show_progress(args), sampling_topk=args.sampling_topk,
-                    sampling_topp=args.sampling_topp, sampling_temperature=args.sampling_temperature,
-                    seed=args.seed, patience=args.patience, **search)
+                    progress=show_progress(args), options=options)
     if args.output is not None:
         return translator.translate_file(args.src or "-", args.output, overwrite=args.overwrite, **batching)
     count = 0
@@ -109,11 +136,7 @@ def build_parser():
                     "(model + tokenizer).",
     )
     parser.add_argument("--preset", required=True, help=cli.PRESET_HELP)
-    parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy (default 4)")
-    parser.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha (default 0.6)")
-    parser.add_argument(
-        "--max-extra-length", type=int, default=50, help="output tokens beyond the source length (default 50)"
-    )
+    add_search_arguments(parser)
     add_file_arguments(parser)
     cli.add_verbose_argument(parser)
     return parser
@@ -124,12 +147,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     cli.setup_logging(args.verbose)
     try:
-        check_file_arguments(args)  # before loading the model, so that a refusal is immediate
+        # Before loading the model, so that a refusal is immediate.
+        check_file_arguments(args)
+        options = search_options(args)
         translator = Translator.from_preset(args.preset)
-        count = translate_lines(
-            translator, args,
-            beam_size=args.beam_size, length_penalty=args.length_penalty, max_extra_length=args.max_extra_length,
-        )
+        count = translate_lines(translator, args, options=options)
     except (ValueError, OSError) as error:  # Bad input or preset: one line, no traceback.
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.output is not None:

@@ -5,6 +5,7 @@ No training framework is imported here: the ONNX Runtime server
 """
 
 import contextlib
+import inspect
 import itertools
 import logging
 import os
@@ -12,7 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from keras_transformer.decoding import LENGTH_BUCKET, check_hypotheses_args, check_prefix_length, check_search_args
+from keras_transformer.decoding import LENGTH_BUCKET, check_prefix_length
+from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
 from keras_transformer.search.scoring import score_targets
 from keras_transformer.textio import check_output_path, check_text_file, count_lines, iter_lines, write_lines
 
@@ -150,6 +152,9 @@ class Translator:
     sampling (`sampling_topk`, `sampling_topp`, `sampling_temperature`,
     `seed`) run the model's `generate_hypotheses` (`TransformerModel` and
     `OnnxSeq2Seq` alike; `generation.generate_hypotheses` documents them).
+    Every method that searches takes its search options as keywords or as
+    one `SearchOptions` (`options=`), checked once, before anything is
+    translated, and handed to the model's search as that one value.
 
     The model may be a `TransformerModel`, the ONNX Runtime
     `export.runtime.OnnxSeq2Seq`, or any object implementing the decoding
@@ -170,6 +175,8 @@ class Translator:
     >>> translator.translate(["A sentence."], target_prefix=["Einen"])
     ['Einen Satz.']
     >>> translator.translate(["A sentence."], beam_size=1, sampling_topk=10, seed=1)
+    ['Ein Satz!']
+    >>> translator.translate(["A sentence."], options=SearchOptions(beam_size=1, sampling_topk=10, seed=1))
     ['Ein Satz!']
     >>> scores = translator.score(["A sentence."], ["Ein Satz."])  # [TargetScore(log_prob, ...)]
     >>> translator.translate_file("test.en.gz", "test.de", max_batch_tokens=4096)  # lines written
@@ -263,6 +270,7 @@ class Translator:
         sampling_temperature=1.0,
         seed=0,
         patience=None,
+        options=None,
     ):
         """Translates a list of sentences.
 
@@ -296,6 +304,10 @@ class Translator:
             patience: None (the default: the exact beam search) or a number
                 > 0: a row stops once `round(beam_size * patience)`
                 hypotheses ended, as CTranslate2 (`generation.generate`).
+            options: None, or a `SearchOptions` holding the search options
+                (`beam_size`, `length_penalty`, `max_extra_length`,
+                `patience`, the sampling options) instead of the keywords:
+                one or the other (`search.options.resolve`).
 
         Returns:
             list of str, in the order of `texts`.
@@ -304,14 +316,10 @@ class Translator:
             ValueError: naming the argument, before anything is translated.
         """
         texts = _texts(texts, "texts")
-        search = self._search_args(
-            beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens,
-            sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-            sampling_temperature=sampling_temperature, seed=seed, patience=patience,
-        )
+        options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         prefixes = self._prefixes(target_prefix, texts)
         with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
-            return self._translate(texts, search, batch_size, max_batch_tokens, bar, prefixes=prefixes)
+            return self._translate(texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes)
 
     def translate_hypotheses(
         self,
@@ -329,6 +337,7 @@ class Translator:
         sampling_temperature=1.0,
         seed=0,
         patience=None,
+        options=None,
     ):
         """The `num_hypotheses` best translations of each sentence, with their scores.
 
@@ -343,6 +352,8 @@ class Translator:
             beam_size, batch_size, length_penalty, max_extra_length,
             progress, max_batch_tokens, target_prefix, sampling_topk,
             sampling_topp, sampling_temperature, seed, patience: as `translate`.
+            options: as `translate`; with it, its `num_hypotheses` (None: 1)
+                instead of the keyword.
 
         Returns:
             list (one per text, in order) of lists of `Hypothesis(text,
@@ -356,18 +367,14 @@ class Translator:
             translated.
         """
         texts = _texts(texts, "texts")
-        search = self._search_args(
-            beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens,
-            num_hypotheses=num_hypotheses, sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-            sampling_temperature=sampling_temperature, seed=seed, patience=patience,
-        )
+        options = _search_options(options, search_keywords(locals()), batch_size, max_batch_tokens)
         for i, text in enumerate(texts):
             if not text.strip():
                 raise ValueError(f"texts[{i}] is empty; translate_hypotheses needs a non-empty text")
         prefixes = self._prefixes(target_prefix, texts)
         with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(
-                texts, search, batch_size, max_batch_tokens, bar, prefixes=prefixes, num_hypotheses=num_hypotheses
+                texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, num_hypotheses=options.count
             )
 
     def translate_iterable(
@@ -386,6 +393,7 @@ class Translator:
         sampling_temperature=1.0,
         seed=0,
         patience=None,
+        options=None,
     ):
         """Translates a stream of sentences; yields the translations in input order.
 
@@ -404,21 +412,17 @@ class Translator:
                 bar's ETA.
             beam_size, batch_size, length_penalty, max_extra_length,
             progress, max_batch_tokens, sampling_topk, sampling_topp,
-            sampling_temperature, seed, patience: as `translate`.
+            sampling_temperature, seed, patience, options: as `translate`.
 
         Returns:
             An iterator of str, one per input sentence.
         """
-        search = self._search_args(
-            beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens,
-            sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-            sampling_temperature=sampling_temperature, seed=seed, patience=patience,
-        )
+        options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
             raise ValueError(f"window={window!r} must be a positive integer (sentences sorted together)")
         if isinstance(texts, str):
             texts = [texts]
-        return self._stream(iter(texts), search, batch_size, max_batch_tokens, int(window), progress, total)
+        return self._stream(iter(texts), options, batch_size, max_batch_tokens, int(window), progress, total)
 
     def translate_file(
         self,
@@ -437,6 +441,7 @@ class Translator:
         sampling_temperature=1.0,
         seed=0,
         patience=None,
+        options=None,
     ):
         """Translates a file of any size, one sentence per line, into another.
 
@@ -458,7 +463,8 @@ class Translator:
                 with the total for a file).
             beam_size, batch_size, length_penalty, max_extra_length,
             max_batch_tokens, window, sampling_topk, sampling_topp,
-            sampling_temperature, seed, patience: as `translate_iterable`.
+            sampling_temperature, seed, patience, options: as
+            `translate_iterable`.
 
         Returns:
             int, the number of lines written.
@@ -470,45 +476,15 @@ class Translator:
             ValueError: bad arguments; `src_path` is binary or not UTF-8;
                 `out_path` is `src_path`.
         """
-        sampling = dict(
-            sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-            sampling_temperature=sampling_temperature, seed=seed, patience=patience,
-        )
-        self._search_args(beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens, **sampling)
+        options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         check_text_file(src_path, "src_path")
         check_output_path(out_path, "out_path", overwrite=overwrite, source=src_path)
         total = count_lines(src_path) if progress else None
         translations = self.translate_iterable(
-            iter_lines(src_path),
-            beam_size=beam_size,
-            batch_size=batch_size,
-            length_penalty=length_penalty,
-            max_extra_length=max_extra_length,
-            progress=progress,
-            max_batch_tokens=max_batch_tokens,
-            window=window,
-            total=total,
-            **sampling,
+            iter_lines(src_path), batch_size=batch_size, progress=progress, max_batch_tokens=max_batch_tokens,
+            window=window, total=total, options=options,
         )
         return write_lines(out_path, translations, overwrite=overwrite)
-
-    def _search_args(
-        self, beam_size, length_penalty, max_extra_length, batch_size, max_batch_tokens, num_hypotheses=1,
-        sampling_topk=1, sampling_topp=1.0, sampling_temperature=1.0, seed=0, patience=None,
-    ):
-        """Checks the arguments up front; returns the search's keyword arguments (sampling's when sampling)."""
-        check_search_args(beam_size, length_penalty, max_extra_length, patience)
-        check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed)
-        check_batch_limits(batch_size, max_batch_tokens)
-        search = dict(beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length)
-        if patience is not None:  # (models without the option still take the default search)
-            search.update(patience=patience)
-        if sampling_topk != 1:
-            search.update(
-                sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-                sampling_temperature=sampling_temperature, seed=seed,
-            )
-        return search
 
     def _prefixes(self, target_prefix, texts):
         """`encode_target_prefix` with this translator's tokenizer and model."""
@@ -516,16 +492,16 @@ class Translator:
             self.tokenizer, target_prefix, texts, getattr(self.model, "max_sequence_length", None)
         )
 
-    def _stream(self, texts, search, batch_size, max_batch_tokens, window, progress, total):
+    def _stream(self, texts, options, batch_size, max_batch_tokens, window, progress, total):
         with _progress_bar(progress, total=total, desc="Translating", unit=" sentences") as bar:
             for first in itertools.count(0, window):
                 chunk = list(itertools.islice(texts, window))
                 if not chunk:
                     return
-                yield from self._translate(chunk, search, batch_size, max_batch_tokens, bar, first)
+                yield from self._translate(chunk, options, batch_size, max_batch_tokens, bar, first)
 
     def _translate(
-        self, texts, search, batch_size, max_batch_tokens, bar, first_index=0, prefixes=None, num_hypotheses=None
+        self, texts, options, batch_size, max_batch_tokens, bar, first_index=0, prefixes=None, num_hypotheses=None
     ):
         """Translations of `texts` (a list), batched by `length_batches`; `bar` counts sentences.
 
@@ -543,16 +519,16 @@ class Translator:
         todo = [i for i, ids in enumerate(sources) if len(ids) > 1 and texts[i].strip()]
         bar.update(len(texts) - len(todo))
         # The plain search (`generate`) unless an option needs generate_hypotheses.
-        hypotheses = num_hypotheses is not None or prefixes is not None or "sampling_topk" in search
+        hypotheses = num_hypotheses is not None or prefixes is not None or options.sampling
         for positions in length_batches([len(sources[i]) for i in todo], batch_size, max_batch_tokens):
             batch = [todo[position] for position in positions]
             ids = _padded([sources[i] for i in batch])
             if not hypotheses:
-                for i, text in zip(batch, self.tokenizer.decode(self._generate(ids, **search))):
+                for i, text in zip(batch, self.tokenizer.decode(self._generate(ids, options))):
                     results[i] = text
             else:
                 prefix = None if prefixes is None else [prefixes[i] for i in batch]
-                found = self._generate_hypotheses(ids, num_hypotheses or 1, prefix, **search)
+                found = self._generate_hypotheses(ids, options, prefix)
                 for row, i in enumerate(batch):
                     results[i] = self._hypotheses(found, row)
                     if num_hypotheses is None:
@@ -573,22 +549,24 @@ class Translator:
             results.append(Hypothesis(text, token_ids, float(log_prob), float(score)))
         return results
 
-    def _generate(self, ids, **search):
-        if callable(getattr(self.model, "generate", None)):
-            return self.model.generate(ids, **search)
+    def _generate(self, ids, options):
+        generate = getattr(self.model, "generate", None)
+        if callable(generate):
+            return generate(ids, **_model_search_args(generate, options))
         from keras_transformer.generation import generate
 
-        return generate(self.model, ids, **search)
+        return generate(self.model, ids, options=options)
 
-    def _generate_hypotheses(self, ids, num_hypotheses, target_prefix, **search):
-        if callable(getattr(self.model, "generate_hypotheses", None)):
-            return self.model.generate_hypotheses(ids, num_hypotheses=num_hypotheses, target_prefix=target_prefix,
-                                                  **search)
+    def _generate_hypotheses(self, ids, options, target_prefix):
+        generate_hypotheses = getattr(self.model, "generate_hypotheses", None)
+        if callable(generate_hypotheses):
+            args = _model_search_args(generate_hypotheses, options)
+            if "options" not in args:
+                args.update(num_hypotheses=options.count)
+            return generate_hypotheses(ids, target_prefix=target_prefix, **args)
         from keras_transformer.generation import generate_hypotheses
 
-        return generate_hypotheses(
-            self.model, ids, num_hypotheses=num_hypotheses, target_prefix=target_prefix, **search
-        )
+        return generate_hypotheses(self.model, ids, target_prefix=target_prefix, options=options)
 
     # ------------------------------------------------------------------ #
     # Scoring
@@ -700,6 +678,34 @@ def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=No
             )
         prefixes[i] = ids or None
     return prefixes if any(prefixes) else None
+
+
+def _search_options(options, keywords, batch_size, max_batch_tokens):
+    """The call's `SearchOptions` (`resolve`: `options` or its keywords), its batch limits checked after them."""
+    options = resolve(options, **keywords)
+    check_batch_limits(batch_size, max_batch_tokens)
+    return options
+
+
+def _one_per_text(options):
+    """`options`, refused with `num_hypotheses` > 1 (the methods that give one translation per text)."""
+    refuse_hypotheses(options, "translate", "translate_hypotheses")
+    return options
+
+
+def _model_search_args(method, options):
+    """The search arguments of a model's own `generate` or `generate_hypotheses`.
+
+    `options=` when the method takes it (`TransformerModel`,
+    `OnnxSeq2Seq`), else its keywords (`SearchOptions.search_args`: a
+    decoding-protocol object of its own, which may take only some).
+    """
+    try:
+        parameter = inspect.signature(method).parameters.get("options")
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        parameter = None
+    takes_options = parameter is not None and parameter.kind != inspect.Parameter.VAR_KEYWORD
+    return {"options": options} if takes_options else options.search_args()
 
 
 def _texts(texts, name):

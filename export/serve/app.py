@@ -12,7 +12,6 @@ from export.serve.batching import Batcher, QueueFull
 from export.serve.engines import FEATURES
 from export.serve.metrics import Metrics
 from export.serve.settings import SearchOptions, ServerSettings
-from keras_transformer.decoding import check_hypotheses_args
 
 # One logger for the whole server, so that `python -m export.serve` logs under one name.
 logger = logging.getLogger("export.serve")
@@ -116,8 +115,11 @@ def parse_request(body, settings, engine_name=None, features=FEATURES):
             f"received {beam_size if number else _json_type(beam_size)}", "bad_request",
         )
     num_hypotheses = payload.get("num_hypotheses")
-    try:  # the translation API's own checks and messages (they name the field)
-        check_hypotheses_args(beam_size, 1 if num_hypotheses is None else num_hypotheses, **sampling)
+    try:  # checked once, when made: SearchOptions' own one-line messages (they name the field)
+        options = SearchOptions(
+            beam_size, float(settings.length_penalty), int(settings.max_extra_length), settings.patience,
+            num_hypotheses, **sampling,
+        )
     except ValueError as error:
         raise RequestError(400, str(error), "bad_request") from None
     if num_hypotheses is not None and num_hypotheses > settings.max_beam_size:  # samples: rows per text
@@ -125,12 +127,10 @@ def parse_request(body, settings, engine_name=None, features=FEATURES):
             400, f"num_hypotheses must be at most {settings.max_beam_size} (--max-beam-size), received {num_hypotheses}",
             "bad_request",
         )
-    options = SearchOptions(
-        beam_size, float(settings.length_penalty), int(settings.max_extra_length), settings.patience, num_hypotheses,
+    if not sampled:
         # Without sampling the other sampling fields change nothing: left at their defaults, the request batches
         # with the others of its options.
-        **(sampling if sampled else SAMPLING_DEFAULTS),
-    )
+        options = dataclasses.replace(options, **SAMPLING_DEFAULTS)
     return texts, options, target_prefix
 
 

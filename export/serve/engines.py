@@ -57,6 +57,8 @@ class OnnxRuntimeEngine:
 
     def translate(self, texts, options, target_prefix=None):
         """Translations (or with `options.num_hypotheses`, `Hypothesis` lists) of `texts`, in one search."""
+        # The keywords, not options=: what `Translator.translate` is called with is the engine's interface
+        # (tests/test_serve.py watches it); the translator makes them one `SearchOptions` again.
         batch = dict(batch_size=max(len(texts), 1), target_prefix=target_prefix, **options.search_args())
         if options.num_hypotheses is None:
             return self.translator.translate(texts, **batch)

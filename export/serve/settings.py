@@ -1,7 +1,16 @@
-"""The server's settings (`ServerSettings`) and a request's search options (`SearchOptions`)."""
+"""The server's settings (`ServerSettings`) and a request's search options (`SearchOptions`).
+
+`SearchOptions` is the search's own (`keras_transformer.search.options`),
+re-exported here: a request's options are made and checked once, by
+`app.parse_request`, and reach the engine's `Translator` as that one value.
+"""
 
 import dataclasses
 import math
+
+from keras_transformer.search.options import SearchOptions
+
+__all__ = ["SearchOptions", "ServerSettings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,39 +98,3 @@ class ServerSettings:
                 f"max_texts={self.max_texts} must be at most max_queue={self.max_queue}: a request with more "
                 "texts than the queue holds could never be accepted"
             )
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchOptions:
-    """The search options of one request; only requests with equal options share a batch.
-
-    `num_hypotheses` None asks for translations only; a number, for that
-    many hypotheses per text with their scores (`Translator.translate_hypotheses`).
-    `sampling_topk` 1 is no sampling (the other sampling fields are then
-    left at their defaults, so that such requests batch together); the
-    draws depend on (`seed`, step, the text's tokens, sample number) only,
-    so a sampled text gets the same samples in any batch.
-    """
-
-    beam_size: int
-    length_penalty: float
-    max_extra_length: int
-    patience: float = None  # beam search's (`ServerSettings.patience`)
-    num_hypotheses: int = None
-    sampling_topk: int = 1
-    sampling_topp: float = 1.0
-    sampling_temperature: float = 1.0
-    seed: int = 0
-
-    @property
-    def sampling(self):
-        return self.sampling_topk != 1
-
-    def search_args(self):
-        """The keyword arguments of `Translator.translate` (and `translate_hypotheses`) for these options."""
-        args = dict(beam_size=self.beam_size, length_penalty=self.length_penalty,
-                    max_extra_length=self.max_extra_length, patience=self.patience)
-        if self.sampling:
-            args.update(sampling_topk=self.sampling_topk, sampling_topp=self.sampling_topp,
-                        sampling_temperature=self.sampling_temperature, seed=self.seed)
-        return args

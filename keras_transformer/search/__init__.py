@@ -3,6 +3,8 @@
 - `api.py`: `generate`, `generate_hypotheses` (n-best, target prefixes,
   sampling), `generate_in_graph`, `search_graph`, `hypotheses_graph` and the
   choice of driver;
+- `options.py`: `SearchOptions`, the search options as one value (checked
+  once, when made), which every entry point takes as `options=`;
 - `greedy.py`, `beam.py`, `sample.py`: each search as pure functions of a
   declared state (sampling: greedy search with a counter-based random draw);
 - `lengths.py`: the length rules and `length_penalty_factor`;

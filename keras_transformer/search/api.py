@@ -60,15 +60,14 @@ from keras import ops
 
 from keras_transformer.checks import check_token_ids
 from keras_transformer.decoding import (
-    check_hypotheses_args,
     check_search_args,
     collect_hypotheses,
     finish_rows,
-    hypotheses_plan,
     no_hypotheses,
     target_prefix_ids,
 )
 from keras_transformer.search import compiled, loop, segments
+from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
 from keras_transformer.search.common import ModelConstants, dim
 from keras_transformer.search.lengths import padded_search_inputs, search_lengths
 
@@ -84,6 +83,7 @@ def generate(
     compile=True,
     return_scores=False,
     patience=None,
+    options=None,
 ):
     """Translates source ids into target ids with greedy or beam search.
 
@@ -158,6 +158,9 @@ def generate(
         patience: None (the default: the exact search above) or a number
             > 0: CTranslate2's `patience` (`decoding.ended_to_stop`; 1 is
             its default and fairseq's rule). Beam search only.
+        options: None, or a `SearchOptions` instead of the search keywords
+            (`beam_size`, `length_penalty`, `max_extra_length`, `patience`;
+            one or the other: `search.options.resolve`).
 
     Returns:
         int32 NumPy array `[B, L]`: each row is the start id, the generated
@@ -173,12 +176,10 @@ def generate(
     array([2, 2], dtype=int32)
     """
     check_protocol(model)
-    check_search_args(beam_size, length_penalty, max_extra_length, patience)
-    if patience is not None and beam_size > 1:  # the option is the n-best search's
-        best = generate_hypotheses(
-            model, encoder_token_ids, beam_size=beam_size, length_penalty=length_penalty,
-            max_extra_length=max_extra_length, compile=compile, patience=patience,
-        )
+    options = resolve(options, **search_keywords(locals()))
+    refuse_hypotheses(options, "generate", "generate_hypotheses")
+    if options.patience is not None and options.beam_size > 1:  # the option is the n-best search's
+        best = generate_hypotheses(model, encoder_token_ids, compile=compile, options=options)
         sequences = finish_rows(best.sequences[:, 0], model.end_id, model.pad_id)
         return (sequences, best.scores[:, 0]) if return_scores else sequences
     encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
@@ -191,7 +192,7 @@ def generate(
         return (empty, np.zeros((0,), "float32")) if return_scores else empty
 
     max_lengths, length, padded_length = search_lengths(
-        source, max_extra_length, getattr(model, "max_sequence_length", None)
+        source, options.max_extra_length, getattr(model, "max_sequence_length", None)
     )
     max_lengths = np.asarray(ops.convert_to_numpy(max_lengths)).astype("int32")  # [B]
     length = int(ops.convert_to_numpy(length))  # L
@@ -203,8 +204,8 @@ def generate(
         model,
         ops.convert_to_tensor(source, "int32"),
         ops.convert_to_tensor(max_lengths, "int32"),
-        ops.convert_to_tensor(float(length_penalty), "float32"),
-        int(beam_size),
+        ops.convert_to_tensor(float(options.length_penalty), "float32"),
+        int(options.beam_size),
         length,
     )
     sequences = finish_rows(np.asarray(ops.convert_to_numpy(sequences))[:, 0], model.end_id, model.pad_id)
@@ -227,6 +228,7 @@ def generate_hypotheses(
     seed=0,
     compile=True,
     patience=None,
+    options=None,
 ):
     """The `num_hypotheses` best outputs per source row, with their scores and log-probabilities.
 
@@ -269,6 +271,9 @@ def generate_hypotheses(
         patience: as `generate` (beam search: a row also stops once
             `round(beam_size * patience)` hypotheses ended and it holds
             `num_hypotheses`).
+        options: None, or a `SearchOptions` instead of the search keywords
+            (all but `target_prefix` and `compile`; one or the other, as
+            `generate`); its `num_hypotheses` None is 1.
 
     Returns:
         `decoding.Hypotheses(sequences, scores, log_probs)`: int32
@@ -287,21 +292,18 @@ def generate_hypotheses(
     ((2, 3), (2, 3))
     """
     check_protocol(model)
-    check_search_args(beam_size, length_penalty, max_extra_length, patience)
-    check_hypotheses_args(beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed)
+    options = resolve(options, **search_keywords(locals()))
     encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
     if model.pad_id != 0:
         raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
     source = np.asarray(ops.convert_to_numpy(encoder_token_ids)).astype("int32")
     prefix = target_prefix_ids(target_prefix, source.shape[0], model)
     if source.shape[0] == 0:
-        return no_hypotheses(num_hypotheses)
-    plan = hypotheses_plan(
-        source, prefix, beam_size, num_hypotheses, sampling_topk, sampling_topp, sampling_temperature, seed, patience
-    )
+        return no_hypotheses(options.count)
+    plan = options.plan(source, prefix)
     prefix = plan.options.get("target_prefix")
     max_lengths, length, padded_length = search_lengths(
-        plan.source, max_extra_length, getattr(model, "max_sequence_length", None), prefix
+        plan.source, options.max_extra_length, getattr(model, "max_sequence_length", None), prefix
     )
     length = int(ops.convert_to_numpy(length))
     padded_length = int(ops.convert_to_numpy(padded_length))
@@ -311,14 +313,14 @@ def generate_hypotheses(
         model,
         ops.convert_to_tensor(source, "int32"),
         ops.convert_to_tensor(np.asarray(ops.convert_to_numpy(max_lengths)).astype("int32"), "int32"),
-        ops.convert_to_tensor(float(length_penalty), "float32"),
+        ops.convert_to_tensor(float(options.length_penalty), "float32"),
         plan.beam_size,
         length,
         plan.search_name,
         {name: ops.convert_to_tensor(value) for name, value in plan.options.items()},
     )
     return collect_hypotheses(
-        plan, *(np.asarray(ops.convert_to_numpy(x)) for x in outputs), num_hypotheses=num_hypotheses, model=model
+        plan, *(np.asarray(ops.convert_to_numpy(x)) for x in outputs), num_hypotheses=options.count, model=model
     )
 
 
