@@ -537,14 +537,10 @@ def tokenizer_files(tokenizer):
 
     `tokenizer.model` for our shared vocabulary; source.spm, target.spm,
     vocab.json and marian_tokenizer.json for an imported Marian checkpoint's
-    (`keras_transformer.tokenizer.load_tokenizer` reads either back).
+    (`keras_transformer.tokenizer.load_tokenizer` reads either back): the
+    tokenizer's own `files()`.
     """
-    from keras_transformer import marian_tokenizer
-    from keras_transformer.tokenizer import TOKENIZER_FILENAME
-
-    if isinstance(tokenizer, marian_tokenizer.MarianTokenizer):
-        return marian_tokenizer.FILES
-    return (TOKENIZER_FILENAME,)
+    return tuple(tokenizer.files())
 
 
 def versions(*packages, optional=()):

@@ -291,16 +291,9 @@ def source_pieces(tokenizer, text):
     a leading `>>xx<<` as one piece, then `source.spm`'s pieces of the rest
     (a piece CTranslate2's vocabulary lacks is its unk, as in
     `MarianTokenizer.encode`). No end piece: CTranslate2 appends it.
+    The tokenizer's own `source_pieces`.
     """
-    import sentencepiece
-
-    from keras_transformer.marian_tokenizer import MarianTokenizer, split_language_code
-
-    if isinstance(tokenizer, MarianTokenizer):
-        code, rest = split_language_code(text)
-        processor = sentencepiece.SentencePieceProcessor(model_proto=tokenizer.source_proto)
-        return ([code] if code is not None else []) + processor.encode(rest, out_type=str)
-    return sentencepiece.SentencePieceProcessor(model_proto=tokenizer.proto).encode(text, out_type=str)
+    return tokenizer.source_pieces(text)
 
 
 def vocabulary(model):
@@ -508,9 +501,7 @@ def _what_it_is(directory):
 
 
 def _is_marian(tokenizer):
-    from keras_transformer.marian_tokenizer import MarianTokenizer
-
-    return isinstance(tokenizer, MarianTokenizer)
+    return tokenizer is not None and tokenizer.format == "marian"
 
 
 def _load_model(preset):
@@ -612,7 +603,7 @@ def _validation_sources(model, count, seed=0):
         english, _ = load_bundled("test")
         picks = np.linspace(0, len(english) - 1, min(count, len(english))).round().astype(int)
         texts = [english[i] for i in picks]
-        codes = getattr(model.tokenizer, "language_codes", None)
+        codes = model.tokenizer.language_codes
         if codes:
             texts = [f"{codes[i % len(codes)]} {text}" for i, text in enumerate(texts)]
         ids = [row[:limit] for row in model.tokenizer.encode(texts, add_end=False)]

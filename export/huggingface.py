@@ -172,7 +172,7 @@ def feature_permutation(model):
 # ---------------------------------------------------------------------- #
 def _is_marian(tokenizer):
     """Whether the tokenizer renumbers a Marian vocabulary (it has `marian_ids`: an imported checkpoint's)."""
-    return getattr(tokenizer, "marian_ids", None) is not None
+    return tokenizer is not None and tokenizer.marian_ids is not None
 
 
 class IdMap:
@@ -362,12 +362,9 @@ def tokenizer_config(ids, languages):
 def _write_tokenizer(directory, tokenizer, ids):
     from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, VOCAB_FILE
 
-    if _is_marian(tokenizer):
-        source, target = tokenizer.source_proto, tokenizer.target_proto
-    else:
-        source = target = tokenizer.proto  # one shared vocabulary for both sides
-    (directory / SOURCE_SPM).write_bytes(source)
-    (directory / TARGET_SPM).write_bytes(target)
+    # Ours has one shared vocabulary: its source_proto and target_proto are the same model.
+    (directory / SOURCE_SPM).write_bytes(tokenizer.source_proto)
+    (directory / TARGET_SPM).write_bytes(tokenizer.target_proto)
     (directory / VOCAB_FILE).write_text(json.dumps(ids.vocab, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
 
 

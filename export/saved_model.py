@@ -197,7 +197,7 @@ def _in_graph_tokenizer(module, tokenizer):
     import tensorflow as tf
 
     from export.text_graph import LANGUAGE_CODE_RE2, marian_target_pieces
-    from keras_transformer.marian_tokenizer import SPIECE_UNDERLINE, MarianTokenizer
+    from keras_transformer.marian_tokenizer import SPIECE_UNDERLINE
     from keras_transformer.tokenizer import FIRST_ORDINARY_ID
 
     end_id = tokenizer.end_id
@@ -205,7 +205,7 @@ def _in_graph_tokenizer(module, tokenizer):
     def before_end(sequences):
         return tf.equal(tf.cumsum(tf.cast(tf.equal(sequences, end_id), tf.int32), axis=1), 0)
 
-    if not isinstance(tokenizer, MarianTokenizer):
+    if tokenizer.format != "marian":
         # The end id is appended by the caller, after cutting to max_sequence_length.
         module.tokenizer = tokenizer.tf_text_tokenizer(add_start=False, add_end=False)
 

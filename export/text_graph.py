@@ -101,7 +101,7 @@ import numpy as np
 
 from export import contract
 from export.contract import CONFIG_FILE, ValidationError
-from keras_transformer.marian_tokenizer import SPIECE_UNDERLINE, MarianTokenizer
+from keras_transformer.marian_tokenizer import SPIECE_UNDERLINE
 from keras_transformer.tokenizer import FIRST_ORDINARY_ID, load_tokenizer
 from keras_transformer.tokenizer import TOKENIZER_FILENAME as TOKENIZER_FILE
 
@@ -446,7 +446,7 @@ def check_tokenizer(tokenizer):
     multilingual vocabulary (`>>xx<<` target-language codes): the graph
     cannot refuse a text without its code as `MarianTokenizer.encode` does.
     """
-    if not isinstance(tokenizer, MarianTokenizer):
+    if tokenizer.format != "marian":
         return
     if tokenizer.language_codes:
         raise ValueError(
@@ -656,7 +656,7 @@ def _decode_row_graph(graph, sequences, row_of, tokenizer, pad_id, start_id, end
     row_is_end = node("Cast", [row_is_end], [name("row_is_end_int")], to=TensorProto.INT32)
     ends_so_far = node("CumSum", [row_is_end, graph.const("axis_0_", 0, np.int64)], [name("ends_so_far")])
     before_end = node("Equal", [ends_so_far, graph.const("zero_i", 0, np.int32)], [name("before_end")])
-    if isinstance(tokenizer, MarianTokenizer):
+    if tokenizer.format == "marian":
         ordinary = node("GreaterOrEqual", [row, graph.const("first_ordinary_i", FIRST_ORDINARY_ID, np.int32)],
                         [name("row_is_ordinary")])
         keep = node("And", [before_end, ordinary], [name("row_keep")])
@@ -776,7 +776,7 @@ def _source_nodes(graph, tokenizer, config):
     """Steps 1 and 2 for either tokenizer: `text` -> `encoder_token_ids`; returns `has_pieces`."""
     limit = int(config["max_sequence_length"])
     pad_id, end_id = int(config["pad_id"]), int(config["end_id"])
-    if isinstance(tokenizer, MarianTokenizer):
+    if tokenizer.format == "marian":
         ragged, leads = _marian_tokenize_nodes(graph, tokenizer)
         return _pad_nodes(graph, ragged, pad_id, end_id, limit, leads=leads, lead_id=int(config["unk_id"]))
     return _pad_nodes(graph, _tokenize_nodes(graph, tokenizer.proto), pad_id, end_id, limit)
@@ -965,7 +965,7 @@ def _validation_texts(tokenizer, limit):
     pieces = [tokenizer.decode([[i]])[0] for i in range(first, min(tokenizer.vocabulary_size, first + 36))]
     words = [piece for piece in pieces if piece.strip()]
     texts = ["", "  ", " ".join(words[:3]), " ".join(words[3:12]) + ".", "Größe, ça, naïve, 東京."]
-    if isinstance(tokenizer, MarianTokenizer):
+    if tokenizer.format == "marian":
         added = list(marian_source_model(tokenizer).added[:6])
         texts += [">>xx<< " + " ".join(words[:3]), " ".join(words[:2] + added) + " " + "".join(added)]
     if limit <= 64:  # A source cut at max_sequence_length (longer searches would be slow here).

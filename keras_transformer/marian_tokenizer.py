@@ -37,7 +37,7 @@ import os
 import numpy as np
 import sentencepiece as spm
 
-from keras_transformer.tokenizer import END_ID, FIRST_ORDINARY_ID, PAD_ID, START_ID, UNK_ID, id_sequences
+from keras_transformer.token_ids import END_ID, FIRST_ORDINARY_ID, PAD_ID, START_ID, UNK_ID, id_sequences
 from keras_transformer.utils import atomic_path
 
 SOURCE_SPM = "source.spm"
@@ -88,6 +88,10 @@ class MarianTokenizer:
             piece missing from `vocab`, two special roles on one piece, or a
             proto SentencePiece cannot read.
     """
+
+    # What `keras_transformer.tokenizer.Tokenizer` also answers (callers ask instead of checking the type).
+    format = "marian"
+    FILES = FILES  # `save` writes them; the last is the one `load_tokenizer` recognises
 
     def __init__(self, source_proto, target_proto, vocab, pad_token="<pad>", unk_token="<unk>", end_token="</s>",
                  start_token=None):
@@ -156,6 +160,19 @@ class MarianTokenizer:
     def pieces(self):
         """The piece of each of our ids, in id order (the added start piece included)."""
         return list(self._pieces)
+
+    def source_pieces(self, text):
+        """The pieces of one source text (str), without start or end pieces, as `encode` cuts them.
+
+        A leading `>>xx<<` is one piece, then `source.spm`'s pieces of the rest
+        (a piece outside `vocab.json` stays as it is; `encode` makes it unk).
+        """
+        code, rest = split_language_code(text)
+        return ([code] if code is not None else []) + self._source.encode(rest, out_type=str)
+
+    def files(self):
+        """The file names `save` writes, the last the one `load_tokenizer` recognises the tokenizer by."""
+        return self.FILES
 
     def id_of(self, piece):
         """Our id of `piece` (`unk_id` for a piece outside the vocabulary, as Marian)."""
@@ -233,7 +250,7 @@ class MarianTokenizer:
     def specials(self):
         """What `SPECIALS_FILE` holds: the special pieces and the added start piece."""
         return {
-            "format": "marian",
+            "format": self.format,
             "pad_token": self.pad_token,
             "unk_token": self.unk_token,
             "end_token": self.end_token,

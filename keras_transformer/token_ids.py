@@ -1,4 +1,8 @@
-"""The range check of token ids, in NumPy only (the ONNX Runtime server uses it without Keras).
+"""The special ids and the range check of token ids, in NumPy only (the ONNX Runtime server uses them without Keras).
+
+The special ids live here, the one home every module (both tokenizers, the
+model, the search, the exports) reads them from; `keras_transformer.tokenizer`
+re-exports them.
 
 `keras_transformer.checks.check_token_ids` (the Keras model and the search)
 and `export.runtime` (ONNX Runtime) both call `check_id_range`, so an id
@@ -6,6 +10,21 @@ outside the vocabulary gets the same message whichever engine runs.
 """
 
 import numpy as np
+
+# pad 0 (the model builds its masks from `ids > 0`), unk 1, start 2, end 3.
+PAD_ID, UNK_ID, START_ID, END_ID = 0, 1, 2, 3
+FIRST_ORDINARY_ID = 4  # the first id of an ordinary piece
+
+
+def id_sequences(ids):
+    """`ids` as a list of lists of int: from lists, a 2D array or tensor `[B, L]`, or one flat sequence."""
+    if hasattr(ids, "shape"):  # NumPy array or backend tensor.
+        ids = np.asarray(ids)
+        return ids.tolist() if ids.ndim > 1 else [ids.tolist()]
+    ids = list(ids)
+    if not ids or not isinstance(ids[0], (list, tuple, np.ndarray)):
+        ids = [ids]
+    return ids
 
 
 def check_id_range(values, name, vocabulary_size):

@@ -17,18 +17,23 @@ import os
 import random
 import re
 
-import numpy as np
 import sentencepiece as spm
 
+from keras_transformer.marian_tokenizer import MarianTokenizer
 from keras_transformer.textio import iter_lines
+from keras_transformer.token_ids import (  # noqa: F401 (re-exported: the special ids' public import path)
+    END_ID,
+    FIRST_ORDINARY_ID,
+    PAD_ID,
+    START_ID,
+    UNK_ID,
+    id_sequences,
+)
 from keras_transformer.utils import atomic_path
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILENAME = "tokenizer.model"
-# The special ids, the one home every module reads them from.
-PAD_ID, UNK_ID, START_ID, END_ID = 0, 1, 2, 3
-FIRST_ORDINARY_ID = 4  # the first id of an ordinary piece
 MODEL_TYPES = ("bpe", "unigram")
 _SAMPLING_SEED = 1234
 
@@ -223,17 +228,6 @@ def _training_error(error, vocabulary_size):
     return RuntimeError(f"SentencePiece could not train a vocabulary of {vocabulary_size} pieces: {message.strip()}")
 
 
-def id_sequences(ids):
-    """`ids` as a list of lists of int: from lists, a 2D array or tensor `[B, L]`, or one flat sequence."""
-    if hasattr(ids, "shape"):  # NumPy array or backend tensor.
-        ids = np.asarray(ids)
-        return ids.tolist() if ids.ndim > 1 else [ids.tolist()]
-    ids = list(ids)
-    if not ids or not isinstance(ids[0], (list, tuple, np.ndarray)):
-        ids = [ids]
-    return ids
-
-
 class Tokenizer:
     """A shared SentencePiece subword vocabulary.
 
@@ -254,6 +248,12 @@ class Tokenizer:
     tokenizer.decode(ids)                          # ["A sentence."]
     ```
     """
+
+    # What `keras_transformer.marian_tokenizer.MarianTokenizer` also answers, so callers ask instead of
+    # checking the type: the format, the files `save` writes, and the Marian-only parts, empty here.
+    format = "sentencepiece"
+    FILES = (TOKENIZER_FILENAME,)
+    marian_ids = None  # no renumbered checkpoint vocabulary
 
     def __init__(self, proto):
         if not isinstance(proto, (bytes, bytearray)):
@@ -285,6 +285,21 @@ class Tokenizer:
     def proto(self):
         """The serialized SentencePiece model (bytes)."""
         return self._proto
+
+    @property
+    def source_proto(self):
+        """The SentencePiece model of the source side: `proto` (the vocabulary is shared)."""
+        return self._proto
+
+    @property
+    def target_proto(self):
+        """The SentencePiece model of the target side: `proto` (the vocabulary is shared)."""
+        return self._proto
+
+    @property
+    def language_codes(self):
+        """The `>>xx<<` target-language tokens a source text must start with: none."""
+        return []
 
     @property
     def vocabulary_size(self):
@@ -360,6 +375,14 @@ class Tokenizer:
         """The piece of each id, in id order."""
         return [self._processor.id_to_piece(i) for i in range(self.vocabulary_size)]
 
+    def source_pieces(self, text):
+        """The pieces of one source text (str), without start or end pieces: the SentencePiece model's."""
+        return self._processor.encode(text, out_type=str)
+
+    def files(self):
+        """The file names `save` writes, the last the one `load_tokenizer` recognises the tokenizer by."""
+        return self.FILES
+
     def save(self, directory):
         """Writes `directory/tokenizer.model` atomically; returns its path.
 
@@ -431,13 +454,11 @@ def load_tokenizer(directory):
 
     `tokenizer.model` is a `Tokenizer` (one shared SentencePiece vocabulary);
     `marian_tokenizer.json` with `source.spm`, `target.spm` and `vocab.json`
-    is a `MarianTokenizer` (an imported OPUS-MT checkpoint's).
+    is a `MarianTokenizer` (an imported OPUS-MT checkpoint's). Each class
+    names its files (`FILES`), the last the one it is recognised by.
     """
-    from keras_transformer import marian_tokenizer
-
     directory = os.fspath(directory)
-    if os.path.isfile(os.path.join(directory, TOKENIZER_FILENAME)):
-        return Tokenizer.load(directory)
-    if os.path.isfile(os.path.join(directory, marian_tokenizer.SPECIALS_FILE)):
-        return marian_tokenizer.MarianTokenizer.load(directory)
+    for cls in (Tokenizer, MarianTokenizer):
+        if os.path.isfile(os.path.join(directory, cls.FILES[-1])):
+            return cls.load(directory)
     return None

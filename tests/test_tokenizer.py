@@ -172,3 +172,97 @@ def test_rejects_a_proto_without_padding_at_zero():
         Tokenizer(model.getvalue())
     with pytest.raises(TypeError, match="received str"):
         Tokenizer("not bytes")
+
+
+# ---------------------------------------------------------------------- #
+# Both tokenizers answer for themselves (no caller checks the type)
+# ---------------------------------------------------------------------- #
+def _marian_tokenizer(language_codes=()):
+    from keras_transformer.convert.standin import _marian_vocab, _train_spm
+    from keras_transformer.marian_tokenizer import MarianTokenizer
+
+    source, target = _train_spm(ENGLISH + EXTRA, 70), _train_spm(GERMAN + EXTRA, 80)
+    return MarianTokenizer(source, target, _marian_vocab(source, target, language_codes))
+
+
+@pytest.fixture(scope="module")
+def marian():
+    return _marian_tokenizer()
+
+
+@pytest.mark.parametrize("kind", ["tokenizer", "marian"])
+def test_both_tokenizers_name_their_files_and_reload_from_them(kind, request, tmp_path):
+    from keras_transformer.tokenizer import load_tokenizer
+
+    tokenizer = request.getfixturevalue(kind)
+    files = tokenizer.files()
+    assert files == type(tokenizer).FILES and all(isinstance(name, str) for name in files)
+    tokenizer.save(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted(files)
+    # load_tokenizer recognises each by the last of its files.
+    os.remove(tmp_path / files[-1])
+    assert load_tokenizer(tmp_path) is None
+    tokenizer.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert type(loaded) is type(tokenizer) and loaded.format == tokenizer.format
+    assert loaded.files() == files and loaded.pieces() == tokenizer.pieces()
+    assert loaded.encode(ROUND_TRIP) == tokenizer.encode(ROUND_TRIP)
+    assert loaded.decode(tokenizer.encode(ROUND_TRIP, target=True)) == tokenizer.decode(
+        tokenizer.encode(ROUND_TRIP, target=True))
+
+
+@pytest.mark.parametrize("kind", ["tokenizer", "marian"])
+def test_both_tokenizers_answer_the_same_questions(kind, request):
+    from keras_transformer.token_ids import END_ID, PAD_ID, START_ID, UNK_ID
+
+    tokenizer = request.getfixturevalue(kind)
+    assert tokenizer.format == {"tokenizer": "sentencepiece", "marian": "marian"}[kind]
+    assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.start_id, tokenizer.end_id) == (
+        PAD_ID, UNK_ID, START_ID, END_ID)
+    assert tokenizer.language_codes == []
+    assert isinstance(tokenizer.source_proto, bytes) and isinstance(tokenizer.target_proto, bytes)
+    if kind == "tokenizer":
+        assert tokenizer.marian_ids is None
+        assert tokenizer.source_proto == tokenizer.target_proto == tokenizer.proto
+    else:
+        assert len(tokenizer.marian_ids) == tokenizer.vocabulary_size
+        assert tokenizer.source_proto != tokenizer.target_proto
+    # source_pieces are the pieces encode numbers (a piece outside the vocabulary is unk), without the end.
+    ids_of = {piece: i for i, piece in enumerate(tokenizer.pieces())}
+    for text in ROUND_TRIP + ["", "東京 Größe"]:
+        pieces = tokenizer.source_pieces(text)
+        assert all(isinstance(piece, str) for piece in pieces)
+        assert [ids_of.get(piece, tokenizer.unk_id) for piece in pieces] == tokenizer.encode(text, add_end=False)[0]
+
+
+def test_marian_source_pieces_keep_a_language_code_whole():
+    tokenizer = _marian_tokenizer(language_codes=(">>deu<<", ">>nld<<"))
+    assert tokenizer.language_codes == [">>deu<<", ">>nld<<"]
+    pieces = tokenizer.source_pieces(">>nld<< The teacher likes the street.")
+    assert pieces[0] == ">>nld<<" and "".join(pieces[1:]).replace("\u2581", " ").strip() == (
+        "The teacher likes the street.")
+    assert [tokenizer.id_of(piece) for piece in pieces] == tokenizer.encode(
+        ">>nld<< The teacher likes the street.", add_end=False)[0]
+
+
+@pytest.mark.parametrize("first, second", [
+    ("keras_transformer.marian_tokenizer", "keras_transformer.tokenizer"),
+    ("keras_transformer.tokenizer", "keras_transformer.marian_tokenizer"),
+])
+def test_either_tokenizer_module_imports_first_without_a_cycle(first, second):
+    """marian_tokenizer needs nothing of tokenizer (the special ids live in token_ids); tokenizer imports it."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import sys, {first}, {second}\n"
+        "from keras_transformer.tokenizer import PAD_ID, MarianTokenizer, Tokenizer, load_tokenizer\n"
+        "from keras_transformer import marian_tokenizer\n"
+        "assert MarianTokenizer is marian_tokenizer.MarianTokenizer and PAD_ID == 0\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    alone = (
+        "import sys, keras_transformer.marian_tokenizer\n"
+        "assert 'keras_transformer.tokenizer' not in sys.modules, 'marian_tokenizer imports tokenizer'\n"
+    )
+    subprocess.run([sys.executable, "-c", alone], check=True, timeout=120)
