@@ -23,12 +23,14 @@ SETTINGS = {
     "checkpoint_every": 100,
     "keep_checkpoints": 10,
     "average_last": 3,
+    "mixed_precision": "auto",
 }
 """`run_training` arguments of the Quick start: the `small` preset on the bundled corpus,
 10 passes over its 27,870 pairs (1,580 batches, rounded up to 1,600 updates: whole checkpoint
 intervals) in batches of about 4,096 tokens a side, 400 warmup steps, half the paper's learning
 rate (a small model on small data), a checkpoint every 100 steps and the average of the last 3
-as the final weights. On a 2-core CPU that is about 40 minutes of training for about 27 test
+as the final weights, in bfloat16 where the CPU or GPU computes it natively (`"auto"`; float32
+elsewhere: the same BLEU per update, benchmarks/README.md). On a 2-core CPU that is about 40 minutes of training for about 27 test
 BLEU (benchmarks/README.md, "Quick start: BLEU against training time"); `"epochs": 18`
 (`EPOCHS=18 bash scripts/quickstart.sh`) is the longer setting that scored 33.1."""
 

@@ -5,7 +5,7 @@
 # The training settings are keras_transformer/quickstart.py's (the notebook
 # colab/01_quickstart.ipynb reads the same ones).
 #   OUT=runs/small EPOCHS=18 bash scripts/quickstart.sh   (the longer setting: an estimated 75 minutes, a better model)
-#   MIXED_PRECISION=mixed_bfloat16 bash scripts/quickstart.sh   (1.28x faster on a CPU with AVX512-BF16, measured)
+#   MIXED_PRECISION=float32 bash scripts/quickstart.sh   (the default is auto: bfloat16 where the CPU or GPU computes it natively)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/small}

@@ -47,8 +47,11 @@ def test_script_and_notebook_read_the_settings_and_restate_none():
         if name == "preset":
             continue
         option = f"--{name.replace('_', '-')}"
-        # --epochs is there once, for the EPOCHS override.
-        assert option not in script.replace('${EPOCHS:+--epochs "$EPOCHS"}', ""), f"the script restates {option}"
+        # --epochs and --mixed-precision are there once, for the EPOCHS and MIXED_PRECISION overrides.
+        rest = script
+        for override in ('${EPOCHS:+--epochs "$EPOCHS"}', '${MIXED_PRECISION:+--mixed-precision "$MIXED_PRECISION"}'):
+            rest = rest.replace(override, "")
+        assert option not in rest, f"the script restates {option}"
         assert f"{name}=" not in notebook and f"{name}: {value}" not in notebook, f"the notebook restates {name}"
 
 
@@ -77,9 +80,11 @@ def test_the_script_passes_epochs_and_mixed_precision_from_the_environment(tmp_p
     arguments = (tmp_path / "train-args").read_text().split()
     assert arguments[:2] == ["-m", "keras_transformer.train"]
     assert arguments[-4:] == ["--epochs", "18", "--mixed-precision", "mixed_bfloat16"]
-    assert build_parser().parse_args(arguments[2:]).epochs == 18
+    parsed = build_parser().parse_args(arguments[2:])
+    assert parsed.epochs == 18 and parsed.mixed_precision == "mixed_bfloat16"  # the last one counts
     del env["EPOCHS"], env["MIXED_PRECISION"]
     (tmp_path / "train-args").unlink()
     subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
     arguments = (tmp_path / "train-args").read_text().split()
-    assert "--mixed-precision" not in arguments and arguments.count("--epochs") == 1
+    assert arguments.count("--mixed-precision") == 1 and arguments.count("--epochs") == 1
+    assert build_parser().parse_args(arguments[2:]).mixed_precision == quickstart.SETTINGS["mixed_precision"]
