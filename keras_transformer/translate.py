@@ -88,6 +88,11 @@ def add_file_arguments(parser):
                         help="when sampling, divide the log-probabilities by this (> 0, default 1)")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     parser.add_argument(
+        "--split-sentences", nargs="?", const=True, default=False, metavar="LANG",
+        help="each line may hold several sentences: translate them one by one and write the line back with its "
+             "spacing (sentencex's rules; LANG, e.g. de, for that language's abbreviations; default English)",
+    )
+    parser.add_argument(
         "--patience", type=float, default=None,
         help="beam search: stop a sentence once round(beam size x PATIENCE) hypotheses ended, as CTranslate2 "
              "(1 is its default); without it, the exact search: stop when no live beam can win",
@@ -119,7 +124,8 @@ def translate_lines(translator, args, options=None, **search):
     """
     options = search_options(args, **search) if options is None else resolve(options, **search)
     batching = dict(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, window=args.window,
-                    progress=show_progress(args), options=options)
+                    progress=show_progress(args), options=options,
+                    split_sentences=getattr(args, "split_sentences", False))
     if args.output is not None:
         return translator.translate_file(args.src or "-", args.output, overwrite=args.overwrite, **batching)
     count = 0

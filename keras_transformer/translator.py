@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from keras_transformer import documents
 from keras_transformer.decoding import LENGTH_BUCKET, check_prefix_length
 from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
 from keras_transformer.search.scoring import score_targets
@@ -271,8 +272,9 @@ class Translator:
         seed=0,
         patience=None,
         options=None,
+        split_sentences=False,
     ):
-        """Translates a list of sentences.
+        """Translates a list of sentences (or of documents, with `split_sentences`).
 
         Args:
             texts: list of str (a single str is treated as a list of one).
@@ -308,6 +310,16 @@ class Translator:
                 (`beam_size`, `length_penalty`, `max_extra_length`,
                 `patience`, the sampling options) instead of the keywords:
                 one or the other (`search.options.resolve`).
+            split_sentences: False (the default: each text is one
+                sentence), True, or a language code such as "de": each text
+                is cut into sentences (`documents.split_texts`: lines at
+                "\\n", then sentencex's rules, English ones for True or the
+                language's), all of them are translated in one batched
+                search, and each text is rebuilt with its own whitespace,
+                newlines and paragraph breaks around the translations. A
+                sentence longer than the model's `max_sequence_length` is
+                cut at a clause boundary (`documents.cut_to_fit`) instead of
+                truncated. Not with `target_prefix`.
 
         Returns:
             list of str, in the order of `texts`.
@@ -317,9 +329,36 @@ class Translator:
         """
         texts = _texts(texts, "texts")
         options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
+        if split_sentences is not False:
+            _check_split_sentences(split_sentences, target_prefix)
+            split = self.split_texts(texts, split_sentences)
+            with _progress_bar(progress, total=len(split.units), desc="Translating", unit=" sentences") as bar:
+                return split.join(self._translate(split.units, options, batch_size, max_batch_tokens, bar))
         prefixes = self._prefixes(target_prefix, texts)
         with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes)
+
+    def split_texts(self, texts, split_sentences=True):
+        """`documents.split_texts` of `texts` (each checked to be a str), parts cut to the model's source limit.
+
+        Args:
+            texts: list of str.
+            split_sentences: True (sentencex's English rules) or a
+                language code.
+
+        Returns:
+            a `documents.Split`: `.units` to translate, `.join(translations)`.
+        """
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{i}] must be a str, received {type(text).__name__}: {text!r}")
+        language = documents.GENERIC_LANGUAGE if split_sentences is True else split_sentences
+        limit = getattr(self.model, "max_sequence_length", None)
+
+        def fits(part):  # the source ids (tokens + end id) within the model's positions
+            return len(self.tokenizer.encode([part], add_start=False, add_end=True)[0]) <= limit
+
+        return documents.split_texts(texts, language, fits=fits if limit is not None else None)
 
     def translate_hypotheses(
         self,
@@ -394,6 +433,7 @@ class Translator:
         seed=0,
         patience=None,
         options=None,
+        split_sentences=False,
     ):
         """Translates a stream of sentences; yields the translations in input order.
 
@@ -413,6 +453,9 @@ class Translator:
             beam_size, batch_size, length_penalty, max_extra_length,
             progress, max_batch_tokens, sampling_topk, sampling_topp,
             sampling_temperature, seed, patience, options: as `translate`.
+            split_sentences: as `translate`: each text of the stream is cut
+                into sentences and rebuilt (`window` counts texts; the
+                progress bar counts sentences).
 
         Returns:
             An iterator of str, one per input sentence.
@@ -420,9 +463,14 @@ class Translator:
         options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
             raise ValueError(f"window={window!r} must be a positive integer (sentences sorted together)")
+        if split_sentences is not False:
+            _check_split_sentences(split_sentences, None)
+            total = None  # the bar counts sentences, whose number is not known ahead
         if isinstance(texts, str):
             texts = [texts]
-        return self._stream(iter(texts), options, batch_size, max_batch_tokens, int(window), progress, total)
+        return self._stream(
+            iter(texts), options, batch_size, max_batch_tokens, int(window), progress, total, split_sentences
+        )
 
     def translate_file(
         self,
@@ -442,6 +490,7 @@ class Translator:
         seed=0,
         patience=None,
         options=None,
+        split_sentences=False,
     ):
         """Translates a file of any size, one sentence per line, into another.
 
@@ -465,6 +514,9 @@ class Translator:
             max_batch_tokens, window, sampling_topk, sampling_topp,
             sampling_temperature, seed, patience, options: as
             `translate_iterable`.
+            split_sentences: as `translate`: each line may hold several
+                sentences; it is translated sentence by sentence and
+                written back as one line.
 
         Returns:
             int, the number of lines written.
@@ -479,10 +531,12 @@ class Translator:
         options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         check_text_file(src_path, "src_path")
         check_output_path(out_path, "out_path", overwrite=overwrite, source=src_path)
-        total = count_lines(src_path) if progress else None
+        if split_sentences is not False:
+            _check_split_sentences(split_sentences, None)
+        total = count_lines(src_path) if progress and split_sentences is False else None
         translations = self.translate_iterable(
             iter_lines(src_path), batch_size=batch_size, progress=progress, max_batch_tokens=max_batch_tokens,
-            window=window, total=total, options=options,
+            window=window, total=total, options=options, split_sentences=split_sentences,
         )
         return write_lines(out_path, translations, overwrite=overwrite)
 
@@ -492,13 +546,17 @@ class Translator:
             self.tokenizer, target_prefix, texts, getattr(self.model, "max_sequence_length", None)
         )
 
-    def _stream(self, texts, options, batch_size, max_batch_tokens, window, progress, total):
+    def _stream(self, texts, options, batch_size, max_batch_tokens, window, progress, total, split_sentences=False):
         with _progress_bar(progress, total=total, desc="Translating", unit=" sentences") as bar:
             for first in itertools.count(0, window):
                 chunk = list(itertools.islice(texts, window))
                 if not chunk:
                     return
-                yield from self._translate(chunk, options, batch_size, max_batch_tokens, bar, first)
+                if split_sentences is False:
+                    yield from self._translate(chunk, options, batch_size, max_batch_tokens, bar, first)
+                    continue
+                split = self.split_texts(chunk, split_sentences)
+                yield from split.join(self._translate(split.units, options, batch_size, max_batch_tokens, bar))
 
     def _translate(
         self, texts, options, batch_size, max_batch_tokens, bar, first_index=0, prefixes=None, num_hypotheses=None
@@ -706,6 +764,19 @@ def _model_search_args(method, options):
         parameter = None
     takes_options = parameter is not None and parameter.kind != inspect.Parameter.VAR_KEYWORD
     return {"options": options} if takes_options else options.search_args()
+
+
+def _check_split_sentences(split_sentences, target_prefix):
+    """Refuses a `split_sentences` other than False, True or a language code, or one with a target prefix."""
+    if not (split_sentences is True or (isinstance(split_sentences, str) and split_sentences.strip())):
+        raise ValueError(
+            f"split_sentences={split_sentences!r} must be False, True or a language code such as 'en' or 'de'"
+        )
+    if target_prefix is not None:
+        raise ValueError(
+            "split_sentences and target_prefix cannot be used together: a prefix starts one sentence's "
+            "translation; split the text yourself and give each sentence its prefix"
+        )
 
 
 def _texts(texts, name):

@@ -292,3 +292,67 @@ def test_plots_put_the_tokens_on_the_axes(model, tokenizer):
         plot_attention_heads(np.eye(3))
     with pytest.raises(ValueError, match="head 4 is outside"):
         plot_attention_heads(np.ones((4, 2, 2)) / 2, heads=[4])
+
+
+def _rebuilt(document, translations):
+    """`document` with each sentence of `translations` (a dict) replaced by its translation, in one pass."""
+    import re
+
+    pattern = re.compile("|".join(re.escape(s) for s in sorted(translations, key=len, reverse=True)))
+    return pattern.sub(lambda match: translations[match.group(0)], document)
+
+
+def test_split_sentences_translates_documents_as_their_sentences_one_by_one(model, tokenizer, tmp_path):
+    translator = Translator(model, tokenizer)
+    sentences = SENTENCES[5::41][:8]
+    one_by_one = dict(zip(sentences, translator.translate(sentences, beam_size=2)))
+    documents = [
+        f"{sentences[0]}  {sentences[1]}\n\n{sentences[2]}", f"  {sentences[3]}\t{sentences[4]} ", sentences[5], "",
+        "   ", f"{sentences[6]}\n{sentences[7]}\n",
+    ]
+    expected = [_rebuilt(d, one_by_one) for d in documents]
+    assert translator.translate(documents, beam_size=2, split_sentences=True) == expected
+    assert list(translator.translate_iterable(iter(documents), beam_size=2, window=2, split_sentences="en")) == expected
+    # A file: one document per line, written back line for line.
+    lines = [d.replace("\n", " ") for d in documents]
+    (tmp_path / "in.en").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    translator.translate_file(tmp_path / "in.en", tmp_path / "out.de", beam_size=2, split_sentences=True)
+    assert (tmp_path / "out.de").read_text(encoding="utf-8").split("\n")[:-1] == [
+        _rebuilt(line, one_by_one) for line in lines
+    ]
+
+
+def test_split_sentences_cuts_a_long_sentence_to_the_model_limit_instead_of_truncating(model, tokenizer, caplog):
+    translator = Translator(model, tokenizer)
+    limit = model.max_sequence_length
+    long = ", ".join(SENTENCES[i][:-1] for i in range(0, 200, 7)) + "."
+    assert len(tokenizer.encode([long], add_end=True)[0]) > limit
+    split = translator.split_texts([long])
+    assert len(split.units) > 1 and split.join(split.units) == [long]
+    assert all(len(tokenizer.encode([u], add_end=True)[0]) <= limit for u in split.units)
+    assert all(u.endswith(",") for u in split.units[:-1])  # cut at clause boundaries
+    with caplog.at_level("WARNING"):
+        (translated,) = translator.translate([long], beam_size=1, split_sentences=True)
+    assert "keeping the first" not in caplog.text  # nothing truncated
+    assert translated == " ".join(translator.translate(split.units, beam_size=1))
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(split_sentences="  "), "split_sentences='  ' must be False, True or a language code"),
+        (dict(split_sentences=1), "split_sentences=1 must be False, True or a language code"),
+        (dict(split_sentences=True, target_prefix=["Der"]), "split_sentences and target_prefix cannot be used"),
+    ],
+)
+def test_split_sentences_refusals_are_one_line(model, tokenizer, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        Translator(model, tokenizer).translate(["Nobody sees it!"], **arguments)
+
+
+def test_translate_cli_split_sentences(preset, monkeypatch, capsys):
+    lines = ["Nobody sees it! A student finds two cats.", "", "The teacher likes the street."]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(lines) + "\n"))
+    translate_main(["--preset", preset, "--beam-size", "1", "--split-sentences", "--no-progress"])
+    expected = Translator.from_preset(preset).translate(lines, beam_size=1, split_sentences=True)
+    assert capsys.readouterr().out.splitlines() == expected
