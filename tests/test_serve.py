@@ -880,3 +880,39 @@ def test_the_load_benchmark_reads_percentiles_and_batch_sizes():
     ]
     assert serve_http.mean_batch(before, after) == pytest.approx((1 + 5 + 5 + 600) / 4)
     assert serve_http.mean_batch(after, after) is None
+
+
+# --------------------------------------------------------------------------- #
+# Documents: "split_sentences"
+# --------------------------------------------------------------------------- #
+def test_split_sentences_answers_as_the_translator_splits(server, exported):
+    documents = ["The cat sees a dog. A dog likes my bird!\n\nThe old fish eats.", "  my bird sees the cat.  ", ""]
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    expected = translator.translate(documents, beam_size=4, max_extra_length=MAX_EXTRA_LENGTH, split_sentences=True)
+    answer = post(server.url, {"text": documents, "split_sentences": True})
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"translations": expected}
+    # The texts are rebuilt around the sentences' translations, spacing kept.
+    assert expected[0].count("\n\n") == 1 and expected[1].startswith("  ") and expected[2] == ""
+
+
+def test_split_sentences_sends_the_sentences_to_the_engine_and_joins_them(gated):
+    engine, running = gated()
+    engine.gate.set()
+    answer = post(running.url, {"text": ["Open it. Then close it!", " Done. "], "split_sentences": "en"})
+    assert answer.json() == {"translations": ["OPEN IT. THEN CLOSE IT!", " DONE. "]}
+    assert engine.batches[-1] == ["Open it.", "Then close it!", "Done."]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"split_sentences": 1}, "split_sentences must be true, false or a language code such as \"de\", received a number"),
+        ({"split_sentences": " "}, "split_sentences must be true, false or a language code such as \"de\", received ' '"),
+        ({"split_sentences": True, "target_prefix": ["the"]}, "split_sentences cannot be used with target_prefix"),
+        ({"split_sentences": True, "num_hypotheses": 2}, "split_sentences cannot be used with num_hypotheses"),
+    ],
+)
+def test_split_sentences_refusals_are_one_line_400s(server, extra, message):
+    answer = post(server.url, {"text": ["The cat sees a dog. A dog eats."], **extra})
+    assert answer.status_code == 400 and answer.json() == {"error": message}

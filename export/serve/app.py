@@ -20,6 +20,7 @@ logger = logging.getLogger("export.serve")
 FIELDS = {
     "text": None, "beam_size": None, "num_hypotheses": "num_hypotheses", "target_prefix": "target_prefix",
     "sampling_topk": "sampling", "sampling_topp": "sampling", "sampling_temperature": "sampling", "seed": "sampling",
+    "split_sentences": None,
 }
 SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SearchOptions) if FIELDS.get(f.name) == "sampling"}
 RETRY_AFTER_SECONDS = 1
@@ -66,6 +67,11 @@ def parse_request(body, settings, engine_name=None, features=FEATURES):
     >>> parse_request(b'{"text": ["A sentence."], "beam_size": 2}', ServerSettings())[0]
     ['A sentence.']
     """
+    return request_from_payload(parse_payload(body), settings, engine_name, features)
+
+
+def parse_payload(body):
+    """The request body (bytes) as a JSON object (a dict), or `RequestError` (400)."""
     try:
         document = body.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -79,6 +85,11 @@ def parse_request(body, settings, engine_name=None, features=FEATURES):
             400, f'the body must be a JSON object such as {{"text": ["A sentence."]}}, received {_json_type(payload)}',
             "bad_request",
         )
+    return payload
+
+
+def request_from_payload(payload, settings, engine_name=None, features=FEATURES):
+    """`parse_request` of a body already read as a JSON object."""
     for field in payload:
         if field not in FIELDS:
             raise RequestError(400, f"unknown field {field!r}; this server takes {', '.join(FIELDS)}", "bad_request")
@@ -132,6 +143,22 @@ def parse_request(body, settings, engine_name=None, features=FEATURES):
         # with the others of its options.
         options = dataclasses.replace(options, **SAMPLING_DEFAULTS)
     return texts, options, target_prefix
+
+
+def split_sentences_option(payload, options, target_prefix):
+    """The request's `split_sentences` (False, True or a language code), checked against the other fields (400)."""
+    value = payload.get("split_sentences", False)
+    if value is False:
+        return False
+    if not (value is True or (isinstance(value, str) and value.strip())):
+        raise RequestError(
+            400, f"split_sentences must be true, false or a language code such as \"de\", received "
+            f"{_json_type(value) if not isinstance(value, str) else repr(value)}", "bad_request",
+        )
+    for field, given in (("target_prefix", target_prefix is not None), ("num_hypotheses", options.num_hypotheses)):
+        if given:
+            raise RequestError(400, f"split_sentences cannot be used with {field}", "bad_request")
+    return value
 
 
 def _check_text(text, name, settings):
@@ -277,6 +304,24 @@ class Service:
                 "body_timeout",
             ) from None
 
+    def _split(self, texts, split_sentences):
+        """`documents.split_texts` of a request's texts (None when not asked), parts cut to the engine's limit."""
+        if split_sentences is False:
+            return None
+        from keras_transformer import documents
+
+        limit = getattr(self.engine, "max_sequence_length", None)
+        tokenizer = getattr(self.engine, "tokenizer", None)
+
+        def fits(part):  # source tokens + end id within the model's positions (count_tokens caps at the limit)
+            return len(tokenizer.encode([part], add_start=False, add_end=True)[0]) <= limit
+
+        language = documents.GENERIC_LANGUAGE if split_sentences is True else split_sentences
+        try:
+            return documents.split_texts(texts, language, fits=fits if None not in (limit, tokenizer) else None)
+        except ValueError as error:  # the tokenizer refuses a text (a multilingual model's without its code)
+            raise RequestError(400, str(error), "bad_request") from None
+
     async def translate(self, request):
         """The `POST /v1/translate` handler."""
         from starlette.requests import ClientDisconnect
@@ -292,9 +337,13 @@ class Service:
                 why = self.failure or "the model is loading"
                 raise RequestError(503, f"{why}; retry", "not_ready", {"Retry-After": str(RETRY_AFTER_SECONDS)})
             body = await self.read_body(request, deadline)
-            texts, options, target_prefix = parse_request(
-                body, self.settings, getattr(self.engine, "name", None), getattr(self.engine, "features", ())
+            payload = parse_payload(body)
+            texts, options, target_prefix = request_from_payload(
+                payload, self.settings, getattr(self.engine, "name", None), getattr(self.engine, "features", ())
             )
+            split = self._split(texts, split_sentences_option(payload, options, target_prefix))
+            if split is not None:
+                texts = split.units  # the sentences are what the batcher and the engine see
             info["sentences"] = len(texts)
             if target_prefix is not None:
                 try:  # a prefix too long for the model, or one for an empty text: this request's error only
@@ -313,7 +362,7 @@ class Service:
                 raise RequestError(503, str(error), "queue_full", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
             results = await self._answer(job, request, deadline)
             self.metrics.sentences.inc(len(texts))
-            return JSONResponse(_answer_document(results, options))
+            return JSONResponse(_answer_document(results if split is None else split.join(results), options))
         except RequestError as error:
             self.metrics.errors.inc(reason=error.reason)
             if error.reason == "disconnected":
