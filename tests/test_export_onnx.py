@@ -549,6 +549,10 @@ def test_translator_gives_the_same_text_as_the_keras_translator(exported, preset
     translations = translator.translate(texts, beam_size=2, max_extra_length=5, batch_size=3)
     expected = Translator.from_preset(preset_dir).translate(texts, beam_size=2, max_extra_length=5, batch_size=3)
     assert translations == expected and translations[1] == ""
+    # Documents (split_sentences): the same sentences, the same answers, rebuilt alike.
+    documents = ["the cat sees a dog. a red ball!\n\nmy bird eats the big fish.", "  the old fish likes the cat.  "]
+    search = dict(beam_size=2, max_extra_length=5, batch_size=3, split_sentences=True)
+    assert translator.translate(documents, **search) == Translator.from_preset(preset_dir).translate(documents, **search)
 
 
 def test_runtime_cli_translates_stdin_line_by_line(exported, monkeypatch, capsys):
