@@ -36,6 +36,31 @@ import numpy as np
 from keras_transformer.decoding import NO_PATIENCE
 from keras_transformer.presets import jsonable_config
 
+
+class UnsupportedModelError(ValueError):
+    """The model uses something an export format cannot express (one line naming the option)."""
+
+
+def feed_forward_activation(model, names, target):
+    """`names[a]` for the one feed-forward activation `a` (Keras' name) that every layer of `model` uses.
+
+    Args:
+        names: dict, Keras' activation name -> the format's.
+        target: the format, for the message (e.g. "a Marian checkpoint").
+
+    Raises:
+        UnsupportedModelError: the layers mix activations, or use one `names` lacks.
+    """
+    import keras
+
+    found = {keras.activations.serialize(layer.activation) for layer in (*model.encoder_layers, *model.decoder_layers)}
+    if len(found) != 1 or not found <= set(names):
+        raise UnsupportedModelError(
+            f"the feed-forward activation(s) {sorted(found)} cannot be exported as {target}: its layers share one "
+            f"activation, of which this exporter maps {sorted(names)}"
+        )
+    return names[found.pop()]
+
 CONFIG_FILE = "config.json"
 # Dynamic axis -> its letter.
 DYNAMIC_AXES = {

@@ -134,7 +134,7 @@ import sys
 import numpy as np
 
 from export import contract
-from export.contract import ValidationError
+from export.contract import UnsupportedModelError, ValidationError
 from keras_transformer.presets import jsonable_config
 from keras_transformer.tokenizer import FIRST_ORDINARY_ID
 from keras_transformer.utils import atomic_directory, check_output_directory
@@ -164,10 +164,6 @@ HEAD_DIM_CTRANSLATE2 = "4.6.3"  # the first whose encoder spec takes head_dim
 # The feed-forward activations (Keras names) -> `ctranslate2.specs.common_spec.Activation`
 # (Keras' "gelu" is the exact, erf one: CTranslate2's GELU, not GELUTanh).
 ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "silu": "SWISH"}
-
-
-class UnsupportedModelError(ValueError):
-    """The model uses something a CTranslate2 Transformer cannot express."""
 
 
 def _import_ctranslate2():
@@ -209,15 +205,7 @@ def check_exportable(model):
 
 def activation(model):
     """The name in `common_spec.Activation` of the feed-forward activation all of `model`'s layers use."""
-    import keras
-
-    names = {keras.activations.serialize(layer.activation) for layer in (*model.encoder_layers, *model.decoder_layers)}
-    if len(names) != 1 or not names <= set(ACTIVATIONS):
-        raise UnsupportedModelError(
-            f"the feed-forward layers use activation(s) {sorted(names)}; a CTranslate2 Transformer has one, "
-            f"of which this exporter maps {sorted(ACTIVATIONS)}"
-        )
-    return ACTIVATIONS[names.pop()]
+    return contract.feed_forward_activation(model, ACTIVATIONS, "a CTranslate2 Transformer")
 
 
 def _numpy(variable):

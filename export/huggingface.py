@@ -89,7 +89,7 @@ import warnings
 import numpy as np
 
 from export import contract
-from export.contract import ValidationError
+from export.contract import UnsupportedModelError, ValidationError
 from keras_transformer.utils import atomic_directory, check_output_directory
 
 # Named, not __name__, so that `python -m export.huggingface` logs under the same name.
@@ -110,10 +110,6 @@ MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; Marian's confi
 MAX_EXTRA_LENGTH = 50
 VALIDATION_SENTENCES = 8
 LOGITS_ATOL = 1e-4
-
-
-class UnsupportedModelError(ValueError):
-    """The model uses something a Marian checkpoint cannot express."""
 
 
 # ---------------------------------------------------------------------- #
@@ -145,15 +141,7 @@ def check_exportable(model):
 
 def activation_function(model):
     """Marian's `activation_function` for the one feed-forward activation all of `model`'s layers use."""
-    import keras
-
-    names = {keras.activations.serialize(layer.activation) for layer in (*model.encoder_layers, *model.decoder_layers)}
-    if len(names) != 1 or not names <= set(ACTIVATIONS):
-        raise UnsupportedModelError(
-            f"activation {sorted(names)} cannot be exported as a Marian checkpoint: its layers share one "
-            f"activation_function, of which this exporter maps {sorted(ACTIVATIONS)}"
-        )
-    return ACTIVATIONS[names.pop()]
+    return contract.feed_forward_activation(model, ACTIVATIONS, "a Marian checkpoint")
 
 
 def feature_permutation(model):
