@@ -20,6 +20,7 @@ from keras import ops
 from keras_transformer.checks import check_batch_sizes, check_cache_index, check_token_ids
 from keras_transformer.layers.arguments import check_layer_args, check_positive_int, head_dims
 from keras_transformer.layers.dense import product_with_bias
+from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
@@ -269,8 +270,8 @@ class TransformerModel(keras.Model):
             )
         self.encoder_position = position_layer("encoder_position")
         self.decoder_position = position_layer("decoder_position")
-        self.encoder_embedding_dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name="encoder_embedding_dropout")
-        self.decoder_embedding_dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name="decoder_embedding_dropout")
+        self.encoder_embedding_dropout = Dropout(self.dropout, dtype=self.dtype_policy, name="encoder_embedding_dropout")
+        self.decoder_embedding_dropout = Dropout(self.dropout, dtype=self.dtype_policy, name="decoder_embedding_dropout")
         layer_args = dict(
             intermediate_dim=self.intermediate_dim,
             num_heads=self.num_heads,

@@ -12,6 +12,7 @@ from keras import ops
 
 from keras_transformer.layers.arguments import check_attention_window, check_positive_int, check_rate
 from keras_transformer.layers.dense import Dense
+from keras_transformer.layers.dropout import Dropout
 
 
 def clone_initializer(initializer):
@@ -326,7 +327,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.value_dense.build(value_shape)
         self.output_dense = self._dense(self._output_dim, "attention_output")
         self.output_dense.build(tuple(query_shape[:-1]) + (self.num_heads * self.value_dim,))
-        self.weights_dropout = keras.layers.Dropout(self.dropout, dtype=self.dtype_policy)
+        self.weights_dropout = Dropout(self.dropout, dtype=self.dtype_policy)
 
     def _split_heads(self, x, head_dim):
         # [B, T, N * H] -> [B, T, N, H]

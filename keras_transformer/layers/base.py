@@ -5,6 +5,7 @@ import keras
 from keras_transformer.layers.arguments import check_layer_args, head_dims
 from keras_transformer.layers.attention import MultiHeadAttention, clone_initializer
 from keras_transformer.layers.dense import Dense
+from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.residual import residual_connection
 
 
@@ -87,7 +88,7 @@ class TransformerLayerBase(keras.layers.Layer):
         )
         norm.build(sequence_shape)
         setattr(self, f"{name}_norm", norm)
-        setattr(self, f"{name}_dropout", keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name=f"{name}_dropout"))
+        setattr(self, f"{name}_dropout", Dropout(self.dropout, dtype=self.dtype_policy, name=f"{name}_dropout"))
 
     def _build_feedforward(self, sequence_shape):
         # FFN(x) = max(0, x W1 + b1) W2 + b2 (paper equation 2).
