@@ -17,6 +17,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_transformer import fused_training
 from keras_transformer.checks import check_batch_sizes, check_cache_index, check_token_ids
 from keras_transformer.layers.arguments import check_layer_args, check_positive_int, head_dims
 from keras_transformer.layers.dense import product_with_bias
@@ -494,6 +495,9 @@ class TransformerModel(keras.Model):
                 encoder_padding_mask=encoder_padding_mask,
                 training=training,
             )
+        if training and fused_training.active_step(self) is not None:
+            # A fused training step: `compute_loss` projects and takes the loss in chunks.
+            return self.decoder_final_norm(x) if self.normalize_first else x
         return self._logits(x)
 
     def call(self, inputs, training=None):
@@ -507,6 +511,37 @@ class TransformerModel(keras.Model):
         return self.decode(
             inputs["decoder_token_ids"], encoder_outputs, inputs["encoder_token_ids"], training=training
         )
+
+    # ------------------------------------------------------------------ #
+    # Training steps (fused_training: the output projection and the loss together)
+    # ------------------------------------------------------------------ #
+    # False: every training step builds the logits and calls the compiled loss (Keras' own path).
+    fuse_output_loss = True
+
+    def train_step(self, *args, **kwargs):
+        with fused_training.step_scope(self):
+            return super().train_step(*args, **kwargs)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        step = fused_training.active_step(self)
+        if step is None:
+            return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return fused_training.compute_loss(self, step, y, y_pred, sample_weight)
+
+    def compute_loss_and_updates(self, *args, **kwargs):
+        # JAX's trainer only: the predictions leave the differentiated function as its output.
+        loss, aux = super().compute_loss_and_updates(*args, **kwargs)
+        step = fused_training.active_step(self)
+        if step is not None and step.predictions is not None:
+            aux = (aux[0], step.predictions, *aux[2:])
+            step.predictions = None
+        return loss, aux
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        step = fused_training.active_step(self)
+        if step is not None and step.predictions is not None:
+            y_pred = step.predictions  # [B, T] ids, not the hidden states the model returned
+        return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     # ------------------------------------------------------------------ #
     # Incremental decoding

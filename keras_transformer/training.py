@@ -157,10 +157,15 @@ def resolve_strategy(strategy="auto"):
 
 
 def masked_accuracy(y_true, y_pred):
-    """Token accuracy over non-padding targets (pad id 0) of one batch."""
+    """Token accuracy over non-padding targets (pad id 0) of one batch.
+
+    `y_pred`: logits `[B, T, V]`, or the predicted ids `[B, T]` (what a fused
+    training step hands its metrics, `fused_training`).
+    """
     ops = keras.ops
     mask = ops.cast(ops.not_equal(y_true, 0), "float32")
-    correct = ops.cast(ops.equal(ops.cast(ops.argmax(y_pred, axis=-1), y_true.dtype), y_true), "float32")
+    predicted = y_pred if len(y_pred.shape) == len(y_true.shape) else ops.argmax(y_pred, axis=-1)
+    correct = ops.cast(ops.equal(ops.cast(predicted, y_true.dtype), y_true), "float32")
     return ops.sum(correct * mask) / ops.maximum(ops.sum(mask), 1.0)
 
 

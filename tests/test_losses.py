@@ -272,3 +272,84 @@ def test_model_fit_and_evaluate_use_the_token_mean():
     np.testing.assert_allclose(
         model.layers[0].get_weights()[0], weights - table_grad, atol=1e-5
     )
+
+
+def _gradients(fn, *xs):
+    """`(fn(*xs), [d fn / d x for x in xs])` as NumPy, on the current backend; `fn` returns a scalar."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        xs = [tf.constant(x) for x in xs]
+        with tf.GradientTape() as tape:
+            for x in xs:
+                tape.watch(x)
+            y = fn(*xs)
+        return y.numpy(), [g.numpy() for g in tape.gradient(y, xs)]
+    if backend == "jax":
+        import jax
+
+        value, grads = jax.value_and_grad(fn, argnums=tuple(range(len(xs))))(*xs)
+        return np.asarray(value), [np.asarray(g) for g in grads]
+    import torch
+
+    xs = [torch.tensor(x, requires_grad=True) for x in xs]
+    y = fn(*xs)
+    y.backward()
+    # PyTorch leaves `grad` None where no gradient flowed.
+    return y.detach().numpy(), [np.zeros(x.shape, "float32") if x.grad is None else x.grad.numpy() for x in xs]
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk_rows", [4, 15, 64])
+def test_fused_output_losses_equal_the_projection_then_the_loss(eps, with_bias, chunk_rows):
+    """Value, accuracy and the three gradients against NumPy in float64, chunks that do and do not divide N."""
+    from keras_transformer.losses import fused_output_losses
+
+    rng = np.random.default_rng(3)
+    n, d, v = 15, 6, 23
+    hidden = rng.normal(size=(n, d)).astype("float32")
+    embeddings = rng.normal(size=(v, d)).astype("float32")
+    bias = rng.normal(size=(v,)).astype("float32")
+    labels = rng.integers(0, v, size=(n,)).astype("int32")
+    mask = (labels != 0).astype("float32")
+    weights = mask * rng.uniform(0.5, 2.0, size=(n,)).astype("float32")  # sample weights on the real tokens
+
+    def total(h, w, *b):
+        return fused_output_losses(h, w, b[0] if b else None, labels, weights, mask, eps, chunk_rows=chunk_rows)[0]
+
+    _, correct, predictions = fused_output_losses(
+        hidden, embeddings, bias if with_bias else None, labels, weights, mask, eps, chunk_rows=chunk_rows)
+    value, grads = _gradients(total, hidden, embeddings, *((bias,) if with_bias else ()))
+    z = hidden.astype("float64") @ embeddings.T.astype("float64") + (bias if with_bias else 0.0)
+    log_probs = _log_softmax(z)
+    q = _smoothed_targets(labels, eps, v)
+    np.testing.assert_allclose(value, (weights * -(q * log_probs).sum(-1)).sum(), rtol=1e-5)
+    dz = weights[:, None] * (np.exp(log_probs) - q)
+    np.testing.assert_allclose(grads[0], dz @ embeddings, atol=1e-5)
+    np.testing.assert_allclose(grads[1], dz.T @ hidden, atol=1e-5)
+    if with_bias:
+        np.testing.assert_allclose(grads[2], dz.sum(0), atol=1e-5)
+    np.testing.assert_array_equal(_value(predictions), z.argmax(-1))
+    assert _value(correct) == (mask * (z.argmax(-1) == labels)).sum()
+
+
+def test_fused_output_losses_without_the_embedding_gradient():
+    """A frozen output matrix (LoRA) gets zeros and the rows their full gradient."""
+    from keras_transformer.losses import fused_output_losses
+
+    rng = np.random.default_rng(4)
+    hidden = rng.normal(size=(9, 4)).astype("float32")
+    embeddings = rng.normal(size=(13, 4)).astype("float32")
+    labels = rng.integers(1, 13, size=(9,)).astype("int32")
+    ones = np.ones(9, "float32")
+
+    def total(frozen):
+        return lambda h, w: fused_output_losses(h, w, None, labels, ones, ones, 0.1, 4, embedding_gradient=not frozen)[0]
+
+    value, (dh, dw) = _gradients(total(False), hidden, embeddings)
+    frozen_value, (frozen_dh, frozen_dw) = _gradients(total(True), hidden, embeddings)
+    np.testing.assert_allclose(frozen_value, value, rtol=1e-6)
+    np.testing.assert_allclose(frozen_dh, dh, rtol=1e-6)
+    assert not np.any(frozen_dw) and np.any(dw)
