@@ -41,8 +41,12 @@ TOKENIZER_FILE = "tokenizer.model"
 PRESET_FORMAT_VERSION = 2
 READABLE_PRESET_FORMATS = (1, 2)
 # "sinusoidal" is the paper's interleaved table; "sinusoidal_halves" puts the
-# sines in the first half of the features (Marian / OPUS-MT checkpoints).
-POSITION_ENCODINGS = ("sinusoidal", "sinusoidal_halves", "learned")
+# sines in the first half of the features (Marian / OPUS-MT checkpoints);
+# "sinusoidal_fairseq" is fairseq's table (NLLB-200, M2M-100): halves, other
+# frequencies, positions from 2 (`layers.position.sinusoidal_table`).
+POSITION_ENCODINGS = ("sinusoidal", "sinusoidal_halves", "sinusoidal_fairseq", "learned")
+# The `sinusoidal_table` layout of each sinusoidal position encoding.
+SINUSOID_LAYOUT = {"sinusoidal": "interleaved", "sinusoidal_halves": "halves", "sinusoidal_fairseq": "fairseq"}
 # The feed-forward activation: ReLU in the paper (equation 2); the others
 # for imported checkpoints (Marian's "swish" is `silu`).
 ACTIVATIONS = ("relu", "gelu", "silu")
@@ -90,6 +94,8 @@ def check_model_args(
         raise ValueError(f"activation={activation!r} must be one of {', '.join(map(repr, ACTIVATIONS))}")
     if position_encoding.startswith("sinusoidal") and hidden_dim % 2:
         raise ValueError(f"hidden_dim={hidden_dim} must be even for sinusoidal positions")
+    if position_encoding == "sinusoidal_fairseq" and hidden_dim < 4:
+        raise ValueError(f"hidden_dim={hidden_dim} must be at least 4 for fairseq's sinusoids")
     for name, value in special_ids.items():
         if not is_integer(value) or not 0 <= value < vocabulary_size:
             raise ValueError(f"{name}={value!r} must be an integer in [0, vocabulary_size={vocabulary_size})")
@@ -141,11 +147,15 @@ class TransformerModel(keras.Model):
             paper, 0.0).
         max_sequence_length: int, longest source or target accepted.
         position_encoding: "sinusoidal" (paper: sines and cosines
-            interleaved), "learned" (Table 3, row E), or "sinusoidal_halves"
+            interleaved), "learned" (Table 3, row E), "sinusoidal_halves"
             (the same sinusoids, sines in the first half of the features and
-            cosines in the second: the layout of Marian checkpoints).
+            cosines in the second: the layout of Marian checkpoints), or
+            "sinusoidal_fairseq" (fairseq's: halves, frequencies
+            10000^(-i / (d_model/2 - 1)), positions counted from 2: NLLB-200
+            and M2M-100 checkpoints).
         normalize_first: bool, pre-LN instead of the paper's post-LN; adds a
-            final LayerNorm after each stack.
+            final LayerNorm after each stack (as fairseq's pre-LN models,
+            NLLB-200 and M2M-100, have).
         attention_window: optional odd int r, restricted self-attention
             (Table 1, "a neighborhood of size r centered around the
             respective output position"): encoder position i sees the r
@@ -258,8 +268,8 @@ class TransformerModel(keras.Model):
             dtype=self.dtype_policy,
             name="token_embedding",
         )
-        if self.position_encoding.startswith("sinusoidal"):
-            layout = "halves" if self.position_encoding == "sinusoidal_halves" else "interleaved"
+        if self.position_encoding in SINUSOID_LAYOUT:
+            layout = SINUSOID_LAYOUT[self.position_encoding]
             position_layer = lambda name: SinusoidalPositionEncoding(  # noqa: E731
                 self.max_sequence_length, layout=layout, dtype=self.dtype_policy, name=name
             )
