@@ -49,10 +49,11 @@ def check_exportable(model, target):
     Marian layouts; an export would translate wrongly, so it is refused.
     """
     tokenizer = getattr(model, "tokenizer", None)
-    if model.position_encoding == "sinusoidal_fairseq" or getattr(tokenizer, "format", None) == "nllb":
+    if (model.position_encoding == "sinusoidal_fairseq" or getattr(tokenizer, "format", None) == "nllb"
+            or getattr(model, "exclude_start_logit", False)):
         raise UnsupportedModelError(
-            f"{target} export of an NLLB-200 / M2M-100 model (position_encoding='sinusoidal_fairseq', language "
-            "codes) is not supported yet; translate it with keras_transformer.Translator (source_language=, "
+            f"{target} export of an NLLB-200 / M2M-100 model (position_encoding='sinusoidal_fairseq', "
+            "exclude_start_logit, language codes) is not supported yet; translate it with keras_transformer.Translator (source_language=, "
             "target_language=)"
         )
 

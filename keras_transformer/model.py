@@ -62,7 +62,7 @@ def check_model_args(
     vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
     attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
     layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
-    activation="relu", logits_bias=False,
+    activation="relu", logits_bias=False, exclude_start_logit=False,
 ):
     """Raises a `ValueError` naming the first bad `TransformerModel` argument; returns `(d_k, d_v)` per head.
 
@@ -81,7 +81,8 @@ def check_model_args(
     if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
         raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
     for name, value in (
-        ("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention), ("logits_bias", logits_bias)
+        ("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention), ("logits_bias", logits_bias),
+        ("exclude_start_logit", exclude_start_logit),
     ):
         if not isinstance(value, (bool, np.bool_)):
             raise ValueError(f"{name}={value!r} must be True or False")
@@ -172,6 +173,13 @@ class TransformerModel(keras.Model):
             equation 2), or "gelu" / "silu" (= swish) for imported checkpoints.
         logits_bias: bool, add a learned bias `[V]` to the output logits (not
             in the paper; Marian's `final_logits_bias`). Defaults to False.
+        exclude_start_logit: bool, `decode_step` (the search and scoring)
+            gives the start id a logit of -inf, so it is outside the softmax.
+            For an imported checkpoint whose decoder starts from one of its
+            own tokens (NLLB-200: `</s>`): our added start id copies that
+            token's embedding row, and would otherwise count it twice in the
+            softmax's sum. Training (`call`) is unchanged. Defaults to False
+            (the paper's start token is an ordinary row).
 
     Example:
     >>> model = TransformerModel.from_preset("tiny")
@@ -212,6 +220,7 @@ class TransformerModel(keras.Model):
         end_id=END_ID,
         activation="relu",
         logits_bias=False,
+        exclude_start_logit=False,
         **kwargs,
     ):
         special_ids = {"pad_id": pad_id, "unk_id": unk_id, "start_id": start_id, "end_id": end_id}
@@ -219,7 +228,7 @@ class TransformerModel(keras.Model):
             vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
             attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
             layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
-            activation=activation, logits_bias=logits_bias,
+            activation=activation, logits_bias=logits_bias, exclude_start_logit=exclude_start_logit,
         )
         super().__init__(**kwargs)
 
@@ -243,6 +252,7 @@ class TransformerModel(keras.Model):
         self.pad_id, self.unk_id, self.start_id, self.end_id = (int(i) for i in special_ids.values())
         self.activation = activation
         self.logits_bias = bool(logits_bias)
+        self.exclude_start_logit = bool(exclude_start_logit)
         self.head_key_dim, self.head_value_dim = key_dim_resolved, value_dim_resolved
         self.tokenizer = None
         # Set by `enable_lora`; not in the config: a preset is always the merged model.
@@ -674,7 +684,10 @@ class TransformerModel(keras.Model):
             cache = dict(cache, self_key=tuple(keys), self_value=tuple(values))
         else:
             cache = dict(cache, self_key=ops.stack(keys, axis=1), self_value=ops.stack(values, axis=1))
-        return self._logits(x)[:, 0, :], cache
+        logits = self._logits(x)[:, 0, :]  # [B, V]
+        if self.exclude_start_logit:
+            logits = ops.where(ops.arange(self.vocabulary_size) == self.start_id, float("-inf"), logits)
+        return logits, cache
 
     def generate(
         self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, patience=None, options=None
@@ -895,6 +908,8 @@ class TransformerModel(keras.Model):
                 "logits_bias": self.logits_bias,
             }
         )
+        if self.exclude_start_logit:  # only when set: the presets and exports of every other model are unchanged
+            config["exclude_start_logit"] = True
         return config
 
     @classmethod

@@ -236,7 +236,8 @@ class NllbTokenizer:
 
         Each sequence is cut at its first end id; the special tokens (pad,
         start, unk, `<s>`, the language codes, `<mask>`) are dropped; the rest
-        is joined by the SentencePiece model and stripped.
+        is joined by the SentencePiece model and stripped (Hugging Face
+        keeps the space of a lone first piece "▁" before a dropped `<unk>`).
         """
         texts = []
         for sequence in id_sequences(ids):

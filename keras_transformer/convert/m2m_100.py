@@ -92,6 +92,8 @@ def convert_config(config, path="config.json"):
         "layer_norm_epsilon": LAYER_NORM_EPSILON,
         "activation": ACTIVATIONS[activation],
         "logits_bias": False,
+        # The added start id copies </s>'s row (NllbTokenizer): one </s> in the softmax, as Hugging Face's.
+        "exclude_start_logit": True,
     }
 
 
