@@ -286,6 +286,17 @@ def test_save_to_preset_loads_back_identically(imported_trained, tmp_path):
         kt.Translator(model, model.tokenizer).translate(texts, beam_size=1, **languages)
 
 
+def test_named_preset_resolves_offline_from_the_cache(nllb_random, offline_hub):
+    from conftest import populate_hub_cache
+
+    populate_hub_cache(offline_hub, "facebook/nllb-200-distilled-600M", nllb_random)
+    languages = dict(source_language=SOURCE, target_language=TARGET)
+    named = kt.Translator.from_preset("nllb_200_distilled_600m")
+    direct = kt.Translator.from_preset(nllb_random)
+    assert named.translate(SENTENCES[:2], beam_size=1, max_extra_length=8, **languages) == \
+        direct.translate(SENTENCES[:2], beam_size=1, max_extra_length=8, **languages)
+
+
 def test_fine_tuning_from_an_nllb_checkpoint_runs_a_step(nllb_random, tmp_path):
     """`init_from` an NLLB directory: the model builds, one train step runs, the preset translates."""
     from keras_transformer.training import run_training
