@@ -165,7 +165,7 @@ BACKEND_INDEPENDENT = {
     ],
     "test_convert_m2m100.py": [
         "test_tokenizer_*", "test_legacy_*", "test_configs_*", "test_missing_*", "test_languages_are_*",
-        "test_exporters_*", "test_train_cli_*",
+        "test_exporters_*", "test_train_cli_*", "test_translate_cli_*",
     ],
     # All but fine-tuning the Marian stand-in (the backend's training, checkpoint import and resume).
     "test_finetune.py": [

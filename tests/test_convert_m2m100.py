@@ -331,6 +331,23 @@ def test_train_cli_refuses_missing_languages_in_one_line(nllb_random, tmp_path):
     assert "name the target_language" in lines[-1] and "Traceback" not in result.stderr
 
 
+def test_translate_cli_takes_the_language_pair(nllb_trained):
+    from conftest import run_command
+
+    text = "\n".join(SENTENCES[:2]) + "\n"
+    result = run_command("keras_transformer.translate", "--preset", str(nllb_trained), "--beam-size", "1",
+                         "--source-language", SOURCE, "--target-language", TARGET, input=text)
+    assert result.returncode == 0, result.stderr
+    expected = kt.Translator.from_preset(nllb_trained).translate(SENTENCES[:2], beam_size=1, source_language=SOURCE,
+                                                                  target_language=TARGET)
+    assert result.stdout.splitlines() == expected
+    refused = run_command("keras_transformer.translate", "--preset", str(nllb_trained), "--target-language",
+                          "xx_Latn", input=text)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        "python -m keras_transformer.translate: error: target_language='xx_Latn' is not one of this model's 202")
+
+
 # ---------------------------------------------------------------------- #
 # What is refused, in one line naming the field
 # ---------------------------------------------------------------------- #
