@@ -27,10 +27,8 @@ used or checked).
 import logging
 import pathlib
 
-import numpy as np
-
 from keras_transformer.convert import HF_CONFIG_FILE, CheckpointError, read_hf_config
-from keras_transformer.convert.marian import _WeightWalk, _field, _read_json, _same_as, read_safetensors
+from keras_transformer.convert.weights import WeightWalk, config_field, read_json, read_safetensors, same_as
 from keras_transformer.nllb_tokenizer import FAIRSEQ_OFFSET, FAIRSEQ_SPECIALS, SPM_FILE, NllbTokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,17 +50,17 @@ def convert_config(config, path="config.json"):
     def refuse(field, why):
         raise CheckpointError(f"{path}: {field}={config.get(field)!r} {why}")
 
-    if not _field(config, "scale_embedding", False):
+    if not config_field(config, "scale_embedding", False):
         refuse("scale_embedding", "is not supported: TransformerModel multiplies embeddings by sqrt(d_model)")
-    if not _field(config, "tie_word_embeddings", True):
+    if not config_field(config, "tie_word_embeddings", True):
         refuse("tie_word_embeddings", "is not supported: the output projection must share the embedding matrix")
     if config.get("pad_token_id") != FAIRSEQ_SPECIALS["<pad>"]:
         refuse("pad_token_id", "is not supported: fairseq's positions are counted from padding_idx + 1 with "
                "padding_idx 1 (position_encoding='sinusoidal_fairseq')")
     for field, expected in (("eos_token_id", FAIRSEQ_SPECIALS["</s>"]), ("bos_token_id", FAIRSEQ_SPECIALS["<s>"])):
-        if _field(config, field, expected) != expected:
+        if config_field(config, field, expected) != expected:
             refuse(field, f"is not supported: fairseq's dictionary has {expected} there")
-    activation = _field(config, "activation_function", "relu")
+    activation = config_field(config, "activation_function", "relu")
     if activation not in ACTIVATIONS:
         refuse("activation_function", f"is not supported; supported: {', '.join(sorted(ACTIVATIONS))}")
     for side in ("ffn_dim", "attention_heads"):
@@ -70,7 +68,7 @@ def convert_config(config, path="config.json"):
             refuse(f"decoder_{side}", f"differs from encoder_{side}={config.get(f'encoder_{side}')!r}; "
                    "TransformerModel has one size for both stacks")
     for field in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
-        if _field(config, field, 0.0):
+        if config_field(config, field, 0.0):
             logger.warning("%s: %s=%s is not applied by TransformerModel (training only; inference is exact)",
                            path, field, config[field])
     hidden_dim, num_heads = config.get("d_model"), config.get("encoder_attention_heads")
@@ -84,9 +82,9 @@ def convert_config(config, path="config.json"):
         "num_heads": num_heads,
         "hidden_dim": hidden_dim,
         "intermediate_dim": config.get("encoder_ffn_dim"),
-        "dropout": float(_field(config, "dropout", 0.1)),
-        "attention_dropout": float(_field(config, "attention_dropout", 0.0)),
-        "max_sequence_length": _field(config, "max_position_embeddings", 1024),
+        "dropout": float(config_field(config, "dropout", 0.1)),
+        "attention_dropout": float(config_field(config, "attention_dropout", 0.0)),
+        "max_sequence_length": config_field(config, "max_position_embeddings", 1024),
         "position_encoding": "sinusoidal_fairseq",
         "normalize_first": True,
         "layer_norm_epsilon": LAYER_NORM_EPSILON,
@@ -111,7 +109,7 @@ def _added_tokens(directory, tokenizer_config, piece_count):
     first = piece_count + FAIRSEQ_OFFSET
     listed = {}
     if (directory / TOKENIZER_JSON).is_file():
-        added = _read_json(directory / TOKENIZER_JSON).get("added_tokens") or []
+        added = read_json(directory / TOKENIZER_JSON).get("added_tokens") or []
         listed = {_content(token): token.get("id") for token in added if isinstance(token, dict)}
     elif isinstance(tokenizer_config.get("added_tokens_decoder"), dict):
         listed = {_content(token): int(i) for i, token in tokenizer_config["added_tokens_decoder"].items()}
@@ -129,7 +127,7 @@ def convert_tokenizer(directory, config):
     directory = pathlib.Path(directory)
     tokenizer_config = {}
     if (directory / TOKENIZER_CONFIG).is_file():
-        tokenizer_config = _read_json(directory / TOKENIZER_CONFIG)
+        tokenizer_config = read_json(directory / TOKENIZER_CONFIG)
         if not isinstance(tokenizer_config, dict):
             raise CheckpointError(f"{directory / TOKENIZER_CONFIG} must hold a JSON object")
     tokenizer_class = tokenizer_config.get("tokenizer_class")
@@ -163,14 +161,14 @@ def convert_tokenizer(directory, config):
 
 def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
     """Ports an M2M-100 checkpoint's tensors into `model` (built by `convert_config`), every tensor accounted for."""
-    walk = _WeightWalk(tensors, source)
+    walk = WeightWalk(tensors, source)
     embeddings_key = next((key for key in ("model.shared.weight", "model.encoder.embed_tokens.weight") if key in tensors),
                           "model.shared.weight")
     shared = walk.take(embeddings_key)
     rows = tokenizer.checkpoint_ids  # our id -> checkpoint row (the added start id takes </s>'s)
     walk.port_weight(model.token_embedding.embeddings, embeddings_key, lambda table: table[rows])
     for key in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
-        _same_as(walk, key, shared, embeddings_key + " (they are tied in M2M-100)")
+        same_as(walk, key, shared, embeddings_key + " (they are tied in M2M-100)")
     for i, layer in enumerate(model.encoder_layers):
         key = f"model.encoder.layers.{i}"
         walk.port_attention(layer.self_attention, layer.self_attention_norm, f"{key}.self_attn",
