@@ -157,7 +157,10 @@ def test_beam_search_and_a_target_prefix_after_the_language_code(imported_traine
     assert all(isinstance(text, str) and text for text in beam)
     prefixed = translator.translate(SENTENCES[:2], beam_size=1, target_prefix=["Wählen", None])
     assert prefixed[0].startswith("Wählen")
-    assert prefixed[1] == translator.translate(SENTENCES[1:2], beam_size=1)[0]
+    greedy = translator.translate(SENTENCES, beam_size=1)
+    assert prefixed[1] == greedy[1]
+    # The streaming paths force the target code too; an empty text stays empty.
+    assert list(translator.translate_iterable(SENTENCES + [""], beam_size=1, window=3)) == greedy + [""]
 
 
 def test_languages_are_required_and_checked_in_one_line(imported_random):
