@@ -928,9 +928,10 @@ class TransformerModel(keras.Model):
                 random weights, or a named pretrained checkpoint such as
                 "opus_mt_en_de"), a directory written by `save_to_preset`, a
                 Hugging Face checkpoint directory (`config.json` with
-                `"model_type": "marian"`, `model.safetensors`, the tokenizer
-                files), or a handle "hf://org/name" (downloaded once into the
-                Hugging Face cache; see `keras_transformer.convert`).
+                `"model_type": "marian"` or `"m2m_100"` (NLLB-200),
+                `model.safetensors`, the tokenizer files), or a handle
+                "hf://org/name" (downloaded once into the Hugging Face cache;
+                see `keras_transformer.convert`).
             **overrides: constructor arguments replacing the preset's
                 (e.g. `vocabulary_size=32000`, `dropout=0.0`); a pretrained
                 checkpoint takes only those that keep its weights' meaning

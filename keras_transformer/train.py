@@ -40,7 +40,8 @@ def build_parser():
                                         "(default: small)")
     start.add_argument("--init-from", metavar="MODEL",
                        help="a trained model to fine-tune with its own tokenizer: a preset directory, a Hugging Face "
-                            "Marian checkpoint directory, hf://org/name or a pretrained preset (e.g. opus_mt_en_de)")
+                            "Marian or NLLB-200 checkpoint directory, hf://org/name or a pretrained preset (e.g. "
+                            "opus_mt_en_de)")
     start.add_argument("--source-language", metavar="CODE",
                        help="with --init-from a multilingual checkpoint (NLLB-200): the data's source language, "
                             "e.g. eng_Latn")

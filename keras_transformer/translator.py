@@ -208,8 +208,10 @@ class Translator:
         Args:
             preset: a directory written by `TransformerModel.save_to_preset`
                 with a tokenizer, a named pretrained preset (e.g.
-                "opus_mt_en_de"), a Hugging Face Marian checkpoint directory or
-                an "hf://org/name" handle (see `TransformerModel.from_preset`).
+                "opus_mt_en_de"), a Hugging Face Marian or NLLB-200 checkpoint
+                directory or an "hf://org/name" handle (see
+                `TransformerModel.from_preset`; an NLLB model translates with
+                `source_language=` and `target_language=`).
             **overrides: passed to `TransformerModel.from_preset`.
 
         Raises:
