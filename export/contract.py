@@ -41,6 +41,23 @@ class UnsupportedModelError(ValueError):
     """The model uses something an export format cannot express (one line naming the option)."""
 
 
+def check_exportable(model, target):
+    """Raises `UnsupportedModelError` for a model no exporter carries yet: an imported NLLB-200 / M2M-100 one.
+
+    Its fairseq sinusoids, language codes and forced target-language token
+    are not in the exported graphs, the runtime or the CTranslate2 and
+    Marian layouts; an export would translate wrongly, so it is refused.
+    """
+    tokenizer = getattr(model, "tokenizer", None)
+    if (model.position_encoding == "sinusoidal_fairseq" or getattr(tokenizer, "format", None) == "nllb"
+            or getattr(model, "exclude_start_logit", False)):
+        raise UnsupportedModelError(
+            f"{target} export of an NLLB-200 / M2M-100 model (position_encoding='sinusoidal_fairseq', "
+            "exclude_start_logit, language codes) is not supported yet; translate it with keras_transformer.Translator (source_language=, "
+            "target_language=)"
+        )
+
+
 def feed_forward_activation(model, names, target):
     """`names[a]` for the one feed-forward activation `a` (Keras' name) that every layer of `model` uses.
 

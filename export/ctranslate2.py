@@ -497,8 +497,11 @@ def _load_model(preset):
     from keras_transformer.model import TransformerModel
 
     if isinstance(preset, TransformerModel):
-        return merged_model(preset)  # LoRA adapters merged into the kernels
-    return TransformerModel.from_preset(preset, dropout=0.0)
+        model = merged_model(preset)  # LoRA adapters merged into the kernels
+    else:
+        model = TransformerModel.from_preset(preset, dropout=0.0)
+    contract.check_exportable(model, "CTranslate2")
+    return model
 
 
 def is_ctranslate2_export(directory):

@@ -69,6 +69,7 @@ def fused_step_weights(model):
     import keras
 
     from keras_transformer.layers.position import sinusoidal_table
+    from keras_transformer.model import SINUSOID_LAYOUT
 
     reasons = []
     if model.normalize_first:
@@ -91,8 +92,8 @@ def fused_step_weights(model):
     def norm(layer):
         return array(layer.gamma), array(layer.beta)
 
-    if model.position_encoding.startswith("sinusoidal"):
-        layout = "halves" if model.position_encoding == "sinusoidal_halves" else "interleaved"
+    if model.position_encoding in SINUSOID_LAYOUT:
+        layout = SINUSOID_LAYOUT[model.position_encoding]
         positions = np.asarray(
             keras.ops.convert_to_numpy(
                 sinusoidal_table(keras.ops.arange(model.max_sequence_length), model.hidden_dim, "float32", layout)

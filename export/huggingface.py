@@ -475,6 +475,9 @@ def _load(preset):
             f"model must be a TransformerModel, a preset name or a directory, received {type(preset).__name__}"
         )
     model = TransformerModel.from_preset(preset)
+    from export.contract import check_exportable
+
+    check_exportable(model, "Hugging Face (MarianMTModel)")
     metadata = {}
     path = pathlib.Path(preset) / "metadata.json"
     if path.is_file():

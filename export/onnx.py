@@ -891,9 +891,12 @@ def _load_model(preset):
             "Run with KERAS_BACKEND=tensorflow."
         )
     if isinstance(preset, TransformerModel):
-        return merged_model(preset)  # LoRA adapters merged into the kernels
-    # Dropout is inactive at inference; 0.0 keeps it out of the traced graphs.
-    return TransformerModel.from_preset(preset, dropout=0.0)
+        model = merged_model(preset)  # LoRA adapters merged into the kernels
+    else:
+        # Dropout is inactive at inference; 0.0 keeps it out of the traced graphs.
+        model = TransformerModel.from_preset(preset, dropout=0.0)
+    contract.check_exportable(model, "ONNX")
+    return model
 
 
 def _reusable_graphs(directory, model, opset, names, atol):

@@ -109,6 +109,7 @@ def _load(preset_or_model, tokenizer):
             "preset_or_model must be a preset name, a preset directory or a TransformerModel, "
             f"received {type(preset_or_model).__name__}"
         )
+    contract.check_exportable(model, "SavedModel")
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     if tokenizer is None:
         raise ValueError(

@@ -99,6 +99,10 @@ def build_parser():
                     "(default: the bundled test split).",
     )
     parser.add_argument("--preset", required=True, help=cli.PRESET_HELP)
+    parser.add_argument("--source-language", default=None,
+                        help="a multilingual model's (NLLB-200's) source language code, e.g. eng_Latn")
+    parser.add_argument("--target-language", default=None,
+                        help="a multilingual model's (NLLB-200's) target language code, e.g. deu_Latn")
     parser.add_argument("--src", default=None, help="source file, one sentence per line (plain or .gz)")
     parser.add_argument("--ref", default=None, help="reference file aligned with --src")
     parser.add_argument("--beam-size", type=int, default=4, help="beam size; 1 is greedy (default 4)")
@@ -134,7 +138,7 @@ def main(argv=None):
             source_name, reference_name = args.src, args.ref
         if args.limit is not None:
             sources, references = sources[: args.limit], references[: args.limit]
-        translator = Translator.from_preset(args.preset)
+        translator = Translator.from_preset(args.preset).with_languages(args.source_language, args.target_language)
         result = evaluate(
             translator,
             sources,

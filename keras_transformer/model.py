@@ -43,8 +43,12 @@ TOKENIZER_FILE = "tokenizer.model"
 PRESET_FORMAT_VERSION = 2
 READABLE_PRESET_FORMATS = (1, 2)
 # "sinusoidal" is the paper's interleaved table; "sinusoidal_halves" puts the
-# sines in the first half of the features (Marian / OPUS-MT checkpoints).
-POSITION_ENCODINGS = ("sinusoidal", "sinusoidal_halves", "learned")
+# sines in the first half of the features (Marian / OPUS-MT checkpoints);
+# "sinusoidal_fairseq" is fairseq's table (NLLB-200, M2M-100): halves, other
+# frequencies, positions from 2 (`layers.position.sinusoidal_table`).
+POSITION_ENCODINGS = ("sinusoidal", "sinusoidal_halves", "sinusoidal_fairseq", "learned")
+# The `sinusoidal_table` layout of each sinusoidal position encoding.
+SINUSOID_LAYOUT = {"sinusoidal": "interleaved", "sinusoidal_halves": "halves", "sinusoidal_fairseq": "fairseq"}
 # The feed-forward activation: ReLU in the paper (equation 2); the others
 # for imported checkpoints (Marian's "swish" is `silu`).
 ACTIVATIONS = ("relu", "gelu", "silu")
@@ -60,7 +64,7 @@ def check_model_args(
     vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
     attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
     layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
-    activation="relu", logits_bias=False,
+    activation="relu", logits_bias=False, exclude_start_logit=False,
 ):
     """Raises a `ValueError` naming the first bad `TransformerModel` argument; returns `(d_k, d_v)` per head.
 
@@ -79,7 +83,8 @@ def check_model_args(
     if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
         raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
     for name, value in (
-        ("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention), ("logits_bias", logits_bias)
+        ("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention), ("logits_bias", logits_bias),
+        ("exclude_start_logit", exclude_start_logit),
     ):
         if not isinstance(value, (bool, np.bool_)):
             raise ValueError(f"{name}={value!r} must be True or False")
@@ -92,6 +97,8 @@ def check_model_args(
         raise ValueError(f"activation={activation!r} must be one of {', '.join(map(repr, ACTIVATIONS))}")
     if position_encoding.startswith("sinusoidal") and hidden_dim % 2:
         raise ValueError(f"hidden_dim={hidden_dim} must be even for sinusoidal positions")
+    if position_encoding == "sinusoidal_fairseq" and hidden_dim < 4:
+        raise ValueError(f"hidden_dim={hidden_dim} must be at least 4 for fairseq's sinusoids")
     for name, value in special_ids.items():
         if not is_integer(value) or not 0 <= value < vocabulary_size:
             raise ValueError(f"{name}={value!r} must be an integer in [0, vocabulary_size={vocabulary_size})")
@@ -143,11 +150,15 @@ class TransformerModel(keras.Model):
             paper, 0.0).
         max_sequence_length: int, longest source or target accepted.
         position_encoding: "sinusoidal" (paper: sines and cosines
-            interleaved), "learned" (Table 3, row E), or "sinusoidal_halves"
+            interleaved), "learned" (Table 3, row E), "sinusoidal_halves"
             (the same sinusoids, sines in the first half of the features and
-            cosines in the second: the layout of Marian checkpoints).
+            cosines in the second: the layout of Marian checkpoints), or
+            "sinusoidal_fairseq" (fairseq's: halves, frequencies
+            10000^(-i / (d_model/2 - 1)), positions counted from 2: NLLB-200
+            and M2M-100 checkpoints).
         normalize_first: bool, pre-LN instead of the paper's post-LN; adds a
-            final LayerNorm after each stack.
+            final LayerNorm after each stack (as fairseq's pre-LN models,
+            NLLB-200 and M2M-100, have).
         attention_window: optional odd int r, restricted self-attention
             (Table 1, "a neighborhood of size r centered around the
             respective output position"): encoder position i sees the r
@@ -164,6 +175,13 @@ class TransformerModel(keras.Model):
             equation 2), or "gelu" / "silu" (= swish) for imported checkpoints.
         logits_bias: bool, add a learned bias `[V]` to the output logits (not
             in the paper; Marian's `final_logits_bias`). Defaults to False.
+        exclude_start_logit: bool, `decode_step` (the search and scoring)
+            gives the start id a logit of -inf, so it is outside the softmax.
+            For an imported checkpoint whose decoder starts from one of its
+            own tokens (NLLB-200: `</s>`): our added start id copies that
+            token's embedding row, and would otherwise count it twice in the
+            softmax's sum. Training (`call`) is unchanged. Defaults to False
+            (the paper's start token is an ordinary row).
 
     Example:
     >>> model = TransformerModel.from_preset("tiny")
@@ -204,6 +222,7 @@ class TransformerModel(keras.Model):
         end_id=END_ID,
         activation="relu",
         logits_bias=False,
+        exclude_start_logit=False,
         **kwargs,
     ):
         special_ids = {"pad_id": pad_id, "unk_id": unk_id, "start_id": start_id, "end_id": end_id}
@@ -211,7 +230,7 @@ class TransformerModel(keras.Model):
             vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
             attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
             layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
-            activation=activation, logits_bias=logits_bias,
+            activation=activation, logits_bias=logits_bias, exclude_start_logit=exclude_start_logit,
         )
         super().__init__(**kwargs)
 
@@ -235,6 +254,7 @@ class TransformerModel(keras.Model):
         self.pad_id, self.unk_id, self.start_id, self.end_id = (int(i) for i in special_ids.values())
         self.activation = activation
         self.logits_bias = bool(logits_bias)
+        self.exclude_start_logit = bool(exclude_start_logit)
         self.head_key_dim, self.head_value_dim = key_dim_resolved, value_dim_resolved
         self.tokenizer = None
         # Set by `enable_lora`; not in the config: a preset is always the merged model.
@@ -260,8 +280,8 @@ class TransformerModel(keras.Model):
             dtype=self.dtype_policy,
             name="token_embedding",
         )
-        if self.position_encoding.startswith("sinusoidal"):
-            layout = "halves" if self.position_encoding == "sinusoidal_halves" else "interleaved"
+        if self.position_encoding in SINUSOID_LAYOUT:
+            layout = SINUSOID_LAYOUT[self.position_encoding]
             position_layer = lambda name: SinusoidalPositionEncoding(  # noqa: E731
                 self.max_sequence_length, layout=layout, dtype=self.dtype_policy, name=name
             )
@@ -700,7 +720,10 @@ class TransformerModel(keras.Model):
             cache = dict(cache, self_key=tuple(keys), self_value=tuple(values))
         else:
             cache = dict(cache, self_key=ops.stack(keys, axis=1), self_value=ops.stack(values, axis=1))
-        return self._logits(x)[:, 0, :], cache
+        logits = self._logits(x)[:, 0, :]  # [B, V]
+        if self.exclude_start_logit:
+            logits = ops.where(ops.arange(self.vocabulary_size) == self.start_id, float("-inf"), logits)
+        return logits, cache
 
     def generate(
         self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, patience=None, options=None
@@ -921,6 +944,8 @@ class TransformerModel(keras.Model):
                 "logits_bias": self.logits_bias,
             }
         )
+        if self.exclude_start_logit:  # only when set: the presets and exports of every other model are unchanged
+            config["exclude_start_logit"] = True
         return config
 
     @classmethod
@@ -939,9 +964,10 @@ class TransformerModel(keras.Model):
                 random weights, or a named pretrained checkpoint such as
                 "opus_mt_en_de"), a directory written by `save_to_preset`, a
                 Hugging Face checkpoint directory (`config.json` with
-                `"model_type": "marian"`, `model.safetensors`, the tokenizer
-                files), or a handle "hf://org/name" (downloaded once into the
-                Hugging Face cache; see `keras_transformer.convert`).
+                `"model_type": "marian"` or `"m2m_100"` (NLLB-200),
+                `model.safetensors`, the tokenizer files), or a handle
+                "hf://org/name" (downloaded once into the Hugging Face cache;
+                see `keras_transformer.convert`).
             **overrides: constructor arguments replacing the preset's
                 (e.g. `vocabulary_size=32000`, `dropout=0.0`); a pretrained
                 checkpoint takes only those that keep its weights' meaning

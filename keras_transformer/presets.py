@@ -158,3 +158,23 @@ PRETRAINED_PRESETS = {
         ("es", "en", ("Spanish", "English")),
     )
 }
+
+NLLB_200 = (
+    "NLLB-200 (NLLB Team, 'No Language Left Behind', 2022, Meta AI): 200 languages; CC-BY-NC 4.0 (non-commercial). "
+    "fairseq's pre-LN Transformer (a LayerNorm after each stack, fairseq's sinusoids, relu) with a 256k-piece "
+    "SentencePiece vocabulary; translate with source_language= and target_language= (e.g. 'eng_Latn', "
+    "'fra_Latn'). Trained weights, downloaded once from the Hugging Face Hub."
+)
+
+PRETRAINED_PRESETS.update({
+    f"nllb_200_{name}": {
+        "description": f"NLLB-200 {size} parameters ({what}): {NLLB_200}",
+        "handle": f"hf://facebook/nllb-200-{repository}",
+        "reference": "NLLB Team et al., 'No Language Left Behind: Scaling Human-Centered Machine Translation', 2022",
+        "average_last": 5,
+    }
+    for name, repository, size, what in (
+        ("distilled_600m", "distilled-600M", "600M", "distilled"),
+        ("distilled_1_3b", "distilled-1.3B", "1.3B", "distilled"),
+    )
+})

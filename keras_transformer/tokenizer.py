@@ -20,6 +20,7 @@ import re
 import sentencepiece as spm
 
 from keras_transformer.marian_tokenizer import MarianTokenizer
+from keras_transformer.nllb_tokenizer import NllbTokenizer
 from keras_transformer.textio import iter_lines
 from keras_transformer.token_ids import (  # noqa: F401 (re-exported: the special ids' public import path)
     END_ID,
@@ -454,11 +455,13 @@ def load_tokenizer(directory):
 
     `tokenizer.model` is a `Tokenizer` (one shared SentencePiece vocabulary);
     `marian_tokenizer.json` with `source.spm`, `target.spm` and `vocab.json`
-    is a `MarianTokenizer` (an imported OPUS-MT checkpoint's). Each class
-    names its files (`FILES`), the last the one it is recognised by.
+    is a `MarianTokenizer` (an imported OPUS-MT checkpoint's);
+    `nllb_tokenizer.json` with `sentencepiece.bpe.model` an `NllbTokenizer`
+    (an imported NLLB-200 checkpoint's). Each class names its files
+    (`FILES`), the last the one it is recognised by.
     """
     directory = os.fspath(directory)
-    for cls in (Tokenizer, MarianTokenizer):
+    for cls in (Tokenizer, MarianTokenizer, NllbTokenizer):
         if os.path.isfile(os.path.join(directory, cls.FILES[-1])):
             return cls.load(directory)
     return None

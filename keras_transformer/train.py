@@ -40,7 +40,14 @@ def build_parser():
                                         "(default: small)")
     start.add_argument("--init-from", metavar="MODEL",
                        help="a trained model to fine-tune with its own tokenizer: a preset directory, a Hugging Face "
-                            "Marian checkpoint directory, hf://org/name or a pretrained preset (e.g. opus_mt_en_de)")
+                            "Marian or NLLB-200 checkpoint directory, hf://org/name or a pretrained preset (e.g. "
+                            "opus_mt_en_de)")
+    start.add_argument("--source-language", metavar="CODE",
+                       help="with --init-from a multilingual checkpoint (NLLB-200): the data's source language, "
+                            "e.g. eng_Latn")
+    start.add_argument("--target-language", metavar="CODE",
+                       help="with --init-from a multilingual checkpoint (NLLB-200): the data's target language, "
+                            "e.g. deu_Latn")
     lora = parser.add_argument_group("LoRA (with --init-from)")
     lora.add_argument("--lora-rank", type=positive_int, metavar="R",
                       help="train only rank-R LoRA adapters, every other weight frozen; the preset is written merged")
@@ -112,6 +119,8 @@ def _train(args):
         args.output,
         preset=args.preset,
         init_from=args.init_from,
+        source_language=args.source_language,
+        target_language=args.target_language,
         lora_rank=args.lora_rank,
         lora_targets=args.lora_targets,
         train_src=args.train_src,

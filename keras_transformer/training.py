@@ -804,6 +804,8 @@ class TrainingConfig:
     tokenizer_max_sentences: object = None
     lora_rank: object = None  # None: every weight trains
     lora_targets: object = None  # None: lora.DEFAULT_LORA_TARGETS
+    source_language: object = None  # a multilingual checkpoint's (NLLB-200's) language codes, with init_from
+    target_language: object = None
 
     def __post_init__(self):
         _check_config(self)
@@ -833,6 +835,8 @@ class TrainingConfig:
             vocabulary_size = vocabulary_size or PRESETS[preset]["config"]["vocabulary_size"]
         # init_from is recorded when given: a run without it records the keys runs always recorded.
         fine_tuning = {"init_from": _path_or_name(self.init_from)} if self.init_from is not None else {}
+        if self.source_language is not None or self.target_language is not None:
+            fine_tuning.update(source_language=self.source_language, target_language=self.target_language)
         if self.lora_rank is not None:
             # The layers adapted: "attention" and its four projections by name are the same run.
             fine_tuning.update(lora_rank=self.lora_rank, lora_targets=list(lora.target_layer_names(self.lora_targets)))
@@ -895,6 +899,9 @@ def _check_config(config):
         _check_init_from(config)
     else:
         _check_preset(config.model_preset)
+        if config.source_language is not None or config.target_language is not None:
+            raise BadArgumentError("--source-language and --target-language name a multilingual checkpoint's "
+                                   "languages: pass them with --init-from")
     _check_lora(config)
     unpaired = [(config.train_src, config.train_tgt), (config.valid_src, config.valid_tgt)]
     if any((src is None) != (tgt is None) for src, tgt in unpaired):
@@ -1309,6 +1316,22 @@ class _Data:
     imported_config: dict = None  # init_from's architecture (a resumed run's: recorded in training/); None: `preset`
 
 
+def _bind_languages(tokenizer, config):
+    """`tokenizer` bound to the run's language pair when it is a multilingual one (NLLB-200's); checked."""
+    bind = getattr(tokenizer, "with_languages", None)
+    if bind is None:
+        if config.source_language is not None or config.target_language is not None:
+            raise BadArgumentError(f"--source-language/--target-language: {config.init_from} translates one "
+                                   "language pair and has no language codes; leave them out")
+        return tokenizer
+    try:
+        for name in ("source_language", "target_language"):
+            tokenizer.check_language(name, getattr(config, name))
+    except ValueError as error:
+        raise BadArgumentError(f"--init-from {config.init_from}: {error} (--source-language, --target-language)") from None
+    return bind(config.source_language, config.target_language)
+
+
 def _prepare_data(run):
     """Stage 2 (reads only): the tokenizer (kept across a resume), the model to fine-tune, the batches and the schedule.
 
@@ -1339,6 +1362,7 @@ def _prepare_data(run):
             max_sentences=config.tokenizer_max_sentences,
         )
         new_tokenizer = True
+    tokenizer = _bind_languages(tokenizer, config)
     train_ids = data_lib.encode_pairs(tokenizer, texts.train_sources, texts.train_targets, config.max_length)
     batching = dict(tokens_per_batch=config.tokens_per_batch, max_length=config.max_length)
     one_pass = data_lib.make_dataset(*train_ids, seed=config.seed, **batching)

@@ -12,6 +12,7 @@ when it is a terminal.
 echo "A sentence." | python -m keras_transformer.translate --preset runs/small
 python -m keras_transformer.translate --preset runs/small --src test.en --output test.de --max-batch-tokens 4096
 echo "A sentence." | python -m keras_transformer.translate --preset opus_mt_en_de    # downloaded once
+echo "A sentence." | python -m keras_transformer.translate --preset nllb-dir --source-language eng_Latn --target-language fra_Latn
 ```
 """
 
@@ -36,7 +37,7 @@ from keras_transformer.translator import DEFAULT_WINDOW, Translator  # noqa: E40
 from keras_transformer.utils import positive_int  # noqa: E402
 
 __all__ = [
-    "add_file_arguments", "add_search_arguments", "build_parser", "check_file_arguments", "main", "read_lines",
+    "add_file_arguments", "add_language_arguments", "add_search_arguments", "build_parser", "check_file_arguments", "main", "read_lines",
     "search_options", "translate_lines", "write_lines",
 ]
 
@@ -142,9 +143,19 @@ def build_parser():
                     "(model + tokenizer).",
     )
     parser.add_argument("--preset", required=True, help=cli.PRESET_HELP)
+    add_language_arguments(parser)
     add_search_arguments(parser)
     add_file_arguments(parser)
     cli.add_verbose_argument(parser)
+    return parser
+
+
+def add_language_arguments(parser):
+    """`--source-language`, `--target-language`: a multilingual model's (NLLB-200's) codes."""
+    parser.add_argument("--source-language", default=None,
+                        help="a multilingual model's (NLLB-200's) source language code, e.g. eng_Latn")
+    parser.add_argument("--target-language", default=None,
+                        help="a multilingual model's (NLLB-200's) target language code, e.g. fra_Latn")
     return parser
 
 
@@ -156,7 +167,7 @@ def main(argv=None):
         # Before loading the model, so that a refusal is immediate.
         check_file_arguments(args)
         options = search_options(args)
-        translator = Translator.from_preset(args.preset)
+        translator = Translator.from_preset(args.preset).with_languages(args.source_language, args.target_language)
         count = translate_lines(translator, args, options=options)
     except (ValueError, OSError) as error:  # Bad input or preset: one line, no traceback.
         parser.exit(2, f"{parser.prog}: error: {error}\n")

@@ -208,8 +208,10 @@ class Translator:
         Args:
             preset: a directory written by `TransformerModel.save_to_preset`
                 with a tokenizer, a named pretrained preset (e.g.
-                "opus_mt_en_de"), a Hugging Face Marian checkpoint directory or
-                an "hf://org/name" handle (see `TransformerModel.from_preset`).
+                "opus_mt_en_de"), a Hugging Face Marian or NLLB-200 checkpoint
+                directory or an "hf://org/name" handle (see
+                `TransformerModel.from_preset`; an NLLB model translates with
+                `source_language=` and `target_language=`).
             **overrides: passed to `TransformerModel.from_preset`.
 
         Raises:
@@ -230,6 +232,41 @@ class Translator:
                 "written by save_to_preset(directory, tokenizer=...)."
             )
         return cls(model, model.tokenizer)
+
+    def with_languages(self, source_language=None, target_language=None):
+        """This translator for a language pair: a multilingual model's (NLLB-200's) codes, e.g. "eng_Latn".
+
+        The tokenizer is bound to the pair (`NllbTokenizer.with_languages`):
+        sources start with the source code, and every translation with the
+        target code (Hugging Face's `forced_bos_token_id`). A model of one
+        language pair takes neither (both None: this translator).
+
+        Raises:
+            ValueError: one line naming the codes: a multilingual model
+                without both languages, or an unknown code; a language
+                given to a model that has no language codes.
+        """
+        bind = getattr(self.tokenizer, "with_languages", None)
+        if bind is None:
+            if source_language is None and target_language is None:
+                return self
+            given = "source_language" if source_language is not None else "target_language"
+            raise ValueError(f"{given}={source_language or target_language!r}: this model translates one language "
+                             "pair and has no language codes; leave source_language and target_language out")
+        tokenizer = bind(source_language or self.tokenizer.source_language,
+                         target_language or self.tokenizer.target_language)
+        tokenizer.check_language("source_language", tokenizer.source_language)
+        tokenizer.check_language("target_language", tokenizer.target_language)
+        if tokenizer.source_language == self.tokenizer.source_language and \
+                tokenizer.target_language == self.tokenizer.target_language:
+            return self
+        return type(self)(self.model, tokenizer)
+
+    def _forced_prefix(self):
+        """The ids every translation starts with (a multilingual model's target-language code), or None."""
+        if getattr(self.tokenizer, "target_language", None) is None:
+            return None
+        return self.tokenizer.encode([""], add_start=False, add_end=False, target=True)[0]
 
     def encode(self, texts, first_index=0):
         """Source ids as training sees them: tokens + end id, no start id.
@@ -273,6 +310,8 @@ class Translator:
         patience=None,
         options=None,
         split_sentences=False,
+        source_language=None,
+        target_language=None,
     ):
         """Translates a list of sentences (or of documents, with `split_sentences`).
 
@@ -320,6 +359,9 @@ class Translator:
                 sentence longer than the model's `max_sequence_length` is
                 cut at a clause boundary (`documents.cut_to_fit`) instead of
                 truncated. Not with `target_prefix`.
+            source_language, target_language: a multilingual model's (NLLB-200's)
+                language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
+                required there, refused elsewhere.
 
         Returns:
             list of str, in the order of `texts`.
@@ -327,6 +369,7 @@ class Translator:
         Raises:
             ValueError: naming the argument, before anything is translated.
         """
+        self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         texts = _texts(texts, "texts")
         options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         if split_sentences is not False:
@@ -377,6 +420,8 @@ class Translator:
         seed=0,
         patience=None,
         options=None,
+        source_language=None,
+        target_language=None,
     ):
         """The `num_hypotheses` best translations of each sentence, with their scores.
 
@@ -393,6 +438,9 @@ class Translator:
             sampling_topp, sampling_temperature, seed, patience: as `translate`.
             options: as `translate`; with it, its `num_hypotheses` (None: 1)
                 instead of the keyword.
+            source_language, target_language: a multilingual model's (NLLB-200's)
+                language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
+                required there, refused elsewhere.
 
         Returns:
             list (one per text, in order) of lists of `Hypothesis(text,
@@ -405,6 +453,7 @@ class Translator:
             > beam_size`, a prefix too long, ...), before anything is
             translated.
         """
+        self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         texts = _texts(texts, "texts")
         options = _search_options(options, search_keywords(locals()), batch_size, max_batch_tokens)
         for i, text in enumerate(texts):
@@ -434,6 +483,8 @@ class Translator:
         patience=None,
         options=None,
         split_sentences=False,
+        source_language=None,
+        target_language=None,
     ):
         """Translates a stream of sentences; yields the translations in input order.
 
@@ -456,10 +507,14 @@ class Translator:
             split_sentences: as `translate`: each text of the stream is cut
                 into sentences and rebuilt (`window` counts texts; the
                 progress bar counts sentences).
+            source_language, target_language: a multilingual model's (NLLB-200's)
+                language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
+                required there, refused elsewhere.
 
         Returns:
             An iterator of str, one per input sentence.
         """
+        self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
             raise ValueError(f"window={window!r} must be a positive integer (sentences sorted together)")
@@ -491,6 +546,8 @@ class Translator:
         patience=None,
         options=None,
         split_sentences=False,
+        source_language=None,
+        target_language=None,
     ):
         """Translates a file of any size, one sentence per line, into another.
 
@@ -517,6 +574,9 @@ class Translator:
             split_sentences: as `translate`: each line may hold several
                 sentences; it is translated sentence by sentence and
                 written back as one line.
+            source_language, target_language: a multilingual model's (NLLB-200's)
+                language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
+                required there, refused elsewhere.
 
         Returns:
             int, the number of lines written.
@@ -528,6 +588,7 @@ class Translator:
             ValueError: bad arguments; `src_path` is binary or not UTF-8;
                 `out_path` is `src_path`.
         """
+        self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         check_text_file(src_path, "src_path")
         check_output_path(out_path, "out_path", overwrite=overwrite, source=src_path)
@@ -572,6 +633,10 @@ class Translator:
                     f"texts[{first_index + i}] must be a str, received {type(text).__name__}: {text!r}"
                 )
         results = ["" if num_hypotheses is None else [] for _ in texts]
+        forced = self._forced_prefix()
+        if forced is not None:  # a multilingual model: each translation starts with the target code (its own prefix too)
+            prefixes = [(prefixes[i] if prefixes is not None and prefixes[i] else forced) if text.strip() else None
+                        for i, text in enumerate(texts)]
         sources = self.encode(texts, first_index)
         # Empty strings (nothing but the end id) translate to empty strings.
         todo = [i for i, ids in enumerate(sources) if len(ids) > 1 and texts[i].strip()]
@@ -629,7 +694,8 @@ class Translator:
     # ------------------------------------------------------------------ #
     # Scoring
     # ------------------------------------------------------------------ #
-    def score(self, sources, targets, batch_size=None, max_batch_tokens=None, progress=False):
+    def score(self, sources, targets, batch_size=None, max_batch_tokens=None, progress=False, source_language=None,
+              target_language=None):
         """The log-probability of each target given its source, teacher forced.
 
         Per pair, the target is tokenized as a training target and fed to
@@ -649,6 +715,7 @@ class Translator:
             batch_size, max_batch_tokens: as `translate` (the length of a
                 pair is its longer side's).
             progress: bool, a tqdm progress bar on stderr.
+            source_language, target_language: as `translate`.
 
         Returns:
             list of `TargetScore(log_prob, token_log_probs, token_ids)`, in
@@ -660,6 +727,7 @@ class Translator:
                 `max_sequence_length`, or bad batch limits.
             TypeError: a source or target that is not a str.
         """
+        self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         sources, targets = _texts(sources, "sources"), _texts(targets, "targets")
         if len(sources) != len(targets):
             raise ValueError(

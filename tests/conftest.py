@@ -163,6 +163,10 @@ BACKEND_INDEPENDENT = {
         "test_tokenizer_*", "test_language_codes_*", "test_hf_handle_*", "test_configs_*", "test_a_pickle_*",
         "test_separate_*", "test_tensors_*", "test_stored_position_*",
     ],
+    "test_convert_m2m100.py": [
+        "test_tokenizer_*", "test_legacy_*", "test_configs_*", "test_missing_*", "test_languages_are_*",
+        "test_exporters_*", "test_train_cli_*", "test_translate_cli_*",
+    ],
     # All but fine-tuning the Marian stand-in (the backend's training, checkpoint import and resume).
     "test_finetune.py": [
         "test_init_from_refuses_*", "test_init_from_a_preset_directory_*", "test_init_from_a_pretrained_*",
@@ -300,6 +304,35 @@ def marian_random(request):
 def marian_trained(request):
     """A Marian checkpoint trained for a few hundred steps on the bundled corpus (read only)."""
     return _marian_standin(request, "trained")
+
+
+# NLLB-200-style (M2M-100 architecture) stand-ins, built the same way.
+NLLB_STANDINS = {
+    "random": dict(train_steps=0),      # random init, random LayerNorms
+    "trained": dict(train_steps=300),   # eng_Latn -> deu_Latn on the bundled corpus: outputs end with </s>
+}
+
+
+def _nllb_standin(request, kind):
+    pytest.importorskip("transformers")
+    from keras_transformer.convert import standin
+
+    key = source_key("keras_transformer/convert/standin.py", packages=("transformers", "torch", "sentencepiece"))
+    config = NLLB_STANDINS[kind]
+    return build_once(request, f"nllb-{kind}", f"{key}-{config['train_steps']}",
+                      lambda directory: standin.build_nllb_checkpoint(directory, **config))
+
+
+@pytest.fixture(scope="session")
+def nllb_random(request):
+    """A random-init NLLB checkpoint directory in the Hugging Face layout (read only)."""
+    return _nllb_standin(request, "random")
+
+
+@pytest.fixture(scope="session")
+def nllb_trained(request):
+    """An NLLB checkpoint trained for a few hundred steps (eng_Latn -> deu_Latn; read only)."""
+    return _nllb_standin(request, "trained")
 
 
 @pytest.fixture

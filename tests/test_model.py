@@ -116,7 +116,8 @@ def test_unknown_override_is_named():
 
 def test_presets_property_describes_every_preset():
     architectures = {"base", "big", "big_en_fr", "small", "tiny"}
-    pretrained = {"opus_mt_en_de", "opus_mt_de_en", "opus_mt_en_fr", "opus_mt_fr_en", "opus_mt_en_es", "opus_mt_es_en"}
+    pretrained = {"opus_mt_en_de", "opus_mt_de_en", "opus_mt_en_fr", "opus_mt_fr_en", "opus_mt_en_es", "opus_mt_es_en",
+                  "nllb_200_distilled_600m", "nllb_200_distilled_1_3b"}
     assert set(kt.TransformerModel.presets) == architectures | pretrained
     assert all(isinstance(d, str) and d for d in kt.TransformerModel.presets.values())
 

@@ -22,13 +22,13 @@ constructor arguments, refusing in one line what the model cannot express),
 file is used or checked).
 """
 
-import json
 import logging
 import pathlib
 
 import numpy as np
 
-from keras_transformer.convert import HF_CONFIG_FILE, PICKLES, CheckpointError, read_hf_config
+from keras_transformer.convert import HF_CONFIG_FILE, CheckpointError, read_hf_config
+from keras_transformer.convert.weights import WeightWalk, config_field, read_json, read_safetensors, same_as
 from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, VOCAB_FILE, MarianTokenizer
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,6 @@ LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which MarianMTModel u
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
-def _field(config, name, default=None):
-    return config.get(name, default) if config.get(name) is not None else default
-
-
 def convert_config(config, path="config.json"):
     """`TransformerModel` arguments for a Marian `config.json` (a dict).
 
@@ -53,17 +49,17 @@ def convert_config(config, path="config.json"):
     def refuse(field, why):
         raise CheckpointError(f"{path}: {field}={config.get(field)!r} {why}")
 
-    if not _field(config, "share_encoder_decoder_embeddings", True):
+    if not config_field(config, "share_encoder_decoder_embeddings", True):
         refuse("share_encoder_decoder_embeddings", "(separate source and target vocabularies) is not supported: "
                "TransformerModel shares one embedding matrix (section 3.4)")
     vocabulary_size = config.get("vocab_size")
-    if _field(config, "decoder_vocab_size", vocabulary_size) != vocabulary_size:
+    if config_field(config, "decoder_vocab_size", vocabulary_size) != vocabulary_size:
         refuse("decoder_vocab_size", f"differs from vocab_size={vocabulary_size}: separate vocabularies are not supported")
-    if not _field(config, "tie_word_embeddings", True):
+    if not config_field(config, "tie_word_embeddings", True):
         refuse("tie_word_embeddings", "is not supported: the output projection must share the embedding matrix")
-    if not _field(config, "scale_embedding", False):
+    if not config_field(config, "scale_embedding", False):
         refuse("scale_embedding", "is not supported: TransformerModel multiplies embeddings by sqrt(d_model)")
-    activation = _field(config, "activation_function", "gelu")
+    activation = config_field(config, "activation_function", "gelu")
     if activation not in ACTIVATIONS:
         refuse("activation_function", f"is not supported; supported: {', '.join(sorted(ACTIVATIONS))}")
     for side in ("ffn_dim", "attention_heads"):
@@ -74,7 +70,7 @@ def convert_config(config, path="config.json"):
         if config.get(field):
             refuse(field, "is not supported (post-LN without an embedding LayerNorm, as Marian checkpoints)")
     for field in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
-        if _field(config, field, 0.0):
+        if config_field(config, field, 0.0):
             # Training-only: inference is exact, fine-tuning would not apply it.
             logger.warning("%s: %s=%s is not applied by TransformerModel (training only; inference is exact)",
                            path, field, config[field])
@@ -89,9 +85,9 @@ def convert_config(config, path="config.json"):
         "num_heads": num_heads,
         "hidden_dim": hidden_dim,
         "intermediate_dim": config.get("encoder_ffn_dim"),
-        "dropout": float(_field(config, "dropout", 0.1)),
-        "attention_dropout": float(_field(config, "attention_dropout", 0.0)),
-        "max_sequence_length": _field(config, "max_position_embeddings", 512),
+        "dropout": float(config_field(config, "dropout", 0.1)),
+        "attention_dropout": float(config_field(config, "attention_dropout", 0.0)),
+        "max_sequence_length": config_field(config, "max_position_embeddings", 512),
         "position_encoding": "sinusoidal_halves",
         "layer_norm_epsilon": LAYER_NORM_EPSILON,
         "activation": ACTIVATIONS[activation],
@@ -104,7 +100,7 @@ def convert_tokenizer(directory, config):
     directory = pathlib.Path(directory)
     tokenizer_config = {}
     if (directory / TOKENIZER_CONFIG).is_file():
-        tokenizer_config = _read_json(directory / TOKENIZER_CONFIG)
+        tokenizer_config = read_json(directory / TOKENIZER_CONFIG)
         if not isinstance(tokenizer_config, dict):
             raise CheckpointError(f"{directory / TOKENIZER_CONFIG} must hold a JSON object")
     if tokenizer_config.get("separate_vocabs"):
@@ -114,7 +110,7 @@ def convert_tokenizer(directory, config):
         if not (directory / name).is_file():
             raise CheckpointError(f"{directory} has no {name}: a Marian checkpoint's tokenizer is source.spm, "
                                   "target.spm and vocab.json")
-    vocab = _read_json(directory / VOCAB_FILE)
+    vocab = read_json(directory / VOCAB_FILE)
     if not isinstance(vocab, dict):
         raise CheckpointError(f"{directory / VOCAB_FILE} must be a JSON object of piece -> id")
     by_id = {i: piece for piece, i in vocab.items()}
@@ -143,121 +139,16 @@ def convert_tokenizer(directory, config):
         raise CheckpointError(f"{directory}: {error}") from None
 
 
-def _read_json(path):
-    try:
-        return json.loads(pathlib.Path(path).read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid UTF-8 JSON: {error}") from None
-
-
-def read_safetensors(directory):
-    """Every tensor of the checkpoint's safetensors file(s), as float32 NumPy arrays by name.
-
-    Raises:
-        CheckpointError: there is no safetensors file (a pickle-only
-            checkpoint is named with the way to convert it), or a tensor of a
-            dtype NumPy cannot hold.
-    """
-    directory = pathlib.Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
-    else:
-        files = ["model.safetensors"] if (directory / "model.safetensors").is_file() else []
-    if not files:
-        pickles = [name for name in PICKLES if (directory / name).is_file()]
-        found = f" (it has {', '.join(pickles)}, which this package does not read: a pickle can run code)" if pickles else ""
-        raise CheckpointError(
-            f"{directory} has no model.safetensors{found}. Convert it once, where you trust the file: "
-            f"python -c \"from transformers import AutoModelForSeq2SeqLM as M; "
-            f"M.from_pretrained('{directory}').save_pretrained('{directory}')\" (writes model.safetensors), "
-            "or use a revision of the repository that has model.safetensors (hf://org/name@revision)"
-        )
-    try:
-        from safetensors import safe_open
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError("Reading safetensors checkpoints needs safetensors: pip install \"keras-aiayn[hub]\"",
-                                  name="safetensors") from None
-    tensors = {}
-    for name in files:
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(f"{directory} is missing {name} (named by model.safetensors.index.json)")
-        try:
-            with safe_open(str(path), framework="numpy") as handle:
-                for key in handle.keys():
-                    tensors[key] = np.asarray(handle.get_tensor(key), dtype=np.float32)
-        except (TypeError, ValueError, OSError) as error:  # bfloat16 and damaged files land here
-            raise CheckpointError(f"Cannot read {path}: {error}") from None
-    return tensors
-
-
-class _WeightWalk:
-    """Ports checkpoint tensors into Keras variables by name, keeping track of what was used."""
-
-    def __init__(self, tensors, source):
-        self.tensors = tensors
-        self.source = source
-        self.used = set()
-
-    def take(self, key):
-        if key not in self.tensors:
-            raise CheckpointError(f"{self.source} has no tensor {key!r}; the checkpoint does not match its config.json")
-        self.used.add(key)
-        return self.tensors[key]
-
-    def port_weight(self, variable, key, hook_fn=None):
-        """Assigns `hook_fn(tensor)` (or the tensor) to `variable`, checking the shape."""
-        stored = self.take(key)
-        value = stored if hook_fn is None else hook_fn(stored)
-        if tuple(value.shape) != tuple(variable.shape):
-            converted = f" ({tuple(value.shape)} once converted)" if hook_fn is not None else ""
-            raise CheckpointError(
-                f"{self.source}: {key} has shape {tuple(stored.shape)}{converted}, which does not fit "
-                f"{variable.path} {tuple(variable.shape)}; the checkpoint does not match its config.json"
-            )
-        variable.assign(value.astype(np.float32))
-
-    def port_dense(self, dense, key):
-        """A PyTorch `Linear` ([out, in] weight and bias) into a Keras `Dense` ([in, out] kernel)."""
-        self.port_weight(dense.kernel, f"{key}.weight", np.transpose)
-        self.port_weight(dense.bias, f"{key}.bias")
-
-    def port_norm(self, norm, key):
-        self.port_weight(norm.gamma, f"{key}.weight")
-        self.port_weight(norm.beta, f"{key}.bias")
-
-    def port_attention(self, attention, norm, key, norm_key):
-        for dense, name in ((attention.query_dense, "q_proj"), (attention.key_dense, "k_proj"),
-                            (attention.value_dense, "v_proj"), (attention.output_dense, "out_proj")):
-            self.port_dense(dense, f"{key}.{name}")
-        self.port_norm(norm, norm_key)
-
-    def port_feedforward(self, layer, key):
-        self.port_dense(layer.feedforward_intermediate, f"{key}.fc1")
-        self.port_dense(layer.feedforward_output, f"{key}.fc2")
-        self.port_norm(layer.feedforward_norm, f"{key}.final_layer_norm")
-
-
-def _same_as(walk, key, reference, what, tolerance=0.0):
-    """Checks that an optional duplicate tensor (a tied copy, a stored table) equals what the model computes."""
-    if key in walk.tensors:
-        walk.used.add(key)
-        value = walk.tensors[key]
-        if value.shape != reference.shape or not np.allclose(value, reference, atol=tolerance, rtol=0):
-            raise CheckpointError(f"{walk.source}: {key} differs from {what}; TransformerModel cannot express that")
-
-
 def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
     """Ports a Marian checkpoint's tensors into `model` (built by `convert_config`), every tensor accounted for."""
-    walk = _WeightWalk(tensors, source)
+    walk = WeightWalk(tensors, source)
     embeddings_key = next((key for key in ("model.shared.weight", "model.encoder.embed_tokens.weight") if key in tensors),
                           "model.shared.weight")
     shared = walk.take(embeddings_key)
     rows = tokenizer.marian_ids  # our id -> Marian row (the added start id takes <pad>'s)
     walk.port_weight(model.token_embedding.embeddings, embeddings_key, lambda table: table[rows])
     for key in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
-        _same_as(walk, key, shared, embeddings_key + " (they are tied in Marian)")
+        same_as(walk, key, shared, embeddings_key + " (they are tied in Marian)")
     walk.port_weight(model.logits_bias_weight, "final_logits_bias", lambda bias: bias.reshape(-1)[rows])
     from keras_transformer.layers.position import sinusoidal_table
 
@@ -268,7 +159,7 @@ def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
             length = min(len(stored), len(table))
             # Hugging Face computes the table in float64, we in float32: at position 500 the angles
             # differ by float32's resolution (~3e-5); another layout would differ by ~1.
-            _same_as(walk, f"model.{side}.embed_positions.weight", np.concatenate([table[:length], stored[length:]]),
+            same_as(walk, f"model.{side}.embed_positions.weight", np.concatenate([table[:length], stored[length:]]),
                      "the sin|cos-halves sinusoids from position 0", tolerance=1e-4)
     for i, layer in enumerate(model.encoder_layers):
         key = f"model.encoder.layers.{i}"

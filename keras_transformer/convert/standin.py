@@ -36,13 +36,14 @@ DEFAULT_SIZES = dict(d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128, encod
                      decoder_attention_heads=4, encoder_layers=2, decoder_layers=2)
 
 
-def _train_spm(lines, vocabulary_size):
+def _train_spm(lines, vocabulary_size, model_type="unigram"):
     import sentencepiece as spm
 
     model = io.BytesIO()
-    # SentencePiece's defaults (unigram, unk 0, <s> 1, </s> 2), as Marian's own models.
+    # SentencePiece's defaults (unk 0, <s> 1, </s> 2), as Marian's and NLLB's own models
+    # (Marian's are unigram, NLLB's BPE).
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocabulary_size, model_type="unigram",
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocabulary_size, model_type=model_type,
         character_coverage=1.0, num_threads=1, input_sentence_size=0, shuffle_input_sentence=False, minloglevel=2,
     )
     return model.getvalue()
@@ -146,6 +147,89 @@ def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400
     logger.info("Wrote a Marian stand-in checkpoint (%d pieces, %d steps) to %s", len(vocab), train_steps, directory)
     return directory
 
+
+def build_nllb_checkpoint(directory, train_steps=0, piece_count=600, extra_rows=2, legacy_behaviour=False, seed=0,
+                          max_sentences=4000, batch_size=32, max_tokens=40, random_extras=True, **sizes):
+    """Writes an NLLB-200-style `M2M100ForConditionalGeneration` checkpoint in the Hugging Face layout.
+
+    The layout of facebook/nllb-200-*: `sentencepiece.bpe.model` (a BPE
+    SentencePiece model, here trained on both languages of the bundled
+    corpus), `tokenizer.json` with the 202 language codes after the pieces
+    and `<mask>` last, `vocab_size` `extra_rows` beyond the tokens (NLLB-200:
+    2), `config.json`, `model.safetensors`, `generation_config.json`. English
+    is `eng_Latn` and German `deu_Latn`.
+
+    Args:
+        directory: where to write.
+        train_steps: int, Adam steps on eng_Latn -> deu_Latn (0: random
+            init, with random LayerNorm weights and biases so that a
+            misplaced norm is caught).
+        piece_count: pieces of the SentencePiece model.
+        extra_rows: embedding rows beyond the tokenizer's tokens.
+        legacy_behaviour: tokenizer_config's flag (sources `tokens </s> [lang]`).
+        random_extras: with `train_steps=0`, randomize the LayerNorms (False
+            keeps transformers' init).
+        seed, max_sentences, batch_size, max_tokens: as `build_marian_checkpoint`.
+        **sizes: `M2M100Config` fields replacing `DEFAULT_SIZES`.
+    """
+    import torch
+    import transformers
+    from transformers.models.nllb.tokenization_nllb import FAIRSEQ_LANGUAGE_CODES
+
+    from keras_transformer.datasets import load_bundled
+
+    directory = pathlib.Path(directory)
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    english, german = load_bundled("train")
+    english, german = english[:max_sentences], german[:max_sentences]
+    proto = _train_spm([line for pair in zip(english, german) for line in pair], piece_count, model_type="bpe")
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = pathlib.Path(scratch)
+        (scratch / "sentencepiece.bpe.model").write_bytes(proto)
+        tokenizer = transformers.NllbTokenizer.from_pretrained(
+            str(scratch), additional_special_tokens=list(FAIRSEQ_LANGUAGE_CODES), legacy_behaviour=legacy_behaviour)
+        tokenizer.save_pretrained(str(scratch / "saved"))
+        # As the Hub's tokenizer.json: the codes right after the pieces, <mask> last (transformers puts it first).
+        path = scratch / "saved" / "tokenizer.json"
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        first = piece_count + 1
+        order = list(FAIRSEQ_LANGUAGE_CODES) + ["<mask>"]
+        for token in saved["added_tokens"]:
+            if token["id"] >= first:
+                token["id"] = first + order.index(token["content"])
+        saved["added_tokens"].sort(key=lambda token: token["id"])
+        path.write_text(json.dumps(saved, ensure_ascii=False), encoding="utf-8")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (directory / name).write_bytes((scratch / "saved" / name).read_bytes())
+    (directory / "sentencepiece.bpe.model").write_bytes(proto)  # the Hub's NLLB repositories have it
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), src_lang="eng_Latn", tgt_lang="deu_Latn")
+    tokens = first + len(order)
+    assert len(tokenizer) == tokens and tokenizer.convert_tokens_to_ids("<mask>") == tokens - 1
+
+    config = transformers.M2M100Config(
+        vocab_size=tokens + extra_rows, max_position_embeddings=256, activation_function="relu", scale_embedding=True,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.1, attention_dropout=0.0,
+        activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0, tokenizer_class="NllbTokenizer",
+        **{**DEFAULT_SIZES, **sizes},
+    )
+    model = transformers.M2M100ForConditionalGeneration(config)
+    if train_steps:
+        _train(model, tokenizer, english, german, train_steps, batch_size, max_tokens, rng)
+    elif random_extras:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "layer_norm" in name:
+                    parameter.add_(torch.randn_like(parameter) * 0.3)
+    model.eval()
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=0, decoder_start_token_id=2, eos_token_id=2, pad_token_id=1, max_length=200,
+    )
+    model.save_pretrained(str(directory))
+    logger.info("Wrote an NLLB stand-in checkpoint (%d rows, %d steps) to %s", tokens + extra_rows, train_steps,
+                directory)
+    return directory
 
 def _train(model, tokenizer, english, german, steps, batch_size, max_tokens, rng):
     import torch

@@ -6,7 +6,9 @@ import keras
 from keras import ops
 
 
-SINUSOID_LAYOUTS = ("interleaved", "halves")
+SINUSOID_LAYOUTS = ("interleaved", "halves", "fairseq")
+# fairseq counts positions from padding_idx + 1, and its (and NLLB's, M2M-100's) padding_idx is 1.
+FAIRSEQ_FIRST_POSITION = 2
 
 
 def sinusoidal_table(positions, hidden_dim, dtype="float32", layout="interleaved"):
@@ -23,11 +25,17 @@ def sinusoidal_table(positions, hidden_dim, dtype="float32", layout="interleaved
     permutation of dimensions, but weights trained with one layout do not
     transfer to the other, so an imported checkpoint needs its own.
 
+    `layout="fairseq"` is fairseq's table (NLLB-200 and M2M-100 checkpoints),
+    which differs from the paper's in three ways: sin | cos halves, the
+    frequencies 10000^(-i / (d_model/2 - 1)) (the paper: 10000^(-i / (d_model/2))),
+    and positions counted from `FAIRSEQ_FIRST_POSITION` (fairseq's
+    padding_idx + 1), so position 0 here is row 2 of fairseq's table.
+
     Args:
         positions: `[T]` positions (int or float tensor), counted from 0.
         hidden_dim: even int, d_model.
         dtype: dtype of the result.
-        layout: "interleaved" (paper) or "halves" (sin | cos).
+        layout: "interleaved" (paper), "halves" (sin | cos) or "fairseq".
 
     Returns:
         `[T, hidden_dim]` table.
@@ -35,12 +43,19 @@ def sinusoidal_table(positions, hidden_dim, dtype="float32", layout="interleaved
     if layout not in SINUSOID_LAYOUTS:
         raise ValueError(f"layout={layout!r} must be one of {SINUSOID_LAYOUTS}")
     positions = ops.cast(positions, "float32")
-    # 1 / 10000^(2i / d) for i = 0 .. d/2 - 1
-    inverse_frequency = ops.exp(
-        ops.arange(0, hidden_dim, 2, dtype="float32") * (-math.log(10000.0) / hidden_dim)
-    )
+    if layout == "fairseq":
+        # 1 / 10000^(i / (d/2 - 1)) for i = 0 .. d/2 - 1, at positions 2, 3, ...
+        positions = positions + FAIRSEQ_FIRST_POSITION
+        inverse_frequency = ops.exp(
+            ops.arange(0, hidden_dim // 2, dtype="float32") * (-math.log(10000.0) / (hidden_dim // 2 - 1))
+        )
+    else:
+        # 1 / 10000^(2i / d) for i = 0 .. d/2 - 1
+        inverse_frequency = ops.exp(
+            ops.arange(0, hidden_dim, 2, dtype="float32") * (-math.log(10000.0) / hidden_dim)
+        )
     angles = ops.expand_dims(positions, 1) * ops.expand_dims(inverse_frequency, 0)  # [T, D/2]
-    if layout == "halves":
+    if layout in ("halves", "fairseq"):
         # [T, D/2] + [T, D/2] -> [T, D]: sines on dimensions i, cosines on D/2 + i.
         return ops.cast(ops.concatenate([ops.sin(angles), ops.cos(angles)], axis=-1), dtype)
     # [T, D/2, 2] -> [T, D]: (sin, cos) pairs land on dimensions (2i, 2i+1).
@@ -74,8 +89,9 @@ class SinusoidalPositionEncoding(keras.layers.Layer):
         max_sequence_length: optional int. The sinusoids are defined for any
             length; when set, longer inputs raise a ValueError (so that a
             sinusoidal and a learned model accept the same inputs).
-        layout: "interleaved" (the paper, default) or "halves" (sines, then
-            cosines; imported Marian checkpoints), see `sinusoidal_table`.
+        layout: "interleaved" (the paper, default), "halves" (sines, then
+            cosines; imported Marian checkpoints) or "fairseq" (NLLB-200 and
+            M2M-100 checkpoints), see `sinusoidal_table`.
 
     Example:
     >>> x = keras.ops.zeros((2, 10, 512))

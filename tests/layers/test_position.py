@@ -18,6 +18,21 @@ def test_sinusoids_match_the_paper_formula():
     np.testing.assert_allclose(table, expected, atol=2e-5)
 
 
+def test_fairseq_sinusoids_match_fairseqs_formula_from_position_two():
+    """fairseq's table (NLLB-200, M2M-100): sin | cos halves, 10000^(-i / (d/2 - 1)), our position 0 is its row 2."""
+    d_model, length, half = 16, 50, 8
+    layer = SinusoidalPositionEncoding(100, layout="fairseq")
+    table = to_numpy(layer(np.zeros((1, length, d_model), "float32")))[0]
+    expected = np.zeros((length, d_model))
+    for pos in range(length):
+        for i in range(half):
+            angle = (pos + 2) * math.exp(-i * math.log(10000) / (half - 1))
+            expected[pos, i], expected[pos, half + i] = math.sin(angle), math.cos(angle)
+    np.testing.assert_allclose(table, expected, atol=2e-5)
+    step = to_numpy(layer(np.zeros((1, 1, d_model), "float32"), start_index=7))[0, 0]
+    np.testing.assert_allclose(step, table[7], atol=1e-6)
+
+
 def test_start_index_shifts_positions():
     layer = SinusoidalPositionEncoding(100)
     full = to_numpy(layer(np.zeros((2, 10, 8), "float32")))

@@ -1,0 +1,125 @@
+"""What the Hugging Face converters share: reading config fields, JSON and safetensors, and the weight walk.
+
+As keras-hub's `safetensor_utils.py`: `read_safetensors` reads every tensor
+as float32 NumPy (never a pickle), and `WeightWalk` ports them into Keras
+variables by name, checking shapes and keeping track of what was used, so
+that a converter can refuse a file with tensors it did not use.
+"""
+
+import json
+import pathlib
+
+import numpy as np
+
+from keras_transformer.convert import PICKLES, CheckpointError
+
+
+def config_field(config, name, default=None):
+    """`config[name]`, or `default` where it is missing or null."""
+    return config.get(name, default) if config.get(name) is not None else default
+
+
+def read_json(path):
+    """A JSON file's value; `CheckpointError` naming the file if it is not UTF-8 JSON."""
+    try:
+        return json.loads(pathlib.Path(path).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid UTF-8 JSON: {error}") from None
+
+
+def read_safetensors(directory):
+    """Every tensor of the checkpoint's safetensors file(s), as float32 NumPy arrays by name.
+
+    Raises:
+        CheckpointError: there is no safetensors file (a pickle-only
+            checkpoint is named with the way to convert it), or a tensor of a
+            dtype NumPy cannot hold.
+    """
+    directory = pathlib.Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(read_json(index).get("weight_map", {}).values()))
+    else:
+        files = ["model.safetensors"] if (directory / "model.safetensors").is_file() else []
+    if not files:
+        pickles = [name for name in PICKLES if (directory / name).is_file()]
+        found = f" (it has {', '.join(pickles)}, which this package does not read: a pickle can run code)" if pickles else ""
+        raise CheckpointError(
+            f"{directory} has no model.safetensors{found}. Convert it once, where you trust the file: "
+            f"python -c \"from transformers import AutoModelForSeq2SeqLM as M; "
+            f"M.from_pretrained('{directory}').save_pretrained('{directory}')\" (writes model.safetensors), "
+            "or use a revision of the repository that has model.safetensors (hf://org/name@revision)"
+        )
+    try:
+        from safetensors import safe_open
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("Reading safetensors checkpoints needs safetensors: pip install \"keras-aiayn[hub]\"",
+                                  name="safetensors") from None
+    tensors = {}
+    for name in files:
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{directory} is missing {name} (named by model.safetensors.index.json)")
+        try:
+            with safe_open(str(path), framework="numpy") as handle:
+                for key in handle.keys():
+                    tensors[key] = np.asarray(handle.get_tensor(key), dtype=np.float32)
+        except (TypeError, ValueError, OSError) as error:  # bfloat16 and damaged files land here
+            raise CheckpointError(f"Cannot read {path}: {error}") from None
+    return tensors
+
+
+class WeightWalk:
+    """Ports checkpoint tensors into Keras variables by name, keeping track of what was used."""
+
+    def __init__(self, tensors, source):
+        self.tensors = tensors
+        self.source = source
+        self.used = set()
+
+    def take(self, key):
+        if key not in self.tensors:
+            raise CheckpointError(f"{self.source} has no tensor {key!r}; the checkpoint does not match its config.json")
+        self.used.add(key)
+        return self.tensors[key]
+
+    def port_weight(self, variable, key, hook_fn=None):
+        """Assigns `hook_fn(tensor)` (or the tensor) to `variable`, checking the shape."""
+        stored = self.take(key)
+        value = stored if hook_fn is None else hook_fn(stored)
+        if tuple(value.shape) != tuple(variable.shape):
+            converted = f" ({tuple(value.shape)} once converted)" if hook_fn is not None else ""
+            raise CheckpointError(
+                f"{self.source}: {key} has shape {tuple(stored.shape)}{converted}, which does not fit "
+                f"{variable.path} {tuple(variable.shape)}; the checkpoint does not match its config.json"
+            )
+        variable.assign(value.astype(np.float32))
+
+    def port_dense(self, dense, key):
+        """A PyTorch `Linear` ([out, in] weight and bias) into a Keras `Dense` ([in, out] kernel)."""
+        self.port_weight(dense.kernel, f"{key}.weight", np.transpose)
+        self.port_weight(dense.bias, f"{key}.bias")
+
+    def port_norm(self, norm, key):
+        self.port_weight(norm.gamma, f"{key}.weight")
+        self.port_weight(norm.beta, f"{key}.bias")
+
+    def port_attention(self, attention, norm, key, norm_key):
+        for dense, name in ((attention.query_dense, "q_proj"), (attention.key_dense, "k_proj"),
+                            (attention.value_dense, "v_proj"), (attention.output_dense, "out_proj")):
+            self.port_dense(dense, f"{key}.{name}")
+        self.port_norm(norm, norm_key)
+
+    def port_feedforward(self, layer, key):
+        self.port_dense(layer.feedforward_intermediate, f"{key}.fc1")
+        self.port_dense(layer.feedforward_output, f"{key}.fc2")
+        self.port_norm(layer.feedforward_norm, f"{key}.final_layer_norm")
+
+
+def same_as(walk, key, reference, what, tolerance=0.0):
+    """Checks that an optional duplicate tensor (a tied copy, a stored table) equals what the model computes."""
+    if key in walk.tensors:
+        walk.used.add(key)
+        value = walk.tensors[key]
+        if value.shape != reference.shape or not np.allclose(value, reference, atol=tolerance, rtol=0):
+            raise CheckpointError(f"{walk.source}: {key} differs from {what}; TransformerModel cannot express that")

@@ -1,0 +1,400 @@
+"""Importing NLLB-200 (M2M-100-architecture) checkpoints, measured against Hugging Face `transformers` itself.
+
+The reference checkpoints are built in-process with `transformers`
+(fixtures `nllb_random` and `nllb_trained` in conftest.py, nothing
+downloaded) in the layout of facebook/nllb-200-*: a BPE
+`sentencepiece.bpe.model` trained on the bundled corpus, the 202 language
+codes after the pieces, `<mask>` last and two unused rows. Our logits equal
+`M2M100ForConditionalGeneration`'s within 1e-4 on every backend (cached
+decoding included), our tokenizer gives `NllbTokenizer`'s ids and strings on
+the bundled corpus, and greedy search gives `generate(forced_bos_token_id=...)`'s
+translations.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import to_numpy
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import keras_transformer as kt  # noqa: E402
+from keras_transformer.convert import CheckpointError  # noqa: E402
+from keras_transformer.datasets import load_bundled  # noqa: E402
+from keras_transformer.nllb_tokenizer import NllbTokenizer  # noqa: E402
+
+SENTENCES = [
+    "Open the Styles deck.",
+    "Select the cells that you want to delete.",
+    "Click OK.",
+    "The document contains hidden paragraphs; choose View - Formatting Marks to show them.",
+]
+SOURCE, TARGET = "eng_Latn", "deu_Latn"
+
+
+def hf_model(directory):
+    return transformers.M2M100ForConditionalGeneration.from_pretrained(str(directory)).eval()
+
+
+def hf_tokenizer(directory, **kwargs):
+    return transformers.AutoTokenizer.from_pretrained(str(directory), src_lang=SOURCE, tgt_lang=TARGET, **kwargs)
+
+
+def padded(rows, pad):
+    batch = np.full((len(rows), max(map(len, rows))), pad, dtype="int64")
+    for i, row in enumerate(rows):
+        batch[i, : len(row)] = row
+    return batch
+
+
+def hf_logits(model, source, target):
+    pad = model.config.pad_token_id
+    with torch.no_grad():
+        return model(
+            input_ids=torch.tensor(source), attention_mask=torch.tensor(source != pad),
+            decoder_input_ids=torch.tensor(target),
+        ).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def imported_random(nllb_random):
+    return kt.TransformerModel.from_preset(nllb_random)
+
+
+@pytest.fixture(scope="module")
+def imported_trained(nllb_trained):
+    return kt.TransformerModel.from_preset(nllb_trained)
+
+
+# ---------------------------------------------------------------------- #
+# The model: logits
+# ---------------------------------------------------------------------- #
+@pytest.mark.parametrize("kind", ["random", "trained"])
+def test_logits_equal_hugging_face(kind, request):
+    """Teacher-forced logits of every target position, every row of the 806-row table, within 1e-4 (float32)."""
+    directory = request.getfixturevalue(f"nllb_{kind}")
+    model = request.getfixturevalue(f"imported_{kind}")
+    tokenizer = model.tokenizer.with_languages(SOURCE, TARGET)
+    reference = hf_model(directory)
+    assert (model.normalize_first, model.position_encoding, model.activation, model.logits_bias) == (
+        True, "sinusoidal_fairseq", "relu", False)
+    sources = tokenizer.encode(SENTENCES)
+    rng = np.random.default_rng(0)
+    # Targets: the start id, the target code, then random ids (padding after shorter rows), the unused rows included.
+    lengths = [9, 4, 12, 7]
+    language = tokenizer.id_of(TARGET)
+    targets = [[tokenizer.start_id, language] + rng.integers(4, model.vocabulary_size, size=n - 2).tolist()
+               for n in lengths]
+    ours = to_numpy(model({"encoder_token_ids": padded(sources, 0).astype("int32"),
+                           "decoder_token_ids": padded(targets, 0).astype("int32")}))
+    rows = tokenizer.checkpoint_ids
+    pad = reference.config.pad_token_id
+    theirs = hf_logits(reference, padded([rows[s] for s in sources], pad),
+                       padded([rows[t] for t in targets], pad))[..., rows]  # our vocabulary order
+    assert ours.shape[-1] == reference.config.vocab_size + 1  # the added start id
+    for row, length in enumerate(lengths):  # padded target positions differ by design (HF masks no target)
+        np.testing.assert_allclose(ours[row, :length], theirs[row, :length], atol=1e-4, rtol=0)
+
+
+def test_cached_decoding_equals_hugging_face_step_by_step(imported_trained, nllb_trained):
+    """`decode_step` (our KV cache, fairseq's positions from 2) gives HF's logits at each position."""
+    model = imported_trained
+    tokenizer = model.tokenizer.with_languages(SOURCE, TARGET)
+    reference = hf_model(nllb_trained)
+    source = np.array(tokenizer.encode(SENTENCES[:1]), "int32")
+    target = np.array([[tokenizer.start_id] + tokenizer.encode(["Öffnen Sie das Fenster"], add_end=False,
+                                                               target=True)[0]], "int32")
+    rows = tokenizer.checkpoint_ids
+    theirs = hf_logits(reference, rows[source], rows[target])[..., rows]
+    cache = model.init_cache(model.encode(source), source, max_length=target.shape[1])
+    others = np.arange(model.vocabulary_size) != tokenizer.start_id
+    for t in range(target.shape[1]):
+        step, cache = model.decode_step(target[:, t], t, cache)
+        step = to_numpy(step)[0]
+        np.testing.assert_allclose(step[others], theirs[0, t][others], atol=1e-4, rtol=0)
+        # The added start id (</s>'s row) is outside the search's softmax: one </s> in it, as in Hugging Face's.
+        assert step[tokenizer.start_id] == -np.inf
+
+
+# ---------------------------------------------------------------------- #
+# Search
+# ---------------------------------------------------------------------- #
+def test_greedy_translations_equal_generate_with_forced_bos(imported_trained, nllb_trained):
+    """Greedy search == `generate(num_beams=1, forced_bos_token_id=<deu_Latn>)`."""
+    texts = load_bundled("test")[0][:24]
+    reference, reference_tokenizer = hf_model(nllb_trained), hf_tokenizer(nllb_trained)
+    translator = kt.Translator(imported_trained, imported_trained.tokenizer)
+    ours = translator.translate(texts, beam_size=1, source_language=SOURCE, target_language=TARGET)
+    batch = reference_tokenizer(texts, return_tensors="pt", padding=True)
+    forced = reference_tokenizer.convert_tokens_to_ids(TARGET)
+    with torch.no_grad():
+        generated = reference.generate(**batch, num_beams=1, do_sample=False, forced_bos_token_id=forced,
+                                       max_new_tokens=batch["input_ids"].shape[1] + 40)
+    assert (generated[:, 1] == forced).all()
+    theirs = reference_tokenizer.batch_decode(generated, skip_special_tokens=True)
+    # Every HF output ended with </s> (not cut by the length limit): the comparison is of whole translations.
+    ends = (generated[:, 2:] == reference.config.eos_token_id).any(dim=1)
+    assert bool(ends.all()), "the stand-in's greedy outputs should end with </s>"
+    assert ours == theirs
+    assert len(set(theirs)) > len(theirs) // 2  # translations, not one string repeated
+    # The tokens too: the hypothesis starts with the forced code, then HF's tokens (renumbered).
+    hypotheses = translator.translate_hypotheses(texts[:3], beam_size=1, source_language=SOURCE,
+                                                 target_language=TARGET)
+    for hypothesis, row in zip(hypotheses, generated[:3].numpy()):
+        ids = hypothesis[0].token_ids
+        assert ids[0] == imported_trained.tokenizer.id_of(TARGET)
+        expected = row[1: list(row[1:]).index(2) + 2]
+        assert imported_trained.tokenizer.checkpoint_ids[ids].tolist() == expected.tolist()
+
+
+def test_beam_search_and_a_target_prefix_after_the_language_code(imported_trained):
+    translator = kt.Translator(imported_trained, imported_trained.tokenizer).with_languages(SOURCE, TARGET)
+    beam = translator.translate(SENTENCES, beam_size=4)
+    assert all(isinstance(text, str) and text for text in beam)
+    prefixed = translator.translate(SENTENCES[:2], beam_size=1, target_prefix=["Wählen", None])
+    assert prefixed[0].startswith("Wählen")
+    greedy = translator.translate(SENTENCES, beam_size=1)
+    assert prefixed[1] == greedy[1]
+    # The streaming paths force the target code too; an empty text stays empty.
+    assert list(translator.translate_iterable(SENTENCES + [""], beam_size=1, window=3)) == greedy + [""]
+
+
+def test_languages_are_required_and_checked_in_one_line(imported_random):
+    translator = kt.Translator(imported_random, imported_random.tokenizer)
+    with pytest.raises(ValueError, match=r"translates between 202 languages: name the source_language.*ace_Arab, "
+                                         r"ace_Latn.*zul_Latn") as error:
+        translator.translate(SENTENCES, target_language=TARGET)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="name the target_language"):
+        translator.translate(SENTENCES, source_language=SOURCE)
+    with pytest.raises(ValueError, match=r"target_language='xx_Latn' is not one of this model's 202 language codes"):
+        translator.translate(SENTENCES, source_language=SOURCE, target_language="xx_Latn")
+    with pytest.raises(ValueError, match=r"source_language='<mask>' is not one of"):
+        translator.score(SENTENCES[:1], ["Hallo"], source_language="<mask>", target_language=TARGET)
+    marian_like = kt.Translator(kt.TransformerModel.from_preset("tiny", vocabulary_size=8), _ToyTokenizer())
+    with pytest.raises(ValueError, match="translates one language pair and has no language codes"):
+        marian_like.translate(["a"], source_language=SOURCE, target_language=TARGET)
+
+
+class _ToyTokenizer:
+    pad_id, unk_id, start_id, end_id, vocabulary_size = 0, 1, 2, 3, 8
+
+
+def test_scores_equal_hugging_face_loss(imported_trained, nllb_trained):
+    """`Translator.score` teacher-forces `[start, deu_Latn, tokens, </s>]`: HF's labels' log-probability."""
+    translator = kt.Translator(imported_trained, imported_trained.tokenizer)
+    sources, targets = SENTENCES[:2], ["Öffnen Sie das Fenster.", "Klicken Sie auf OK."]
+    scores = translator.score(sources, targets, source_language=SOURCE, target_language=TARGET)
+    reference, reference_tokenizer = hf_model(nllb_trained), hf_tokenizer(nllb_trained)
+    for source, target, score in zip(sources, targets, scores):
+        batch = reference_tokenizer([source], text_target=[target], return_tensors="pt")
+        with torch.no_grad():
+            loss = reference(**batch).loss.item()  # mean over the label tokens
+        labels = batch["labels"].shape[1]
+        assert len(score.token_ids) == labels
+        np.testing.assert_allclose(score.log_prob, -loss * labels, atol=1e-3)
+
+
+# ---------------------------------------------------------------------- #
+# The tokenizer (the same on every backend: runs once, see conftest.py)
+# ---------------------------------------------------------------------- #
+def test_tokenizer_ids_and_strings_equal_nllb_tokenizer_on_the_bundled_corpus(nllb_trained):
+    from keras_transformer.convert import read_hf_config
+    from keras_transformer.convert.m2m_100 import convert_tokenizer
+
+    ours = convert_tokenizer(nllb_trained, read_hf_config(nllb_trained))
+    rows = ours.checkpoint_ids
+    for split in ("train", "valid", "test"):
+        english, german = load_bundled(split)
+        for texts, source, target in ((english, SOURCE, TARGET), (german, TARGET, "fra_Latn")):
+            reference = transformers.AutoTokenizer.from_pretrained(str(nllb_trained), src_lang=source,
+                                                                   tgt_lang=target)
+            bound = ours.with_languages(source, target)
+            for side in ("source", "target"):
+                ids = bound.encode(texts, target=side == "target")
+                expected = (reference(text_target=texts) if side == "target" else reference(texts))["input_ids"]
+                wrong = [i for i, (a, b) in enumerate(zip(ids, expected)) if rows[a].tolist() != b]
+                assert not wrong, f"{split} {source} {side} line {wrong[0]}: {texts[wrong[0]]!r}"
+            decoded = bound.decode([[bound.start_id] + row for row in bound.encode(texts, target=True)])
+            # Stripped: Hugging Face keeps the space of a first piece "▁" before a dropped <unk> (4 lines of 15k).
+            expected_text = [text.strip() for text in reference.batch_decode(
+                reference(text_target=texts)["input_ids"], skip_special_tokens=True)]
+            wrong = [i for i, (a, b) in enumerate(zip(decoded, expected_text)) if a != b]
+            assert not wrong, f"{split}: {decoded[wrong[0]]!r} != {expected_text[wrong[0]]!r}"
+
+
+def test_tokenizer_special_ids_and_renumbering(nllb_random):
+    tokenizer = kt.TransformerModel.from_preset(nllb_random).tokenizer
+    config = json.loads((nllb_random / "config.json").read_text())
+    reference = hf_tokenizer(nllb_random)
+    pieces = tokenizer.pieces()
+    assert pieces[:5] == ["<pad>", "<unk>", "<start>", "</s>", "<s>"]
+    assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.start_id, tokenizer.end_id) == (0, 1, 2, 3)
+    assert tokenizer.vocabulary_size == config["vocab_size"] + 1 == len(reference) + 2 + 1
+    # The start id takes </s>'s row (the decoder starts from </s>); every other id its own row, each row once.
+    assert tokenizer.checkpoint_ids[:5].tolist() == [1, 3, 2, 2, 0]
+    assert sorted(tokenizer.checkpoint_ids.tolist()) == sorted([*range(config["vocab_size"]), 2])
+    for code in ("eng_Latn", "deu_Latn", "zul_Latn", "<mask>"):
+        assert tokenizer.checkpoint_ids[tokenizer.id_of(code)] == reference.convert_tokens_to_ids(code)
+    assert len(tokenizer.language_codes) == 202 and "<mask>" not in tokenizer.language_codes
+    assert pieces[-2:] == ["<unused0>", "<unused1>"]
+    assert tokenizer.id_of("no-such-piece") == tokenizer.unk_id
+    # decode drops what skip_special_tokens drops: the codes, <s>, <mask>, the unused rows.
+    word = tokenizer.with_languages(SOURCE, TARGET).encode(["Click"], target=True, add_end=False)[0][1:]
+    assert tokenizer.decode([[2, tokenizer.id_of(TARGET), 4, *word, tokenizer.id_of("<mask>"),
+                              tokenizer.vocabulary_size - 1, 3, *word]]) == ["Click"]
+
+
+def test_legacy_behaviour_puts_the_code_after_the_end(nllb_random, tmp_path):
+    directory = tmp_path / "legacy"
+    shutil.copytree(nllb_random, directory)
+    path = directory / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "legacy_behaviour": True}))
+    from keras_transformer.convert import read_hf_config
+    from keras_transformer.convert.m2m_100 import convert_tokenizer
+
+    ours = convert_tokenizer(directory, read_hf_config(directory)).with_languages(SOURCE, TARGET)
+    reference = hf_tokenizer(directory)
+    assert reference.legacy_behaviour
+    texts = load_bundled("valid")[0][:200]
+    expected = reference(texts)["input_ids"]
+    assert [ours.checkpoint_ids[ids].tolist() for ids in ours.encode(texts)] == expected
+    assert expected[0][-2:] == [2, reference.convert_tokens_to_ids(SOURCE)]
+
+
+# ---------------------------------------------------------------------- #
+# Saving in our format
+# ---------------------------------------------------------------------- #
+def test_save_to_preset_loads_back_identically(imported_trained, tmp_path):
+    model = imported_trained
+    model.save_to_preset(tmp_path / "preset")
+    assert {"sentencepiece.bpe.model", "nllb_tokenizer.json", "model.weights.h5"} <= {
+        path.name for path in (tmp_path / "preset").iterdir()}
+    loaded = kt.TransformerModel.from_preset(tmp_path / "preset")
+    assert isinstance(loaded.tokenizer, NllbTokenizer)
+    assert loaded.tokenizer.pieces() == model.tokenizer.pieces()
+    assert (loaded.tokenizer.checkpoint_ids == model.tokenizer.checkpoint_ids).all()
+    assert (loaded.normalize_first, loaded.position_encoding) == (True, "sinusoidal_fairseq")
+    source = np.array(model.tokenizer.with_languages(SOURCE, TARGET).encode(SENTENCES[:1]), "int32")
+    target = np.array([[2, model.tokenizer.id_of(TARGET), 9, 11]], "int32")
+    inputs = {"encoder_token_ids": source, "decoder_token_ids": target}
+    np.testing.assert_array_equal(to_numpy(loaded(inputs)), to_numpy(model(inputs)))
+    texts = SENTENCES[:2]
+    languages = dict(source_language=SOURCE, target_language=TARGET)
+    assert kt.Translator.from_preset(tmp_path / "preset").translate(texts, beam_size=1, **languages) == \
+        kt.Translator(model, model.tokenizer).translate(texts, beam_size=1, **languages)
+
+
+def test_named_preset_resolves_offline_from_the_cache(nllb_random, offline_hub):
+    from conftest import populate_hub_cache
+
+    populate_hub_cache(offline_hub, "facebook/nllb-200-distilled-600M", nllb_random)
+    languages = dict(source_language=SOURCE, target_language=TARGET)
+    named = kt.Translator.from_preset("nllb_200_distilled_600m")
+    direct = kt.Translator.from_preset(nllb_random)
+    assert named.translate(SENTENCES[:2], beam_size=1, max_extra_length=8, **languages) == \
+        direct.translate(SENTENCES[:2], beam_size=1, max_extra_length=8, **languages)
+
+
+def test_fine_tuning_from_an_nllb_checkpoint_runs_a_step(nllb_random, tmp_path):
+    """`init_from` an NLLB directory: the model builds, one train step runs, the preset translates."""
+    from keras_transformer.training import run_training
+
+    english, german = load_bundled("train")
+    (tmp_path / "train.en").write_text("\n".join(english[:64]) + "\n", encoding="utf-8")
+    (tmp_path / "train.de").write_text("\n".join(german[:64]) + "\n", encoding="utf-8")
+    output = tmp_path / "run"
+    run_training(output, init_from=nllb_random, source_language=SOURCE, target_language=TARGET,
+                 train_src=tmp_path / "train.en", train_tgt=tmp_path / "train.de", steps=1, tokens_per_batch=500,
+                 warmup_steps=1, validation_bleu=False, checkpoint_every=1, verbose=0)
+    translator = kt.Translator.from_preset(output)
+    assert isinstance(translator.tokenizer, NllbTokenizer)
+    before = kt.TransformerModel.from_preset(nllb_random)
+    changed = [a.path for a, b in zip(translator.model.weights, before.weights)
+               if not np.array_equal(to_numpy(a), to_numpy(b))]
+    assert changed  # the step trained
+    assert len(translator.translate(SENTENCES[:1], beam_size=1, max_extra_length=5, source_language=SOURCE,
+                                    target_language=TARGET)) == 1
+
+
+def test_train_cli_refuses_missing_languages_in_one_line(nllb_random, tmp_path):
+    from conftest import run_command
+
+    (tmp_path / "a.en").write_text("Hello.\n")
+    (tmp_path / "a.de").write_text("Hallo.\n")
+    result = run_command("keras_transformer.train", "--init-from", str(nllb_random), "--output",
+                         str(tmp_path / "run"), "--train-src", str(tmp_path / "a.en"), "--train-tgt",
+                         str(tmp_path / "a.de"), "--steps", "1", "--source-language", SOURCE)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert "name the target_language" in lines[-1] and "Traceback" not in result.stderr
+
+
+def test_translate_cli_takes_the_language_pair(nllb_trained):
+    from conftest import run_command
+
+    text = "\n".join(SENTENCES[:2]) + "\n"
+    result = run_command("keras_transformer.translate", "--preset", str(nllb_trained), "--beam-size", "1",
+                         "--source-language", SOURCE, "--target-language", TARGET, input=text)
+    assert result.returncode == 0, result.stderr
+    expected = kt.Translator.from_preset(nllb_trained).translate(SENTENCES[:2], beam_size=1, source_language=SOURCE,
+                                                                  target_language=TARGET)
+    assert result.stdout.splitlines() == expected
+    refused = run_command("keras_transformer.translate", "--preset", str(nllb_trained), "--target-language",
+                          "xx_Latn", input=text)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        "python -m keras_transformer.translate: error: target_language='xx_Latn' is not one of this model's 202")
+
+
+# ---------------------------------------------------------------------- #
+# What is refused, in one line naming the field
+# ---------------------------------------------------------------------- #
+def _copy_with_config(source, destination, **changes):
+    shutil.copytree(source, destination)
+    path = destination / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+    return destination
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"scale_embedding": False}, "scale_embedding=False is not supported"),
+    ({"pad_token_id": 0}, "pad_token_id=0 is not supported: fairseq's positions"),
+    ({"activation_function": "tanh"}, "activation_function='tanh' is not supported"),
+    ({"decoder_ffn_dim": 96}, "decoder_ffn_dim=96 differs from encoder_ffn_dim"),
+    ({"vocab_size": 700}, "vocab_size=700 is below the tokenizer's 804 tokens"),
+])
+def test_configs_the_model_cannot_express_are_refused(nllb_random, tmp_path, changes, message):
+    directory = _copy_with_config(nllb_random, tmp_path / "checkpoint", **changes)
+    with pytest.raises(CheckpointError, match=message):
+        kt.TransformerModel.from_preset(directory)
+
+
+def test_missing_or_other_tokenizers_are_refused(nllb_random, tmp_path):
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(nllb_random, directory)
+    (directory / "sentencepiece.bpe.model").unlink()
+    with pytest.raises(CheckpointError, match="has no sentencepiece.bpe.model.*copy sentencepiece.bpe.model"):
+        kt.TransformerModel.from_preset(directory)
+    shutil.copy(nllb_random / "sentencepiece.bpe.model", directory)
+    path = directory / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "tokenizer_class": "M2M100Tokenizer"}))
+    with pytest.raises(CheckpointError, match="tokenizer_class='M2M100Tokenizer' is not supported"):
+        kt.TransformerModel.from_preset(directory)
+
+
+def test_exporters_refuse_an_nllb_model_in_one_line(imported_random):
+    from export.contract import UnsupportedModelError, check_exportable
+
+    with pytest.raises(UnsupportedModelError, match="ONNX export of an NLLB-200 / M2M-100 model .* not supported"):
+        check_exportable(imported_random, "ONNX")
+    from export import ctranslate2
+
+    with pytest.raises(UnsupportedModelError, match="CTranslate2 export of an NLLB-200"):
+        ctranslate2._load_model(imported_random)
