@@ -25,24 +25,25 @@ A quantized model translates on TensorFlow, JAX and PyTorch (`generate`,
 weights). It is not exported: the exporters quantize from float32 weights
 themselves (`python -m export.onnx --quantize int8`, `python -m
 export.ctranslate2 --quantization int8`), and a Keras int8 model given to
-them is refused in one line (`check_exportable`) rather than dequantized,
+them is refused in one line (`refuse_quantized`) rather than dequantized,
 which would export rounded weights as if they were the float32 model.
 LoRA: `enable_lora` refuses a quantized model, and `quantize` a model with
 adapters (merge first: `model.merge_lora().quantize("int8")`).
+
+No framework is imported until a function needs Keras: the exporters import
+`refuse_quantized` at start-up.
 """
 
 import collections
 import logging
 import warnings
 
-import keras
-
 logger = logging.getLogger(__name__)
 
 # The modes this project supports and tests (Keras has others: int4, float8, GPTQ, AWQ).
 QUANTIZATION_MODES = ("int8",)
-# The layer types Keras can quantize: a model's layer of these types left float32 is warned about.
-QUANTIZABLE_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense, keras.layers.Embedding)
+# The layer types Keras can quantize (`keras.layers` names): one of them left float32 is warned about.
+QUANTIZABLE_LAYERS = ("Dense", "EinsumDense", "Embedding")
 # Keras' `Model.quantize` warns once per layer it cannot quantize; `quantize` reports them in one line instead.
 _KERAS_SKIP_WARNING = "does not have a `quantize` method"
 
@@ -92,6 +93,8 @@ def quantize(model, mode=None, config=None):
         ValueError: an unsupported mode, a model with LoRA adapters, or one
             already quantized.
     """
+    import keras
+
     check_quantization(mode)
     if mode is None:
         raise ValueError(f"quantize needs a mode: one of {', '.join(map(repr, QUANTIZATION_MODES))}")
@@ -117,13 +120,16 @@ def quantize(model, mode=None, config=None):
 
 def _report(model, mode):
     """Logs one line: the layers quantized, and those left float32 that hold weights; returns the latter's names."""
+    import keras
+
+    quantizable = tuple(getattr(keras.layers, name) for name in QUANTIZABLE_LAYERS)
     quantized, kept, missed = collections.Counter(), collections.Counter(), []
     for layer in _leaf_layers(model):
         if layer.quantization_mode is not None:
             quantized[type(layer).__name__] += 1
         elif layer.weights:
             kept[type(layer).__name__] += 1
-            if isinstance(layer, QUANTIZABLE_LAYERS) or any(len(w.shape) >= 2 for w in layer.weights):
+            if isinstance(layer, quantizable) or any(len(w.shape) >= 2 for w in layer.weights):
                 missed.append(f"{_relative_name(layer, model)} ({type(layer).__name__})")
     own = [weight.name for weight in model._trainable_variables + model._non_trainable_variables]
     summary = ", ".join(f"{count} {name}" for name, count in quantized.items())
@@ -137,7 +143,7 @@ def _report(model, mode):
     return missed
 
 
-def check_exportable(model, command, instead):
+def refuse_quantized(model, command, instead):
     """Refuses, in one line, to export a model that Keras quantized.
 
     Args:

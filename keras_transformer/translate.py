@@ -12,6 +12,7 @@ when it is a terminal.
 echo "A sentence." | python -m keras_transformer.translate --preset runs/small
 python -m keras_transformer.translate --preset runs/small --src test.en --output test.de --max-batch-tokens 4096
 echo "A sentence." | python -m keras_transformer.translate --preset opus_mt_en_de    # downloaded once
+echo "A sentence." | python -m keras_transformer.translate --preset runs/small --quantize int8   # Keras' int8
 ```
 """
 
@@ -144,6 +145,7 @@ def build_parser():
     parser.add_argument("--preset", required=True, help=cli.PRESET_HELP)
     add_search_arguments(parser)
     add_file_arguments(parser)
+    cli.add_quantize_argument(parser)
     cli.add_verbose_argument(parser)
     return parser
 
@@ -156,7 +158,7 @@ def main(argv=None):
         # Before loading the model, so that a refusal is immediate.
         check_file_arguments(args)
         options = search_options(args)
-        translator = Translator.from_preset(args.preset)
+        translator = Translator.from_preset(args.preset, quantize=args.quantize)
         count = translate_lines(translator, args, options=options)
     except (ValueError, OSError) as error:  # Bad input or preset: one line, no traceback.
         parser.exit(2, f"{parser.prog}: error: {error}\n")

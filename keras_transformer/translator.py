@@ -210,7 +210,8 @@ class Translator:
                 with a tokenizer, a named pretrained preset (e.g.
                 "opus_mt_en_de"), a Hugging Face Marian checkpoint directory or
                 an "hf://org/name" handle (see `TransformerModel.from_preset`).
-            **overrides: passed to `TransformerModel.from_preset`.
+            **overrides: passed to `TransformerModel.from_preset`, with
+                `quantize="int8"` for Keras' int8 (`TransformerModel.quantize`).
 
         Raises:
             ValueError: when the preset has no tokenizer (built-in preset
