@@ -967,8 +967,9 @@ class TransformerModel(keras.Model):
             the model; a preset directory's or checkpoint's tokenizer is
             `model.tokenizer` (None for an architecture preset).
         """
+        check_quantization(quantize)
         model = cls._from_preset(preset, overrides)
-        if check_quantization(quantize) is not None and model.quantization != quantize:
+        if quantize is not None and model.quantization != quantize:
             model.quantize(quantize)
         return model
 
