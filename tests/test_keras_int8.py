@@ -244,3 +244,16 @@ def test_exporters_refuse_a_keras_int8_model(tmp_path):
         with pytest.raises(ValueError, match=match):
             export(model, tmp_path / export.__name__)
         assert not (tmp_path / export.__name__).exists()
+
+
+def test_fine_tuning_refuses_an_int8_preset(quantized_preset, tmp_path):
+    from keras_transformer import training
+
+    src, tgt = tmp_path / "train.en", tmp_path / "train.de"
+    src.write_text("the cat sees a dog.\na dog likes the cat.\n")
+    tgt.write_text("die katze sieht einen hund.\nein hund mag die katze.\n")
+    with pytest.raises(training.UserInputError, match=r"--init-from .*int8 is quantized \('int8'\): its int8 "
+                                                      r"weights cannot be trained; fine-tune the float32 preset"):
+        training.run_training(tmp_path / "out", init_from=str(quantized_preset[1]), train_src=str(src),
+                              train_tgt=str(tgt), verbose=0)
+    assert not (tmp_path / "out").exists()
