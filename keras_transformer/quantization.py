@@ -109,9 +109,12 @@ def quantize(model, mode=None, config=None):
             f"quantize({mode!r}): the model is already quantized ({current!r}); quantize a float32 model "
             "(from_preset of the float32 preset)"
         )
+    from keras_transformer.search import compiled
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         keras.Model.quantize(model, mode, config=config)
+    compiled.forget(model)  # a search compiled before holds the float32 kernels
     for warning in caught:  # anything but Keras' per-layer "cannot" (reported below) is passed on
         if _KERAS_SKIP_WARNING not in str(warning.message):
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)

@@ -110,6 +110,17 @@ def test_greedy_search_runs_the_quantized_model(rng, compile):
     assert beams.dtype == np.int32 and (beams[:, 0] == START).all() and ((beams == END).sum(1) == 1).all()
 
 
+def test_a_search_compiled_before_quantize_is_not_reused(rng):
+    """`generate` on the float32 model, then `quantize`: the next search runs the int8 model, not the traced float32."""
+    model, reference = tiny_model(), quantized()
+    src = random_ids(rng, 8, 6)  # 8 rows: the segmented search on TensorFlow and JAX
+    src[:, -1] = END
+    model.generate(src, beam_size=1, max_extra_length=5)
+    model.quantize("int8")
+    np.testing.assert_array_equal(model.generate(src, beam_size=1, max_extra_length=5),
+                                  reference.generate(src, beam_size=1, max_extra_length=5))
+
+
 @pytest.fixture(scope="module")
 def quantized_preset(tmp_path_factory):
     """A float32 preset with a tokenizer, and the same model quantized and saved as a preset: (float_dir, int8_dir).
