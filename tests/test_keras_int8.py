@@ -78,14 +78,22 @@ def test_the_tied_output_projection_reads_the_int8_embedding(rng):
     src, tgt = batch(rng)
     model.logits_bias_weight.assign(np.linspace(-1, 1, model.vocabulary_size).astype("float32"))
     embedding = model.token_embedding
-    table = to_numpy(embedding._embeddings).astype("float32") / to_numpy(embedding.embeddings_scale)[:, None]  # [V, D]
     states = []  # the decoder's final states, as `_logits` receives them
     original = model._logits
     model._logits = lambda x: states.append(to_numpy(x)) or original(x)
     found = logits(model, src, tgt)
-    # Keras' int8 quantizes the states per row too: the dequantized product is within that rounding.
-    expected = states[0] @ table.T + to_numpy(model.logits_bias_weight)
-    assert np.abs(found - expected).max() < 0.02 * expected.std()
+    # NumPy reference of Keras' int8 product: the states quantized per row (AbsMaxQuantizer: scale
+    # 127 / max |x|, rounded half to even), times the int8 matrix transposed, descaled by both scales.
+    x = states[0].astype("float64")  # [B, T, D]
+    x_scale = 127.0 / (np.abs(x).max(-1, keepdims=True) + keras.backend.epsilon())
+    x_int = np.clip(np.round(x * x_scale), -127, 127)
+    table = to_numpy(embedding._embeddings).astype("float64")  # [V, D] int8 values
+    expected = (x_int @ table.T) / (x_scale * to_numpy(embedding.embeddings_scale))
+    expected += to_numpy(model.logits_bias_weight)
+    np.testing.assert_allclose(found, expected, rtol=1e-4, atol=1e-4)
+    # The same matrix (dequantized) is what the lookup reads.
+    lookup = to_numpy(embedding(np.array([[5, 9]], "int32")))[0]
+    np.testing.assert_allclose(lookup, table[[5, 9]] / to_numpy(embedding.embeddings_scale)[[5, 9], None], rtol=1e-6)
 
 
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
