@@ -171,6 +171,7 @@ def test_preset_round_trip_gives_identical_logits_and_tokens(quantized_preset, r
 
 
 def test_translator_and_the_command_translate_with_int8(quantized_preset, tmp_path, capsys):
+    from keras_transformer.evaluate import main as evaluate_main
     from keras_transformer.translate import main as translate_main
 
     float_dir, int8_dir = quantized_preset
@@ -184,6 +185,15 @@ def test_translator_and_the_command_translate_with_int8(quantized_preset, tmp_pa
     translate_main(["--preset", str(float_dir), "--quantize", "int8", "--src", str(src), "--max-extra-length", "4",
                     "--no-progress"])
     assert capsys.readouterr().out.split("\n")[:-1] == found
+    ref = tmp_path / "ref.de"
+    ref.write_text("die katze sieht einen hund.\nmein vogel mag den großen fisch.\n")
+    evaluate_main(["--preset", str(float_dir), "--quantize", "int8", "--src", str(src), "--ref", str(ref),
+                   "--max-extra-length", "4", "--json", "--no-progress"])
+    assert json.loads(capsys.readouterr().out)["quantize"] == "int8"
+    with pytest.raises(SystemExit) as error:
+        translate_main(["--preset", str(float_dir), "--quantize", "int4"])
+    assert error.value.code == 2
+    assert "error: argument --quantize: invalid choice: 'int4' (choose from 'int8')" in capsys.readouterr().err
 
 
 def test_lines_name_what_keras_cannot_quantize(caplog):
