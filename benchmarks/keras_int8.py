@@ -88,7 +88,8 @@ def run_benchmark(preset, sentences=200, time_sentences=32, batch_size=32, beam_
     sources, references = sources[:sentences], references[:sentences]
     result = {
         "backend": keras.backend.backend(), "preset": os.fspath(preset), "keras": keras.__version__,
-        "machine": platform.machine(), "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": platform.machine(), "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "sentences": len(sources), "beam_size": beam_size, "rounds": rounds, "time_sentences": time_sentences,
         "models": {},
     }
