@@ -136,6 +136,7 @@ import numpy as np
 from export import contract
 from export.contract import UnsupportedModelError, ValidationError
 from keras_transformer.presets import jsonable_config
+from keras_transformer.quantization import refuse_quantized
 from keras_transformer.tokenizer import FIRST_ORDINARY_ID
 from keras_transformer.utils import atomic_directory, check_output_directory
 
@@ -560,6 +561,7 @@ def export_ctranslate2(
     _import_ctranslate2()
 
     model = _load_model(preset)
+    refuse_quantized(model, "python -m export.ctranslate2", "--quantization int8 (CTranslate2's int8)")
     tokens = vocabulary(model)
     spec = model_spec(model, tokens)
     with atomic_directory(output) as staging:

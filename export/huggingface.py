@@ -90,6 +90,7 @@ import numpy as np
 
 from export import contract
 from export.contract import UnsupportedModelError, ValidationError
+from keras_transformer.quantization import refuse_quantized
 from keras_transformer.utils import atomic_directory, check_output_directory
 
 # Named, not __name__, so that `python -m export.huggingface` logs under the same name.
@@ -539,6 +540,7 @@ def export_huggingface(model, directory, overwrite=False, metadata=None, validat
         raise ValueError(f"validation_sentences={validation_sentences!r} must be an integer >= 1")
     output = check_output(directory, overwrite, model if isinstance(model, (str, os.PathLike)) else None)
     model, read_metadata = _load(model)
+    refuse_quantized(model, "python -m export.huggingface", None)
     metadata = read_metadata if metadata is None else metadata
     check_exportable(model)
     ids = IdMap(model)

@@ -85,6 +85,7 @@ from export.fused_step import NotFusable, build_fused_step, fused_step_weights  
 from export.graphs import graph_functions  # noqa: E402
 from export.validate import QUANTIZATIONS, validate_onnx  # noqa: E402
 from keras_transformer.utils import atomic_directory, check_output_directory  # noqa: E402
+from keras_transformer.quantization import refuse_quantized  # noqa: E402
 
 # Named, not __name__, so that `python -m export.onnx` logs under the same name.
 logger = logging.getLogger("export.onnx")
@@ -999,6 +1000,7 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
     output = check_output(output, overwrite, preset)
 
     model = _load_model(preset)
+    refuse_quantized(model, "python -m export.onnx", "--quantize int8 (ONNX Runtime's int8)")
     if with_tokenizer:
         from export.text_graph import check_text_graph_support
 

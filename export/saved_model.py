@@ -73,6 +73,7 @@ from export import contract  # noqa: E402
 from export.graphs import graph_functions  # noqa: E402
 from keras_transformer.decoding import check_search_args  # noqa: E402
 from keras_transformer.utils import atomic_directory, check_output_directory  # noqa: E402
+from keras_transformer.quantization import refuse_quantized  # noqa: E402
 
 logger = logging.getLogger("export.saved_model")
 
@@ -333,6 +334,7 @@ def export_saved_model(
     check_search_args(beam_size, length_penalty, max_extra_length)
     output = check_output(output, overwrite, preset_or_model)
     model, tokenizer = _load(preset_or_model, tokenizer)
+    refuse_quantized(model, "python -m export.saved_model", None)
 
     import tensorflow as tf
 

@@ -56,6 +56,18 @@ PRESET_HELP = (
 )
 
 
+def add_quantize_argument(parser):
+    """`--quantize int8`: the model quantized by Keras after loading (`TransformerModel.quantize`)."""
+    from keras_transformer.quantization import QUANTIZATION_MODES
+
+    parser.add_argument(
+        "--quantize", choices=QUANTIZATION_MODES, default=None,
+        help="quantize the model with Keras' int8 after loading (int8 weights, inputs quantized at run time; "
+             "a preset saved int8 is int8 without it)",
+    )
+    return parser
+
+
 def add_verbose_argument(parser):
     """Adds `--verbose` (a bool, default False) to an `argparse` parser."""
     parser.add_argument(

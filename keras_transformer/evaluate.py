@@ -4,6 +4,7 @@
 python -m keras_transformer.evaluate --preset runs/small                  # the bundled test split
 python -m keras_transformer.evaluate --preset runs/base --src newstest2014.en --ref newstest2014.de --json
 python -m keras_transformer.evaluate --preset hf://Helsinki-NLP/opus-mt-en-de --limit 100
+python -m keras_transformer.evaluate --preset runs/small --quantize int8 --limit 200    # Keras' int8
 ```
 
 Scores are detokenized sacreBLEU (13a tokenization, the library's default)
@@ -112,6 +113,7 @@ def build_parser():
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N sentences only")
     parser.add_argument("--json", action="store_true", help="print one JSON object (without the hypotheses)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cli.add_quantize_argument(parser)
     cli.add_verbose_argument(parser)
     return parser
 
@@ -138,7 +140,8 @@ def main(argv=None):
             source_name, reference_name = args.src, args.ref
         if args.limit is not None:
             sources, references = sources[: args.limit], references[: args.limit]
-        translator = Translator.from_preset(args.preset).with_languages(args.source_language, args.target_language)
+        translator = Translator.from_preset(args.preset, quantize=args.quantize).with_languages(
+            args.source_language, args.target_language)
         result = evaluate(
             translator,
             sources,
@@ -152,7 +155,7 @@ def main(argv=None):
     except (ValueError, OSError) as error:  # Bad input or preset: one line, no traceback.
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     result.pop("hypotheses")
-    result.update(preset=args.preset, src=source_name, ref=reference_name)
+    result.update(preset=args.preset, quantize=args.quantize, src=source_name, ref=reference_name)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:

@@ -28,6 +28,7 @@ from keras_transformer.layers.position import LearnedPositionEmbedding, Sinusoid
 from keras_transformer.presets import (
     CONFIG_FILE, METADATA_FILE, PRESETS, PRETRAINED_PRESETS, WEIGHTS_FILE, is_preset_directory, jsonable_config,
 )
+from keras_transformer.quantization import check_quantization
 from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
 from keras_transformer.version import __version__
 from keras_transformer.utils import atomic_directory, check_output_directory, is_integer, is_real, open_hdf5
@@ -41,7 +42,11 @@ TOKENIZER_FILE = "tokenizer.model"
 # Format 2: `value_dim=None` means hidden_dim // num_heads and `attention_window`
 # is the window's width r (see `upgrade_preset_config` for format 1).
 PRESET_FORMAT_VERSION = 2
-READABLE_PRESET_FORMATS = (1, 2)
+# Format 3: format 2 with `"quantization": "int8"` (Keras' int8 weights). Only a
+# quantized model writes it, so that an older reader refuses it by its format
+# rather than failing on its int8 arrays; float32 presets stay format 2.
+QUANTIZED_PRESET_FORMAT_VERSION = 3
+READABLE_PRESET_FORMATS = (1, 2, 3)
 # "sinusoidal" is the paper's interleaved table; "sinusoidal_halves" puts the
 # sines in the first half of the features (Marian / OPUS-MT checkpoints);
 # "sinusoidal_fairseq" is fairseq's table (NLLB-200, M2M-100): halves, other
@@ -478,7 +483,7 @@ class TransformerModel(keras.Model):
         entered = _OUTPUT_KERNEL.get()  # `transposed_output_kernel`'s [D, V] copy
         if entered is not None and entered[0] is self:
             logits = ops.matmul(x, entered[1])
-        elif (self.logits_bias and keras.backend.backend() == "torch"
+        elif (self.logits_bias and keras.backend.backend() == "torch" and self.token_embedding.quantization_mode is None
               and keras.backend.standardize_dtype(x.dtype) == "float32"):
             # One product with the bias inside, not a second [B, T, V] tensor for the sum:
             # at an OPUS-MT vocabulary (58k) that tensor is the largest of a training step.
@@ -913,6 +918,50 @@ class TransformerModel(keras.Model):
         return merged
 
     # ------------------------------------------------------------------ #
+    # Quantization
+    # ------------------------------------------------------------------ #
+    @property
+    def quantization(self):
+        """None for a float model, or the mode of `quantize` ("int8"), as a preset's config.json records it."""
+        from keras_transformer.quantization import quantization_of
+
+        return quantization_of(self)
+
+    def quantize(self, mode=None, config=None, **kwargs):
+        """Keras' int8 quantization, in place: the projections and the shared embedding get int8 weights.
+
+        Keras' `Model.quantize` on every `Dense` (W^Q, W^K, W^V, W^O, W_1,
+        W_2: an int8 kernel, one scale per output column) and on the shared
+        embedding matrix (int8 `[V, D]`, one scale per token), whose tie with
+        the pre-softmax projection is kept (`keras_transformer.quantization`
+        says why); inputs are quantized per row at run time. The layer norms,
+        biases, positions and the logits bias stay float32; one log line says
+        what was quantized and what was not (a warning when a layer of weight
+        matrices was left float32). `generate`, `Translator` and
+        `save_to_preset` take the quantized model on every backend; the
+        exporters refuse it (they quantize float32 weights themselves).
+
+        Args:
+            mode: "int8" (the one mode supported here).
+            config: optional `keras.quantizers.QuantizationConfig`.
+
+        Example:
+        >>> model = TransformerModel.from_preset("tiny")
+        >>> model.quantize("int8")
+        >>> model.quantization, model.token_embedding.embeddings.dtype
+        ('int8', 'int8')
+
+        Raises:
+            ValueError: another mode, a model with LoRA adapters (quantize
+                `merge_lora()`'s model), or one already quantized.
+        """
+        from keras_transformer import quantization
+
+        if kwargs:
+            raise ValueError(f"quantize: unknown argument(s) {sorted(kwargs)}; it takes mode and config")
+        quantization.quantize(self, mode, config=config)
+
+    # ------------------------------------------------------------------ #
     # Config, presets
     # ------------------------------------------------------------------ #
     def get_config(self):
@@ -956,7 +1005,7 @@ class TransformerModel(keras.Model):
         return cls(**config)
 
     @classmethod
-    def from_preset(cls, preset, **overrides):
+    def from_preset(cls, preset, quantize=None, **overrides):
         """A built-in preset, a directory from `save_to_preset`, or a pretrained checkpoint.
 
         Args:
@@ -973,11 +1022,21 @@ class TransformerModel(keras.Model):
                 checkpoint takes only those that keep its weights' meaning
                 (dropout, attention_dropout, use_fused_attention,
                 max_sequence_length, dtype, name).
+            quantize: None, or "int8": the model quantized after loading
+                (`quantize`). A preset saved quantized is loaded int8 either way.
 
         Returns:
             the model; a preset directory's or checkpoint's tokenizer is
             `model.tokenizer` (None for an architecture preset).
         """
+        check_quantization(quantize)
+        model = cls._from_preset(preset, overrides)
+        if quantize is not None and model.quantization != quantize:
+            model.quantize(quantize)
+        return model
+
+    @classmethod
+    def _from_preset(cls, preset, overrides):
         from keras_transformer import convert
 
         allowed = set(_constructor_args())
@@ -1015,10 +1074,13 @@ class TransformerModel(keras.Model):
                 directory); a directory of other files is refused.
 
         A LoRA model (`enable_lora`) is written merged (`merge_lora`): an
-        ordinary preset, with no adapters in its config or weights.
+        ordinary preset, with no adapters in its config or weights. A
+        quantized model (`quantize`) is written with its int8 weights and
+        `"quantization": "int8"` in config.json (format 3).
         """
         if self.lora_enabled:
             return self.merge_lora().save_to_preset(directory, tokenizer, metadata, overwrite)
+        quantization = self.quantization
         directory = check_output_directory(
             directory, overwrite, is_preset_directory, "a preset directory (save_to_preset)", flag="overwrite=True"
         )
@@ -1027,11 +1089,13 @@ class TransformerModel(keras.Model):
             config = {
                 "module": "keras_transformer",
                 "class_name": type(self).__name__,
-                "format_version": PRESET_FORMAT_VERSION,
+                "format_version": QUANTIZED_PRESET_FORMAT_VERSION if quantization else PRESET_FORMAT_VERSION,
                 "keras_transformer_version": __version__,
                 "keras_version": keras.__version__,
                 "config": jsonable_config(self.get_config()),
             }
+            if quantization:  # `from_preset` quantizes the layers before loading the int8 weights
+                config["quantization"] = quantization
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             self.save_weights(str(staging / WEIGHTS_FILE))
             if tokenizer is not None:
@@ -1129,10 +1193,13 @@ def _load_preset_directory(cls, directory, overrides):
                 f"written by save_to_preset holds {CONFIG_FILE} and {WEIGHTS_FILE}."
             )
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    config = {**_read_preset_config(cls, config_path), **overrides}
+    config, quantization = _read_preset_config(cls, config_path, with_quantization=True)
+    config = {**config, **overrides}
     config.pop("name", None)
     try:
         model = cls.from_config(config)
+        if quantization:  # the int8 layers (their variables) first, then the file's int8 weights
+            model.quantize(quantization)
     except (TypeError, ValueError) as error:
         where = f"{config_path} with overrides {sorted(overrides)}" if overrides else str(config_path)
         raise ValueError(f"Cannot build a {cls.__name__} from {where}: {error}") from None
@@ -1151,8 +1218,11 @@ def _load_preset_directory(cls, directory, overrides):
     return model
 
 
-def _read_preset_config(cls, path):
+def _read_preset_config(cls, path, with_quantization=False):
     """The constructor arguments stored in a preset's config.json, checked for shape.
+
+    With `with_quantization`: `(arguments, quantization)`, the latter None
+    or "int8" (format 3).
 
     Raises:
         ValueError: naming `path`: not UTF-8, not JSON, not an object, another
@@ -1189,7 +1259,20 @@ def _read_preset_config(cls, path):
     unknown = sorted(set(config) - set(_constructor_args()) - {"trainable"})
     if unknown:
         raise ValueError(f"{path}: unknown {cls.__name__} argument(s) {unknown}")
-    return upgrade_preset_config(config, saved["format_version"])
+    config = upgrade_preset_config(config, saved["format_version"])
+    if not with_quantization:
+        return config
+    quantization = saved.get("quantization")
+    if (quantization is None) != (saved["format_version"] != QUANTIZED_PRESET_FORMAT_VERSION):
+        raise ValueError(
+            f"{path} has format_version={saved['format_version']} and quantization={quantization!r}: "
+            f"format {QUANTIZED_PRESET_FORMAT_VERSION} (and only it) records a quantization"
+        )
+    try:
+        check_quantization(quantization, name="quantization")
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    return config, quantization
 
 
 def upgrade_preset_config(config, format_version):

@@ -1394,7 +1394,7 @@ def _import_model(config):
     the model that is trained from its config and weights.
 
     Raises:
-        BadArgumentError: the model has no tokenizer, `max_length` is longer
+        BadArgumentError: the model is quantized, has no tokenizer, `max_length` is longer
             than its positions reach, or an hf:// handle needs the [hub]
             extra. What `from_preset` refuses (a checkpoint it cannot import,
             an override the checkpoint does not allow, an hf:// handle that
@@ -1407,6 +1407,11 @@ def _import_model(config):
         model = TransformerModel.from_preset(init_from, **dict(config.model_overrides or {}))
     except ModuleNotFoundError as error:  # an hf:// handle without the [hub] extra: its message says what to install
         raise BadArgumentError(str(error)) from None
+    if model.quantization is not None:
+        raise BadArgumentError(
+            f"--init-from {init_from} is quantized ({model.quantization!r}): its int8 weights cannot be trained; "
+            "fine-tune the float32 preset it was quantized from"
+        )
     if model.tokenizer is None:
         raise BadArgumentError(
             f"--init-from {init_from} has no tokenizer: a model is fine-tuned with the tokenizer it was trained "

@@ -13,6 +13,7 @@ echo "A sentence." | python -m keras_transformer.translate --preset runs/small
 python -m keras_transformer.translate --preset runs/small --src test.en --output test.de --max-batch-tokens 4096
 echo "A sentence." | python -m keras_transformer.translate --preset opus_mt_en_de    # downloaded once
 echo "A sentence." | python -m keras_transformer.translate --preset nllb-dir --source-language eng_Latn --target-language fra_Latn
+echo "A sentence." | python -m keras_transformer.translate --preset runs/small --quantize int8   # Keras' int8
 ```
 """
 
@@ -146,6 +147,7 @@ def build_parser():
     add_language_arguments(parser)
     add_search_arguments(parser)
     add_file_arguments(parser)
+    cli.add_quantize_argument(parser)
     cli.add_verbose_argument(parser)
     return parser
 
@@ -167,7 +169,8 @@ def main(argv=None):
         # Before loading the model, so that a refusal is immediate.
         check_file_arguments(args)
         options = search_options(args)
-        translator = Translator.from_preset(args.preset).with_languages(args.source_language, args.target_language)
+        translator = Translator.from_preset(args.preset, quantize=args.quantize).with_languages(
+            args.source_language, args.target_language)
         count = translate_lines(translator, args, options=options)
     except (ValueError, OSError) as error:  # Bad input or preset: one line, no traceback.
         parser.exit(2, f"{parser.prog}: error: {error}\n")

@@ -212,7 +212,8 @@ class Translator:
                 directory or an "hf://org/name" handle (see
                 `TransformerModel.from_preset`; an NLLB model translates with
                 `source_language=` and `target_language=`).
-            **overrides: passed to `TransformerModel.from_preset`.
+            **overrides: passed to `TransformerModel.from_preset`, with
+                `quantize="int8"` for Keras' int8 (`TransformerModel.quantize`).
 
         Raises:
             ValueError: when the preset has no tokenizer (built-in preset

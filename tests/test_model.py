@@ -292,9 +292,9 @@ def test_format_1_preset_loads_as_the_same_model(tmp_path, rng):
 def test_unknown_preset_format_is_refused(tmp_path):
     tiny_model().save_to_preset(tmp_path / "p")
     saved = json.loads((tmp_path / "p" / "config.json").read_text())
-    saved["format_version"] = 3
+    saved["format_version"] = 4
     (tmp_path / "p" / "config.json").write_text(json.dumps(saved))
-    with pytest.raises(ValueError, match="format_version=3; this version of keras_transformer reads formats 1, 2"):
+    with pytest.raises(ValueError, match="format_version=4; this version of keras_transformer reads formats 1, 2, 3"):
         kt.TransformerModel.from_preset(str(tmp_path / "p"))
 
 

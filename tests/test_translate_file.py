@@ -298,7 +298,7 @@ def test_translate_cli_streams_src_to_output_or_stdout(preset, tokenizer, tmp_pa
     engine = RecordingCopy(tokenizer.vocabulary_size)
     translator = Translator(engine, tokenizer)
     # The command's plumbing, with a stand-in engine (loading a preset is tested in test_translator.py).
-    monkeypatch.setattr(Translator, "from_preset", classmethod(lambda cls, name: translator))
+    monkeypatch.setattr(Translator, "from_preset", classmethod(lambda cls, name, quantize=None: translator))
     lines = LINES[:9]
     src, out = _write(tmp_path / "in.en.gz", lines), tmp_path / "out.de"
     search = ["--beam-size", "1", "--max-extra-length", "2"]

@@ -222,8 +222,8 @@ def test_evaluate_cli_json_keys(preset, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert set(result) == {"bleu", "chrf", "bleu_signature", "chrf_signature", "bleu_details", "chrf_details",
                            "sentences",
-                           "beam_size", "length_penalty", "preset", "src", "ref"}
-    assert result["sentences"] == 2 and result["beam_size"] == 1
+                           "beam_size", "length_penalty", "preset", "quantize", "src", "ref"}
+    assert result["sentences"] == 2 and result["beam_size"] == 1 and result["quantize"] is None
     assert 0.0 <= result["bleu"] <= 100.0 and 0.0 <= result["chrf"] <= 100.0
 
 

@@ -41,3 +41,12 @@ class Dense(keras.layers.Dense):
         if self.activation is not None:
             x = self.activation(x)
         return x
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Keras' `Dense.quantize`, which refuses subclasses (`type_check`): this one changes no weight.
+
+        The int8 path (`Dense._int8_call`, dispatched by Keras for a
+        quantized layer) never reaches `call` above, so the layer is Keras'
+        own quantized Dense.
+        """
+        return super().quantize(mode, type_check=False, config=config)

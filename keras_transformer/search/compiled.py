@@ -63,6 +63,19 @@ def _cache_for(model, key, build):
     return per_model[key]
 
 
+def forget(model):
+    """Drops what was compiled for `model`: after its variables change (`TransformerModel.quantize`).
+
+    The compiled searches hold the model's variable list (JAX) or graphs
+    traced over its layers' old code paths (TensorFlow, PyTorch's captured
+    steps); the next search compiles again.
+    """
+    try:
+        _COMPILED.pop(model, None)
+    except TypeError:  # not weak-referenceable: never cached
+        pass
+
+
 def compiled_search(model):
     """The whole search compiled for `model`, which exposes Keras `variables`.
 
