@@ -540,8 +540,9 @@ class TransformerModel(keras.Model):
     # ------------------------------------------------------------------ #
     # Training steps (fused_training: the output projection and the loss together)
     # ------------------------------------------------------------------ #
-    # False: every training step builds the logits and calls the compiled loss (Keras' own path).
-    fuse_output_loss = True
+    # "auto": fused on JAX and PyTorch, Keras' own path on TensorFlow (fused_training.why_not_fused);
+    # True: fused wherever the compiled loss and metrics allow; False: never (the logits, then the compiled loss).
+    fuse_output_loss = "auto"
 
     def train_step(self, *args, **kwargs):
         with fused_training.step_scope(self):

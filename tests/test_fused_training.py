@@ -91,6 +91,7 @@ def test_the_step_is_fused_and_other_calls_give_logits(monkeypatch):
 ])
 def test_keras_path_when_the_step_cannot_be_fused(change, reason):
     model = tiny_model()
+    model.fuse_output_loss = True
     training.compile_model(model)
     assert fused_training.why_not_fused(model) is None
     change(model)
@@ -100,8 +101,19 @@ def test_keras_path_when_the_step_cannot_be_fused(change, reason):
     assert np.isfinite(logs["loss"])
 
 
+def test_auto_fuses_except_on_tensorflow():
+    model = tiny_model()
+    training.compile_model(model)
+    reason = fused_training.why_not_fused(model)
+    if keras.backend.backend() == "tensorflow":
+        assert "'auto'" in reason
+    else:
+        assert reason is None
+
+
 def test_per_token_losses_are_not_fused():
     model = tiny_model()
+    model.fuse_output_loss = True
     model.compile(optimizer="adam", loss=LabelSmoothedCrossEntropy(reduction="none"))
     assert "'none'" in fused_training.why_not_fused(model)
 
@@ -109,6 +121,7 @@ def test_per_token_losses_are_not_fused():
 def test_a_frozen_embedding_stays_frozen():
     x, y = _batches(count=1)[0]
     model = tiny_model()
+    model.fuse_output_loss = True
     model.token_embedding.trainable = False
     training.compile_model(model)
     before = to_numpy(model.token_embedding.embeddings)
