@@ -127,3 +127,12 @@ def test_a_frozen_embedding_stays_frozen():
     before = to_numpy(model.token_embedding.embeddings)
     model.train_on_batch(x, y)
     np.testing.assert_array_equal(to_numpy(model.token_embedding.embeddings), before)
+
+
+def test_mixed_bfloat16_steps_agree():
+    """bfloat16 products, float32 loss: the fused step within bfloat16's rounding of Keras' step."""
+    batches = _batches()
+    _, fused_logs = _train(True, batches, dtype="mixed_bfloat16")
+    _, plain_logs = _train(False, batches, dtype="mixed_bfloat16")
+    for a, b in zip(fused_logs, plain_logs):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=2e-2)
