@@ -28,7 +28,9 @@ import logging
 import pathlib
 
 from keras_transformer.convert import HF_CONFIG_FILE, CheckpointError, read_hf_config
-from keras_transformer.convert.weights import WeightWalk, config_field, read_json, read_safetensors, same_as
+from keras_transformer.convert.weights import (
+    WeightWalk, check_all_used, check_overrides, config_field, port_layers, read_json, read_safetensors, same_as,
+)
 from keras_transformer.nllb_tokenizer import FAIRSEQ_OFFSET, FAIRSEQ_SPECIALS, SPM_FILE, NllbTokenizer
 
 logger = logging.getLogger(__name__)
@@ -169,24 +171,10 @@ def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
     walk.port_weight(model.token_embedding.embeddings, embeddings_key, lambda table: table[rows])
     for key in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
         same_as(walk, key, shared, embeddings_key + " (they are tied in M2M-100)")
-    for i, layer in enumerate(model.encoder_layers):
-        key = f"model.encoder.layers.{i}"
-        walk.port_attention(layer.self_attention, layer.self_attention_norm, f"{key}.self_attn",
-                            f"{key}.self_attn_layer_norm")
-        walk.port_feedforward(layer, key)
-    for i, layer in enumerate(model.decoder_layers):
-        key = f"model.decoder.layers.{i}"
-        walk.port_attention(layer.self_attention, layer.self_attention_norm, f"{key}.self_attn",
-                            f"{key}.self_attn_layer_norm")
-        walk.port_attention(layer.cross_attention, layer.cross_attention_norm, f"{key}.encoder_attn",
-                            f"{key}.encoder_attn_layer_norm")
-        walk.port_feedforward(layer, key)
+    port_layers(walk, model)
     walk.port_norm(model.encoder_final_norm, "model.encoder.layer_norm")
     walk.port_norm(model.decoder_final_norm, "model.decoder.layer_norm")
-    unused = sorted(set(tensors) - walk.used)
-    if unused:
-        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-        raise CheckpointError(f"{source} has tensors the converted model does not use: {shown}")
+    check_all_used(walk, tensors, source)
 
 
 def load(cls, directory, overrides):
@@ -194,12 +182,7 @@ def load(cls, directory, overrides):
     directory = pathlib.Path(directory)
     config = read_hf_config(directory)
     arguments = convert_config(config, directory / HF_CONFIG_FILE)
-    refused = sorted(set(overrides) - set(ALLOWED_OVERRIDES))
-    if refused:
-        raise CheckpointError(
-            f"Cannot override {refused} of the pretrained checkpoint {directory} (its weights fix them); "
-            f"allowed: {', '.join(ALLOWED_OVERRIDES)}"
-        )
+    check_overrides(directory, overrides, ALLOWED_OVERRIDES)
     tokenizer = convert_tokenizer(directory, config)
     tensors = read_safetensors(directory)
     # One more row than the checkpoint's: the decoder's start token, apart from </s> (see NllbTokenizer).

@@ -28,7 +28,9 @@ import pathlib
 import numpy as np
 
 from keras_transformer.convert import HF_CONFIG_FILE, CheckpointError, read_hf_config
-from keras_transformer.convert.weights import WeightWalk, config_field, read_json, read_safetensors, same_as
+from keras_transformer.convert.weights import (
+    WeightWalk, check_all_used, check_overrides, config_field, port_layers, read_json, read_safetensors, same_as,
+)
 from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, VOCAB_FILE, MarianTokenizer
 
 logger = logging.getLogger(__name__)
@@ -161,22 +163,8 @@ def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
             # differ by float32's resolution (~3e-5); another layout would differ by ~1.
             same_as(walk, f"model.{side}.embed_positions.weight", np.concatenate([table[:length], stored[length:]]),
                      "the sin|cos-halves sinusoids from position 0", tolerance=1e-4)
-    for i, layer in enumerate(model.encoder_layers):
-        key = f"model.encoder.layers.{i}"
-        walk.port_attention(layer.self_attention, layer.self_attention_norm, f"{key}.self_attn",
-                            f"{key}.self_attn_layer_norm")
-        walk.port_feedforward(layer, key)
-    for i, layer in enumerate(model.decoder_layers):
-        key = f"model.decoder.layers.{i}"
-        walk.port_attention(layer.self_attention, layer.self_attention_norm, f"{key}.self_attn",
-                            f"{key}.self_attn_layer_norm")
-        walk.port_attention(layer.cross_attention, layer.cross_attention_norm, f"{key}.encoder_attn",
-                            f"{key}.encoder_attn_layer_norm")
-        walk.port_feedforward(layer, key)
-    unused = sorted(set(tensors) - walk.used)
-    if unused:
-        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
-        raise CheckpointError(f"{source} has tensors the converted model does not use: {shown}")
+    port_layers(walk, model)
+    check_all_used(walk, tensors, source)
 
 
 def load(cls, directory, overrides):
@@ -184,12 +172,7 @@ def load(cls, directory, overrides):
     directory = pathlib.Path(directory)
     config = read_hf_config(directory)
     arguments = convert_config(config, directory / HF_CONFIG_FILE)
-    refused = sorted(set(overrides) - set(ALLOWED_OVERRIDES))
-    if refused:
-        raise CheckpointError(
-            f"Cannot override {refused} of the pretrained checkpoint {directory} (its weights fix them); "
-            f"allowed: {', '.join(ALLOWED_OVERRIDES)}"
-        )
+    check_overrides(directory, overrides, ALLOWED_OVERRIDES)
     tokenizer = convert_tokenizer(directory, config)
     tensors = read_safetensors(directory)
     # One more row than Marian's vocabulary when the decoder starts from <pad> (see MarianTokenizer).

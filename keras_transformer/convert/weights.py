@@ -123,3 +123,41 @@ def same_as(walk, key, reference, what, tolerance=0.0):
         value = walk.tensors[key]
         if value.shape != reference.shape or not np.allclose(value, reference, atol=tolerance, rtol=0):
             raise CheckpointError(f"{walk.source}: {key} differs from {what}; TransformerModel cannot express that")
+
+
+def port_layers(walk, model):
+    """Ports every encoder and decoder layer of `model` from Hugging Face's BART-family names (Marian, M2M-100)."""
+    for i, layer in enumerate(model.encoder_layers):
+        key = f"model.encoder.layers.{i}"
+        walk.port_attention(layer.self_attention, layer.self_attention_norm, f"{key}.self_attn",
+                            f"{key}.self_attn_layer_norm")
+        walk.port_feedforward(layer, key)
+    for i, layer in enumerate(model.decoder_layers):
+        key = f"model.decoder.layers.{i}"
+        walk.port_attention(layer.self_attention, layer.self_attention_norm, f"{key}.self_attn",
+                            f"{key}.self_attn_layer_norm")
+        walk.port_attention(layer.cross_attention, layer.cross_attention_norm, f"{key}.encoder_attn",
+                            f"{key}.encoder_attn_layer_norm")
+        walk.port_feedforward(layer, key)
+
+
+def check_all_used(walk, tensors, source):
+    """Refuses a checkpoint with tensors the walk did not port: every weight has a home or the import stops."""
+    from keras_transformer.convert import CheckpointError
+
+    unused = sorted(set(tensors) - walk.used)
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise CheckpointError(f"{source} has tensors the converted model does not use: {shown}")
+
+
+def check_overrides(directory, overrides, allowed):
+    """Refuses constructor overrides that would change what a pretrained checkpoint's weights mean."""
+    from keras_transformer.convert import CheckpointError
+
+    refused = sorted(set(overrides) - set(allowed))
+    if refused:
+        raise CheckpointError(
+            f"Cannot override {refused} of the pretrained checkpoint {directory} (its weights fix them); "
+            f"allowed: {', '.join(allowed)}"
+        )
