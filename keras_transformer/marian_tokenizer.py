@@ -38,7 +38,7 @@ import numpy as np
 import sentencepiece as spm
 
 from keras_transformer.token_ids import END_ID, FIRST_ORDINARY_ID, PAD_ID, START_ID, UNK_ID, id_sequences
-from keras_transformer.utils import atomic_path
+from keras_transformer.utils import write_bytes_atomically
 
 SOURCE_SPM = "source.spm"
 TARGET_SPM = "target.spm"
@@ -272,10 +272,7 @@ class MarianTokenizer:
             SPECIALS_FILE: (json.dumps(self.specials(), indent=2, sort_keys=True) + "\n").encode("utf-8"),
         }
         for name, data in contents.items():
-            with atomic_path(os.path.join(directory, name)) as temporary, open(temporary, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            write_bytes_atomically(os.path.join(directory, name), data)
         return directory
 
     @classmethod

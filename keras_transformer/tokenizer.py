@@ -30,7 +30,7 @@ from keras_transformer.token_ids import (  # noqa: F401 (re-exported: the specia
     UNK_ID,
     id_sequences,
 )
-from keras_transformer.utils import atomic_path
+from keras_transformer.utils import write_bytes_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -392,12 +392,7 @@ class Tokenizer:
         """
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, TOKENIZER_FILENAME)
-        with atomic_path(path) as temporary, open(temporary, "wb") as f:
-            f.write(self._proto)
-            f.flush()
-            os.fsync(f.fileno())
-        return path
+        return write_bytes_atomically(os.path.join(directory, TOKENIZER_FILENAME), self._proto)
 
     @classmethod
     def load(cls, directory):

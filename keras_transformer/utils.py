@@ -83,6 +83,15 @@ def atomic_path(path, suffix="", replace_stale=False):
         raise
 
 
+def write_bytes_atomically(path, data):
+    """Writes `data` to `path` through `atomic_path`, flushed to disk before the rename."""
+    with atomic_path(path) as temporary, open(temporary, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
 def check_output_directory(output, overwrite, is_replaceable, what, source=None, flag="overwrite=True (--overwrite)"):
     """Refuses an `output` directory that must not be written; returns it as a `pathlib.Path`.
 
