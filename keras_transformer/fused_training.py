@@ -21,11 +21,9 @@ A step takes Keras' own path (`why_not_fused` says why) when the model was
 compiled with another loss or metric, a reduction of `"none"`, a quantized or
 soft-capped embedding, under a `keras.distribution` (the chunks would cut
 across its sharded batch), or when `model.fuse_output_loss` is False. Its
-default, "auto", fuses on PyTorch, where the fused step was faster and 0.7
-GB smaller at the OPUS-MT base shape; not on TensorFlow, where it was 3-7%
-slower for 0.4 GB less, nor on JAX, where it was faster and 1.0 GB smaller
-in the benchmark but the test suite's training tests ran far slower (not yet
-explained). `True` fuses on every backend.
+default, "auto", fuses on PyTorch and JAX, where the fused step was faster
+and 0.7-1.0 GB smaller at the OPUS-MT base shape; not on TensorFlow, where it
+was 3-7% slower for 0.4 GB less. `True` fuses on every backend.
 """
 
 import contextlib
@@ -70,12 +68,11 @@ def why_not_fused(model):
     fuse = getattr(model, "fuse_output_loss", "auto")
     if fuse is False:
         return "fuse_output_loss is False"
-    if fuse == "auto" and keras.backend.backend() != "torch":
+    if fuse == "auto" and keras.backend.backend() == "tensorflow":
         # Measured on the 2-core CPU (benchmarks.finetune, 2026-12-06): the chunk loop made TensorFlow's step
         # 3-7% slower (base and small, 2,000 and 8,000 tokens) for 0.4 GB less at base 2,000; JAX and PyTorch
-        # were faster fused, and 0.7-1.0 GB smaller. On JAX the test suite's training tests ran far slower fused
-        # (not yet explained), so "auto" fuses on PyTorch only until that is understood.
-        return "fuse_output_loss is 'auto', which fuses on PyTorch only (set it to True to fuse here)"
+        # were faster fused, and 0.7-1.0 GB smaller.
+        return "fuse_output_loss is 'auto', which fuses on PyTorch and JAX, not TensorFlow (True fuses here)"
     if not isinstance(getattr(model, "loss", None), LabelSmoothedCrossEntropy):
         return "the compiled loss is not LabelSmoothedCrossEntropy"
     if model.loss.reduction in (None, "none"):

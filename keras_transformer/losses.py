@@ -131,8 +131,9 @@ def fused_output_losses(hidden, embeddings, bias, labels, weights, mask, eps, ch
             padding; the sample weight otherwise).
         mask: float32 `[N]`: 1 for the tokens whose accuracy counts.
         eps: float, the label smoothing.
-        chunk_rows: int, rows per chunk; by default about
-            `FUSED_CHUNK_ELEMENTS / V`.
+        chunk_rows: int, the most rows per chunk; by default about
+            `FUSED_CHUNK_ELEMENTS / V`. The rows are split into equal
+            chunks of at most that many.
         embedding_gradient: bool; False skips the `[V, D]` gradient of
             `embeddings` (a frozen matrix, as under LoRA) and gives zeros.
 
@@ -231,8 +232,15 @@ def _add_at_gold(values, labels, amounts):
 def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, eps, chunk_rows, embedding_gradient):
     """TensorFlow and JAX: one `while_loop` over the chunks, in a custom gradient."""
     vocabulary_size, width = embeddings.shape
-    count = ops.shape(hidden)[0]
+    count = ops.shape(hidden)[0]  # an int, or a scalar tensor where TensorFlow traced an unknown row count
     chunks = (count + chunk_rows - 1) // chunk_rows
+    # Equal chunks of at most `chunk_rows` rows, so that the padding is under one row per chunk: one
+    # chunk of `chunk_rows` would pad a small batch to 2^24 / V rows (838,860 rows of a 20-entry
+    # vocabulary: a tiny model's step ran 20x slower on JAX).
+    if isinstance(count, int):
+        chunk_rows = (count + chunks - 1) // chunks if chunks else chunk_rows
+    else:
+        chunk_rows = ops.maximum((count + chunks - 1) // ops.maximum(chunks, 1), 1)
     padding = chunks * chunk_rows - count
     # Padded rows weigh 0, so they add nothing to the sums or the gradients.
     labels = ops.pad(ops.cast(labels, "int32"), [[0, padding]])

@@ -540,7 +540,7 @@ class TransformerModel(keras.Model):
     # ------------------------------------------------------------------ #
     # Training steps (fused_training: the output projection and the loss together)
     # ------------------------------------------------------------------ #
-    # "auto": fused on PyTorch, Keras' own path on TensorFlow and JAX (fused_training.why_not_fused);
+    # "auto": fused on PyTorch and JAX, Keras' own path on TensorFlow (fused_training.why_not_fused);
     # True: fused wherever the compiled loss and metrics allow; False: never (the logits, then the compiled loss).
     fuse_output_loss = "auto"
 

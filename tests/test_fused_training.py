@@ -12,7 +12,10 @@ from keras_transformer.losses import LabelSmoothedCrossEntropy
 def _batches(seed=0, count=3):
     rng = np.random.default_rng(seed)
     batches = []
-    for length in (7, 5, 9)[:count]:
+    # On TensorFlow a second shape retraces the step with an unknown row count (the loss's chunks are then
+    # sized at run time); JAX and PyTorch run the same code at any shape, and JAX compiles each one (slow).
+    lengths = (7, 5, 9) if keras.backend.backend() == "tensorflow" else (7, 7, 7)
+    for length in lengths[:count]:
         source = random_ids(rng, 4, length + 1)
         target = random_ids(rng, 4, length + 1)
         target[1, length - 2:] = 0  # padding in the targets
@@ -105,7 +108,7 @@ def test_auto_fuses_except_on_tensorflow():
     model = tiny_model()
     training.compile_model(model)
     reason = fused_training.why_not_fused(model)
-    if keras.backend.backend() != "torch":
+    if keras.backend.backend() == "tensorflow":
         assert "'auto'" in reason
     else:
         assert reason is None
