@@ -472,7 +472,7 @@ def _versions():
 
 
 def table(results):
-    """The README table: one row per (shape, budget, contender)."""
+    """benchmarks/README.md's table: one row per (shape, budget, contender)."""
     lines = ["| shape | budget | precision | contender | target tokens/s | ratio to HF | s/step | MFU | peak RSS (MB) | "
              "loss difference |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     peak = results["matmul_peak_gflops"] * 1e9

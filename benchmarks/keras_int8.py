@@ -128,7 +128,7 @@ def run_benchmark(preset, sentences=200, time_sentences=32, batch_size=32, beam_
 
 
 def table_row(result):
-    """One markdown row of the README's table for `result`."""
+    """One markdown row of benchmarks/README.md's table for `result`."""
     f32, i8 = result["models"]["float32"], result["models"]["int8"]
     settings = [key[len("int8_over_float32_"):] for key in result if key.startswith("int8_over_float32_")]
     times = " | ".join(

@@ -29,7 +29,7 @@ class InPlaceAdam(keras.optimizers.Adam):
     `amsgrad` is not supported (the paper does not use it).
 
     Args:
-        As `keras.optimizers.Adam`, without `amsgrad`.
+        *args, **kwargs: as `keras.optimizers.Adam`, without `amsgrad`.
 
     Example:
     >>> optimizer = InPlaceAdam(learning_rate=1e-4, beta_1=0.9, beta_2=0.98, epsilon=1e-9)

@@ -343,8 +343,8 @@ class Translator:
                 when sampling. Defaults to 1.
             seed: int in `[0, 2^31 - 2]`: the same seed, the same samples
                 (on every backend and on ONNX Runtime).
-            patience: None (the default: the exact beam search) or a number
-                > 0: a row stops once `round(beam_size * patience)`
+            patience: None (the default: the exact beam search) or a
+                number > 0: a row stops once `round(beam_size * patience)`
                 hypotheses ended, as CTranslate2 (`generation.generate`).
             options: None, or a `SearchOptions` holding the search options
                 (`beam_size`, `length_penalty`, `max_extra_length`,
@@ -434,8 +434,8 @@ class Translator:
         Args:
             texts: list of non-empty str (a single str is a list of one).
             num_hypotheses: int >= 1, at most `beam_size` unless sampling.
-            beam_size, batch_size, length_penalty, max_extra_length,
-            progress, max_batch_tokens, target_prefix, sampling_topk,
+            beam_size, batch_size, length_penalty, max_extra_length: as `translate`.
+            progress, max_batch_tokens, target_prefix, sampling_topk: as `translate`.
             sampling_topp, sampling_temperature, seed, patience: as `translate`.
             options: as `translate`; with it, its `num_hypotheses` (None: 1)
                 instead of the keyword.
@@ -450,9 +450,9 @@ class Translator:
             hypotheses) is left out.
 
         Raises:
-            ValueError: naming the argument (an empty text, `num_hypotheses
-            > beam_size`, a prefix too long, ...), before anything is
-            translated.
+            ValueError: naming the argument (an empty text,
+                `num_hypotheses > beam_size`, a prefix too long, ...), before
+                anything is translated.
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         texts = _texts(texts, "texts")
@@ -502,8 +502,8 @@ class Translator:
                 `DEFAULT_WINDOW`.
             total: int or None, the number of sentences, for the progress
                 bar's ETA.
-            beam_size, batch_size, length_penalty, max_extra_length,
-            progress, max_batch_tokens, sampling_topk, sampling_topp,
+            beam_size, batch_size, length_penalty, max_extra_length: as `translate`.
+            progress, max_batch_tokens, sampling_topk, sampling_topp: as `translate`.
             sampling_temperature, seed, patience, options: as `translate`.
             split_sentences: as `translate`: each text of the stream is cut
                 into sentences and rebuilt (`window` counts texts; the
@@ -568,10 +568,9 @@ class Translator:
             overwrite: bool, replace an existing `out_path`.
             progress: bool, a tqdm progress bar on stderr (sentences/s;
                 with the total for a file).
-            beam_size, batch_size, length_penalty, max_extra_length,
-            max_batch_tokens, window, sampling_topk, sampling_topp,
-            sampling_temperature, seed, patience, options: as
-            `translate_iterable`.
+            beam_size, batch_size, length_penalty, max_extra_length: as `translate_iterable`.
+            max_batch_tokens, window, sampling_topk, sampling_topp: as `translate_iterable`.
+            sampling_temperature, seed, patience, options: as `translate_iterable`.
             split_sentences: as `translate`: each line may hold several
                 sentences; it is translated sentence by sentence and
                 written back as one line.

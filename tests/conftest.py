@@ -129,6 +129,7 @@ def pytest_report_header(config):
 PROCESS_TESTS_BACKEND = os.environ.get("KT_PROCESS_TESTS_BACKEND", "tensorflow")
 BACKEND_INDEPENDENT = {
     "test_datasets.py": ["*"],
+    "test_docs.py": ["*"],
     "test_documents.py": ["test_split_*", "test_cut_*", "test_sentence_*", "test_lines_*"],
     "test_tokenizer.py": ["*"],
     "test_data.py": ["*"],

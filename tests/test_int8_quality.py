@@ -10,7 +10,7 @@ quality rather than by atol. Two modes:
   translates badly (chrF about 10), so this run only guards against a broken
   quantization (int8 much worse than float32);
 - `KT_INT8_PRESET=DIR` (e.g. the Quick start's `runs/small`): a trained model
-  on the whole test split; this is the measurement reported in the README:
+  on the whole test split; this is the measurement reported in docs/corpus.md:
 
     KT_INT8_PRESET=runs/small KERAS_BACKEND=tensorflow python -m pytest -s tests/test_int8_quality.py
 

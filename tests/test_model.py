@@ -207,7 +207,7 @@ def test_parameter_counts_match_closed_form(preset, dims, paper_millions):
     model = kt.TransformerModel.from_preset(preset)
     expected = closed_form_parameter_count(*dims)
     assert model.count_params() == expected
-    # Within 4% of the paper's rounded figure (see README for the difference).
+    # Within 4% of the paper's rounded figure (docs/presets.md explains the difference).
     assert abs(expected / 1e6 - paper_millions) / paper_millions < 0.04
 
 

@@ -155,9 +155,9 @@ def generate(
         compile: bool. Compile the search where possible (see above);
             `False` runs eagerly. Both give the same tokens.
         return_scores: bool. Also return the score of each output row.
-        patience: None (the default: the exact search above) or a number
-            > 0: CTranslate2's `patience` (`decoding.ended_to_stop`; 1 is
-            its default and fairseq's rule). Beam search only.
+        patience: None (the default: the exact search above) or a
+            number > 0: CTranslate2's `patience` (`decoding.ended_to_stop`;
+            1 is its default and fairseq's rule). Beam search only.
         options: None, or a `SearchOptions` instead of the search keywords
             (`beam_size`, `length_penalty`, `max_extra_length`, `patience`;
             one or the other: `search.options.resolve`).
@@ -258,8 +258,8 @@ def generate_hypotheses(
       greedy search.
 
     Args:
-        model, encoder_token_ids, beam_size, length_penalty,
-        max_extra_length, compile: as `generate`.
+        model, encoder_token_ids, beam_size: as `generate`.
+        length_penalty, max_extra_length, compile: as `generate`.
         num_hypotheses: int >= 1, at most `beam_size` without sampling.
         target_prefix: None, or per source row None or a list of token ids
             (no start or end id), or an int array `[B, P]` padded with the
