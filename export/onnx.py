@@ -294,8 +294,8 @@ def _structure(graph):
 
 
 def _optimizers():
-    """tf2onnx's optimizers without the pass that miscompiles attention (`model.tf2onnx_optimizers`)."""
-    from keras_transformer.model import tf2onnx_optimizers
+    """tf2onnx's optimizers without the pass that miscompiles attention (`keras_export.tf2onnx_optimizers`)."""
+    from keras_transformer.keras_export import tf2onnx_optimizers
 
     return tf2onnx_optimizers()
 

@@ -86,7 +86,8 @@ def _load(preset_or_model, tokenizer):
     import keras
 
     from keras_transformer.lora import merged_model
-    from keras_transformer.model import TOKENIZER_FILE, TransformerModel
+    from keras_transformer.model import TransformerModel
+    from keras_transformer.presets import TOKENIZER_FILE
     from keras_transformer.translator import Translator
 
     if keras.backend.backend() != "tensorflow":

@@ -8,7 +8,6 @@ key/value size (d_k, d_v).
 import contextlib
 import contextvars
 import itertools
-import json
 import math
 import os
 import pathlib
@@ -25,28 +24,22 @@ from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
-from keras_transformer.presets import (
-    CONFIG_FILE, METADATA_FILE, PRESETS, PRETRAINED_PRESETS, WEIGHTS_FILE, is_preset_directory, jsonable_config,
+# Preset I/O lives in `presets` and Keras' export in `keras_export`; the names
+# below stay importable from here (plain re-exports) for code written before.
+from keras_transformer.keras_export import PROJECT_EXPORTERS, tf2onnx_optimizers  # noqa: F401 - re-export
+from keras_transformer.presets import (  # noqa: F401 - some re-exported
+    PRESET_FORMAT_VERSION, PRESETS, PRETRAINED_PRESETS, QUANTIZED_PRESET_FORMAT_VERSION, READABLE_PRESET_FORMATS,
+    TOKENIZER_FILE, constructor_args, load_preset_directory, upgrade_preset_config, write_preset,
 )
 from keras_transformer.quantization import check_quantization
 from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
-from keras_transformer.version import __version__
-from keras_transformer.utils import atomic_directory, check_output_directory, is_integer, is_real, open_hdf5
+from keras_transformer.utils import is_integer, is_real
 
 # `(model, E^T)` while `model.transposed_output_kernel()` is entered in this
 # thread (or task): a search traced in one thread never hands its traced
 # tensor to another thread's call of the same model.
 _OUTPUT_KERNEL = contextvars.ContextVar("keras_transformer_output_kernel", default=None)
 
-TOKENIZER_FILE = "tokenizer.model"
-# Format 2: `value_dim=None` means hidden_dim // num_heads and `attention_window`
-# is the window's width r (see `upgrade_preset_config` for format 1).
-PRESET_FORMAT_VERSION = 2
-# Format 3: format 2 with `"quantization": "int8"` (Keras' int8 weights). Only a
-# quantized model writes it, so that an older reader refuses it by its format
-# rather than failing on its int8 arrays; float32 presets stay format 2.
-QUANTIZED_PRESET_FORMAT_VERSION = 3
-READABLE_PRESET_FORMATS = (1, 2, 3)
 # "sinusoidal" is the paper's interleaved table; "sinusoidal_halves" puts the
 # sines in the first half of the features (Marian / OPUS-MT checkpoints);
 # "sinusoidal_fairseq" is fairseq's table (NLLB-200, M2M-100): halves, other
@@ -60,9 +53,6 @@ ACTIVATIONS = ("relu", "gelu", "silu")
 # The forward pass's inputs, `[B, S]` and `[B, T]` int32 ids: what `build`
 # records (for `summary`) and the signature of Keras' own `model.export`.
 INPUT_NAMES = ("encoder_token_ids", "decoder_token_ids")
-# Keras' exporters by format, and the project's own, which export the
-# search too (encoder, decoder step, cache), for where Keras' cannot.
-PROJECT_EXPORTERS = {"onnx": "python -m export.onnx", "tf_saved_model": "python -m export.saved_model"}
 
 
 def check_model_args(
@@ -415,45 +405,9 @@ class TransformerModel(keras.Model):
         """
         if self.lora_enabled:  # served merged: the shapes and speed of the model without LoRA
             return self.merge_lora().export(filepath, format, verbose, input_signature, **kwargs)
-        backend = keras.backend.backend()
-        alternative = PROJECT_EXPORTERS.get(format)
-        if isinstance(input_signature, (list, tuple)) and len(input_signature) != 1:
-            # Keras passes each entry as a positional argument of `call`.
-            raise ValueError(
-                f"input_signature has {len(input_signature)} entries; the model takes one dict of inputs: "
-                "pass [{name: keras.InputSpec(...)}] for encoder_token_ids and decoder_token_ids"
-            )
+        from keras_transformer import keras_export
 
-        def refusal(reason):
-            return RuntimeError(
-                f"Keras cannot export a TransformerModel to format={format!r} on the {backend} backend "
-                f"({reason}); use `{alternative} --preset DIR --output OUT` (TensorFlow backend) instead"
-            )
-
-        if alternative and backend == "torch":
-            if format == "tf_saved_model":
-                raise refusal("its PyTorch SavedModel export takes one tensor, not the dict of token ids")
-            fixed_shapes = (
-                "PyTorch's exporter fixes the shapes; for fixed shapes pass "
-                "input_signature=[{name: keras.InputSpec(shape=(B, L), dtype='int32', name=name)}] "
-                "for encoder_token_ids and decoder_token_ids"
-            )
-            if input_signature is None:
-                raise refusal(f"for any batch and length: {fixed_shapes}")
-            unknown = _specs_with_unknown_sizes(input_signature)
-            if unknown:
-                raise refusal(f"input_signature has unknown sizes ({', '.join(unknown)}): {fixed_shapes}")
-        if input_signature is None:
-            input_signature = self.export_input_signature()
-        with _tf2onnx_without_reshape_merge(active=format == "onnx" and backend == "tensorflow"):
-            try:
-                return super().export(
-                    filepath, format=format, verbose=verbose, input_signature=input_signature, **kwargs
-                )
-            except (ImportError, NotImplementedError) as error:
-                if alternative is None:
-                    raise
-                raise refusal(f"{type(error).__name__}: {' '.join(str(error).split())[:200]}") from error
+        return keras_export.export(self, filepath, format, verbose, input_signature, **kwargs)
 
     # ------------------------------------------------------------------ #
     # Forward pass
@@ -1040,7 +994,7 @@ class TransformerModel(keras.Model):
     def _from_preset(cls, preset, overrides):
         from keras_transformer import convert
 
-        allowed = set(_constructor_args())
+        allowed = set(constructor_args(cls))
         unknown = sorted(set(overrides) - allowed)
         if unknown:
             raise ValueError(f"Unknown TransformerModel argument(s) {unknown}; allowed: {sorted(allowed)}")
@@ -1051,7 +1005,7 @@ class TransformerModel(keras.Model):
         if checkpoint is not None:
             return convert.load_checkpoint(cls, checkpoint, overrides)
         if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
-            return _load_preset_directory(cls, pathlib.Path(preset), overrides)
+            return load_preset_directory(cls, pathlib.Path(preset), overrides)
         if isinstance(preset, str) and preset in PRESETS:
             return cls(**{**PRESETS[preset]["config"], **overrides})
         raise ValueError(
@@ -1081,270 +1035,4 @@ class TransformerModel(keras.Model):
         """
         if self.lora_enabled:
             return self.merge_lora().save_to_preset(directory, tokenizer, metadata, overwrite)
-        quantization = self.quantization
-        directory = check_output_directory(
-            directory, overwrite, is_preset_directory, "a preset directory (save_to_preset)", flag="overwrite=True"
-        )
-        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
-        with atomic_directory(directory) as staging:
-            config = {
-                "module": "keras_transformer",
-                "class_name": type(self).__name__,
-                "format_version": QUANTIZED_PRESET_FORMAT_VERSION if quantization else PRESET_FORMAT_VERSION,
-                "keras_transformer_version": __version__,
-                "keras_version": keras.__version__,
-                "config": jsonable_config(self.get_config()),
-            }
-            if quantization:  # `from_preset` quantizes the layers before loading the int8 weights
-                config["quantization"] = quantization
-            (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            self.save_weights(str(staging / WEIGHTS_FILE))
-            if tokenizer is not None:
-                tokenizer.save(staging)
-            (staging / METADATA_FILE).write_text(json.dumps(metadata or {}, indent=2, sort_keys=True) + "\n")
-
-
-def _specs_with_unknown_sizes(input_signature):
-    """`"name shape"` of each spec in `input_signature` (nested lists, tuples, dicts) with a None size."""
-    found = []
-    for spec in keras.tree.flatten(input_signature):
-        shape = getattr(spec, "shape", None)
-        if shape is not None and any(size is None for size in shape):
-            found.append(f"{getattr(spec, 'name', None) or 'input'} {tuple(shape)}")
-    return found
-
-
-@contextlib.contextmanager
-def _tf2onnx_without_reshape_merge(active=True):
-    """Keras' ONNX export (tf2onnx) without tf2onnx's back-to-back Reshape merge.
-
-    tf2onnx 1.17's "remove_back_to_back" optimizer miscompiles the attention
-    head split after a `Dense` on `[B, T, D]`: the graph then runs only at the
-    traced shape (`tf2onnx_optimizers` has the details; `python -m
-    export.onnx` uses the same list). Keras' `export_onnx` passes no optimizer list to
-    `tf2onnx.convert.from_function`, so the list is narrowed here, for the
-    duration of the export only.
-    """
-    if not active:
-        yield
-        return
-    from unittest import mock
-
-    from tf2onnx import optimizer
-
-    every = optimizer._get_optimizers
-    with mock.patch.object(optimizer, "_get_optimizers", lambda: tf2onnx_optimizers(every)):
-        yield
-
-
-# tf2onnx passes not run: the back-to-back merge (see `tf2onnx_optimizers`), and
-# four that never change this model's graphs (no Upsample, no Q/DQ pairs:
-# int8 is quantized afterwards by ONNX Runtime's quantizer; no loop-invariant
-# Transpose/Squeeze for the loop pass): each pass walks the whole graph every
-# round, and these four were a fifth of the conversion time of an export.
-_TF2ONNX_PASSES_LEFT_OUT = (
-    "remove_back_to_back", "remove_redundant_upsample", "const_dequantize_optimizer", "q_dq_optimizer",
-    "loop_optimizer",
-)
-
-
-def tf2onnx_optimizers(every=None):
-    """tf2onnx's graph optimizers, without the back-to-back Reshape merge and the passes that change nothing here.
-
-    tf2onnx 1.17 miscompiles Keras' attention projections with all its
-    optimizers on: `Dense` on a `[B, T, D]` input is a tensordot (reshape
-    to `[B * T, D]`, MatMul, reshape back to `[B, T, N * H]`) followed by
-    the head split `reshape(x, (B, T, N, H))`. The reshape optimizer turns
-    the head split's computed shape into `[0, 0, N, H]` ("copy dims 0 and 1
-    from the input"), then the back-to-back optimizer merges the two
-    reshapes, so the zeros copy `[B * T, N * H]` from the 2-D MatMul output
-    and the graph fails (or is wrong) for every length but the traced one.
-    Dropping the back-to-back pass (it only merges chains of Cast, Reshape,
-    Transpose, Squeeze/Unsqueeze, which ONNX Runtime's own graph optimizer
-    also fuses when it loads the model) keeps everything else;
-    `export/validate.py` catches this class of error. Used by
-    `python -m export.onnx` and by `TransformerModel.export(format="onnx")`.
-
-    Args:
-        every: tf2onnx's `_get_optimizers` (the default: tf2onnx has no
-            public list; `from_function` uses it).
-    """
-    if every is None:
-        from tf2onnx import optimizer
-
-        every = optimizer._get_optimizers
-    return {name: factory for name, factory in every().items() if name not in _TF2ONNX_PASSES_LEFT_OUT}
-
-
-def _constructor_args():
-    import inspect
-
-    return [
-        name
-        for name, p in inspect.signature(TransformerModel.__init__).parameters.items()
-        if name != "self" and p.kind is not p.VAR_KEYWORD
-    ] + ["dtype", "name"]
-
-
-def _load_preset_directory(cls, directory, overrides):
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (directory / name).is_file():
-            raise FileNotFoundError(
-                f"Preset directory {directory} has no {name}; a preset directory "
-                f"written by save_to_preset holds {CONFIG_FILE} and {WEIGHTS_FILE}."
-            )
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    config, quantization = _read_preset_config(cls, config_path, with_quantization=True)
-    config = {**config, **overrides}
-    config.pop("name", None)
-    try:
-        model = cls.from_config(config)
-        if quantization:  # the int8 layers (their variables) first, then the file's int8 weights
-            model.quantize(quantization)
-    except (TypeError, ValueError) as error:
-        where = f"{config_path} with overrides {sorted(overrides)}" if overrides else str(config_path)
-        raise ValueError(f"Cannot build a {cls.__name__} from {where}: {error}") from None
-    _check_weights_file(model, weights_path, config_path)
-    try:
-        model.load_weights(str(weights_path))
-    except Exception as error:  # noqa: BLE001 - re-raised with the file named
-        # Keras lists every layer that failed on several lines; its first lines say why.
-        reason = " ".join(str(error).split("List of objects")[0].split())
-        raise ValueError(
-            f"Could not load {weights_path} into a model built from {config_path}: {reason}"
-        ) from error
-    from keras_transformer.tokenizer import load_tokenizer
-
-    model.tokenizer = load_tokenizer(directory)
-    return model
-
-
-def _read_preset_config(cls, path, with_quantization=False):
-    """The constructor arguments stored in a preset's config.json, checked for shape.
-
-    With `with_quantization`: `(arguments, quantization)`, the latter None
-    or "int8" (format 3).
-
-    Raises:
-        ValueError: naming `path`: not UTF-8, not JSON, not an object, another
-            class or format, or keys that are not constructor arguments (the
-            values themselves are checked by the constructor).
-    """
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(saved, dict):
-        raise ValueError(
-            f"{path} must hold a JSON object with 'class_name' and 'config', received a JSON "
-            f"{_json_type(saved)}"
-        )
-    if saved.get("class_name") != cls.__name__ or "config" not in saved:
-        raise ValueError(
-            f"{path} does not describe a {cls.__name__} "
-            f"(class_name={saved.get('class_name')!r})"
-        )
-    if saved.get("format_version") not in READABLE_PRESET_FORMATS:
-        raise ValueError(
-            f"{path} has format_version={saved.get('format_version')!r}; "
-            f"this version of keras_transformer reads formats {', '.join(map(str, READABLE_PRESET_FORMATS))}"
-        )
-    config = saved["config"]
-    if not isinstance(config, dict):
-        raise ValueError(
-            f"{path}: 'config' must be a JSON object of {cls.__name__} arguments, "
-            f"received a JSON {_json_type(config)}"
-        )
-    unknown = sorted(set(config) - set(_constructor_args()) - {"trainable"})
-    if unknown:
-        raise ValueError(f"{path}: unknown {cls.__name__} argument(s) {unknown}")
-    config = upgrade_preset_config(config, saved["format_version"])
-    if not with_quantization:
-        return config
-    quantization = saved.get("quantization")
-    if (quantization is None) != (saved["format_version"] != QUANTIZED_PRESET_FORMAT_VERSION):
-        raise ValueError(
-            f"{path} has format_version={saved['format_version']} and quantization={quantization!r}: "
-            f"format {QUANTIZED_PRESET_FORMAT_VERSION} (and only it) records a quantization"
-        )
-    try:
-        check_quantization(quantization, name="quantization")
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
-    return config, quantization
-
-
-def upgrade_preset_config(config, format_version):
-    """The constructor arguments of a preset of `format_version`, in today's meaning.
-
-    Format 1 differs in two arguments, translated so that an old preset
-    builds the same model (same weight shapes, same outputs):
-    - `value_dim=None` with `key_dim` set meant d_v = d_k (today:
-      hidden_dim // num_heads), so `value_dim` becomes `key_dim`;
-    - `attention_window=w` let each query see |i - j| <= w, 2w + 1 positions
-      (today it is the width r of the window), so it becomes `2 * w + 1`.
-
-    Args:
-        config: dict of `TransformerModel` arguments as stored in config.json.
-        format_version: the preset's `format_version`.
-
-    Returns:
-        a new dict for format `PRESET_FORMAT_VERSION`.
-    """
-    config = dict(config)
-    if format_version == 1:
-        if config.get("key_dim") is not None and config.get("value_dim") is None:
-            config["value_dim"] = config["key_dim"]
-        window = config.get("attention_window")
-        if is_integer(window) and window >= 0:  # anything else is refused by the constructor
-            config["attention_window"] = 2 * int(window) + 1
-    return config
-
-
-def _json_type(value):
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def _check_weights_file(model, weights_path, config_path):
-    """Refuses a weights file with arrays the model would not load.
-
-    Keras' `load_weights` fails when the model has a weight that the file
-    lacks, but silently ignores what the file has beyond the model (a file
-    saved with more layers than `config_path` describes). Every array of the
-    file except the optimizer's must therefore be one of the model's weights:
-    with Keras' per-layer checks, equal counts mean every array is used.
-    """
-    import h5py
-
-    arrays, names = [], set()
-    with open_hdf5(weights_path) as handle:
-        handle.visititems(lambda name, item: arrays.append(name) if isinstance(item, h5py.Dataset) else None)
-        # Optimizer state, saved with a compiled model, is not a model weight.
-        arrays = [name for name in arrays if name.split("/")[0] != "optimizer"]
-        expected = len(model.weights)
-        if len(arrays) == expected:
-            return
-        # For the message, the Keras names of the layers holding the arrays:
-        # Keras stores each layer's name on its "vars" group.
-        for name in arrays:
-            parts = name.split("/")
-            for depth in range(1, len(parts) - 1):
-                group = handle.get("/".join(parts[:depth] + ["vars"]))
-                if group is not None and "name" in group.attrs:
-                    names.add(str(group.attrs["name"]))
-    # Weight paths read "model_name/layer_name/.../variable_name".
-    model_names = {part for weight in model.weights for part in weight.path.split("/")[1:-1]}
-    top_level = {weight.path.split("/")[1] for weight in model.weights if weight.path.count("/") > 1}
-    detail = ""
-    if names - model_names:
-        detail += f"; layers in the file that the model does not have: {', '.join(sorted(names - model_names))}"
-    if top_level - names:
-        detail += f"; layers of the model missing from the file: {', '.join(sorted(top_level - names))}"
-    raise ValueError(
-        f"{weights_path} holds {len(arrays)} weight arrays but the model described by "
-        f"{config_path} has {expected}{detail}. The weights were saved from a different "
-        "architecture (e.g. num_layers); use the config.json written with them."
-    )
+        write_preset(self, directory, tokenizer if tokenizer is not None else self.tokenizer, metadata, overwrite)

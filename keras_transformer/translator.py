@@ -219,7 +219,8 @@ class Translator:
             ValueError: when the preset has no tokenizer (built-in preset
                 names such as "base" have none).
         """
-        from keras_transformer.model import TOKENIZER_FILE, TransformerModel
+        from keras_transformer.model import TransformerModel
+        from keras_transformer.presets import TOKENIZER_FILE
 
         model = TransformerModel.from_preset(preset, **overrides)
         if model.tokenizer is None:
