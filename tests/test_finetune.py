@@ -86,7 +86,7 @@ def test_fine_tuning_starts_from_the_imported_weights_keeps_the_tokenizer_and_re
     def no_vocabulary(*args, **kwargs):
         raise AssertionError("a fine-tuning run trained a tokenizer")
 
-    monkeypatch.setattr(training, "train_tokenizer", no_vocabulary)
+    monkeypatch.setattr(training.prepare, "train_tokenizer", no_vocabulary)
     built = []  # the weights of the model each run trains, before its first update
     trained = []  # a weak reference to that model
     build, finalize = training._build_model, training._finalize
@@ -104,8 +104,8 @@ def test_fine_tuning_starts_from_the_imported_weights_keeps_the_tokenizer_and_re
         assert trained[-1]() is None, "the trained model (and its optimizer state) is alive beside the averaged one"
         return finalize(run, data, averaged, scores)
 
-    monkeypatch.setattr(training, "_build_model", build_and_record)
-    monkeypatch.setattr(training, "_finalize", finalize_after_the_trained_model_is_freed)
+    monkeypatch.setattr(training.run, "_build_model", build_and_record)
+    monkeypatch.setattr(training.run, "_finalize", finalize_after_the_trained_model_is_freed)
 
     # Stopped after its first resume point (2 of 4 steps), as if killed there.
     save = training.ResumePoint.on_epoch_end
@@ -185,8 +185,8 @@ def test_init_from_a_preset_directory_keeps_its_tokenizer_architecture_and_weigh
             np.testing.assert_array_equal(got, want)
         raise Stop()
 
-    monkeypatch.setattr(training, "train_tokenizer", None)  # calling it would fail the test
-    monkeypatch.setattr(training, "_fit", stop_before_fitting)
+    monkeypatch.setattr(training.prepare, "train_tokenizer", None)  # calling it would fail the test
+    monkeypatch.setattr(training.run, "_fit", stop_before_fitting)
     with pytest.raises(Stop):
         training.run_training(tmp_path / "run", init_from=str(trained), train_src=src, train_tgt=tgt, steps=1,
                               tokens_per_batch=400, max_length=40, verbose=0)
@@ -207,7 +207,7 @@ def test_init_from_a_pretrained_preset_name_resolves_from_the_hub_cache(tmp_path
             np.testing.assert_array_equal(got, want)
         raise Stop()
 
-    monkeypatch.setattr(training, "_fit", stop_before_fitting)
+    monkeypatch.setattr(training.run, "_fit", stop_before_fitting)
     with pytest.raises(Stop):
         training.run_training(tmp_path / "run", init_from="opus_mt_en_de", train_src=src, train_tgt=tgt, steps=1,
                               tokens_per_batch=400, max_length=64, verbose=0)

@@ -250,8 +250,8 @@ def test_a_lora_run_resumes_with_lora_and_writes_an_ordinary_preset_of_the_avera
         seen["logits"] = _logits(model, inputs)
         return loss
 
-    monkeypatch.setattr(training, "_build_model", build_and_look)
-    monkeypatch.setattr(training, "_fit", fit_and_look)
+    monkeypatch.setattr(training.run, "_build_model", build_and_look)
+    monkeypatch.setattr(training.run, "_fit", fit_and_look)
     # The targets by their layers' names are the same run as "feedforward".
     metadata = training.run_training(output, **{**arguments, "lora_targets": list(FEEDFORWARD)})
     assert seen["built"] == (4, FEEDFORWARD, 1)  # LoRA enabled before the resume point was loaded

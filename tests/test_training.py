@@ -192,7 +192,7 @@ def test_no_checkpoint_before_the_first_update_and_one_per_update(tmp_path):
 def test_checkpoints_every_minutes(tmp_path, monkeypatch):
     """Time-based checkpoints (the paper's every 10 minutes): at the first update after the interval, and at the end."""
     clock = [0.0]
-    monkeypatch.setattr(training.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(training.checkpoints.time, "monotonic", lambda: clock[0])
     model = tiny_model(vocabulary_size=20)
     training.compile_model(model, warmup_steps=10)
 

@@ -255,7 +255,7 @@ def _interrupted_run(tmp_path, monkeypatch, **arguments):
         raise Stop()
 
     with monkeypatch.context() as patch:
-        patch.setattr(training, "resolve_strategy", stop)
+        patch.setattr(training.run, "resolve_strategy", stop)
         with pytest.raises(Stop):
             training.run_training(output, **arguments)
     backup = output / "training" / "backup"
@@ -300,7 +300,7 @@ def test_a_run_without_progress_starts_again_with_the_corrected_arguments(tmp_pa
         raise RuntimeError("stop")
 
     with monkeypatch.context() as patch:
-        patch.setattr(training, "resolve_strategy", stop)
+        patch.setattr(training.run, "resolve_strategy", stop)
         with pytest.raises(RuntimeError, match="stop"):
             training.run_training(output, **{**arguments, "vocabulary_size": 350})
     state = json.loads((output / "training" / "state.json").read_text())
@@ -326,7 +326,7 @@ def test_the_validation_options_are_changes_a_resume_applies_and_records(tmp_pat
         raise RuntimeError("resumed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(training, "resolve_strategy", stop)
+        patch.setattr(training.run, "resolve_strategy", stop)
         with pytest.raises(RuntimeError, match="resumed"):
             training.run_training(output, **arguments, validation_bleu=False, validation_bleu_sentences=20)
     state = json.loads((output / "training" / "state.json").read_text())
@@ -370,7 +370,7 @@ def test_a_config_object_is_the_same_run_as_its_keywords(tmp_path, monkeypatch):
         raise RuntimeError("resumed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(training, "resolve_strategy", stop)
+        patch.setattr(training.run, "resolve_strategy", stop)
         with pytest.raises(RuntimeError, match="resumed"):  # the same arguments: it resumes, changing nothing
             training.run_training(output, config, seed=0, gradient_accumulation_steps=1)
     state = json.loads(state_path.read_text())
