@@ -11,7 +11,8 @@
 - `prepare.py`: the stages of `run_training` that only read (the run, its data);
 - `run.py`: `run_training` and its stages that write (model, fit, average, finalize).
 
-Every name is importable from `keras_transformer.training`, as before it was a package.
+Each module's public names, and the helpers that tests call, are importable
+from `keras_transformer.training` itself.
 """
 
 import logging
