@@ -89,8 +89,8 @@ from export.graph_passes import (  # noqa: E402
     _fold_tensordot_reshapes, _fuse_layer_norms, _graphs, _hoist_loop_invariants, _remove_dead_nodes,
     _remove_unused_initializers,
 )
-from export.tf2onnx_support import CUSTOM_OP_HANDLERS, _one_walk_subgraph_extraction, _optimize_in_place  # noqa: E402
 from export.graphs import graph_functions  # noqa: E402
+from export.tf2onnx_support import CUSTOM_OP_HANDLERS, _one_walk_subgraph_extraction, _optimize_in_place  # noqa: E402
 from export.validate import QUANTIZATIONS, validate_onnx  # noqa: E402
 from keras_transformer.utils import atomic_directory, check_output_directory  # noqa: E402
 from keras_transformer.quantization import refuse_quantized  # noqa: E402
