@@ -37,6 +37,7 @@ server (`export/runtime.py`) only runs it.
 """
 
 import math
+import typing
 
 import numpy as np
 
@@ -135,6 +136,172 @@ def fused_step_weights(model):
     }
 
 
+class _StepGraph:
+    """The fused step's nodes and initializers, appended in call order (the same calls give the same graph).
+
+    `const` adds an initializer once per name (a shape constant is shared by
+    the layers); `node` names its outputs after the op and a counter;
+    `linear` and `residual_norm` are the two blocks every layer is made of,
+    as `quantize`, `opset` and the layer norms' `epsilon` ask.
+    """
+
+    def __init__(self, quantize, opset, epsilon):
+        self.quantize, self.opset, self.epsilon = quantize, opset, epsilon
+        self.nodes, self.initializers, self.names = [], [], set()
+        self.counter = iter(range(1 << 30))
+
+    def const(self, name, value):
+        from onnx import numpy_helper
+
+        if name not in self.names:  # a shape constant is made once and shared by the layers
+            self.names.add(name)
+            self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def node(self, op, inputs, outputs=1, domain="", **attributes):
+        from onnx import helper
+
+        number = next(self.counter)
+        names = [f"{op.lower()}_{number}_{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
+        self.nodes.append(helper.make_node(op, inputs, names, name=f"{op}_{number}", domain=domain, **attributes))
+        return names[0] if len(names) == 1 else names
+
+    def linear(self, x, name, kernel, bias=None):
+        """`x kernel (+ bias)`: float32, or int8 weights with a scale per output column."""
+        const, node = self.const, self.node
+        if self.quantize == "int8":
+            scale = np.abs(kernel).max(axis=0) / 127.0
+            scale[scale == 0] = 1.0
+            weights_int8 = np.clip(np.rint(kernel / scale), -127, 127).astype(np.int8)
+            inputs = [x, const(f"{name}_int8", weights_int8), const(f"{name}_scale", scale.astype(np.float32)),
+                      const(f"{name}_zero_point", np.zeros(kernel.shape[1], np.int8))]
+            inputs += [const(f"{name}_bias", bias)] if bias is not None else []
+            return node("DynamicQuantizeMatMul", inputs, domain=MS_DOMAIN)
+        y = node("MatMul", [x, const(name, kernel)])
+        return y if bias is None else node("Add", [y, const(f"{name}_bias", bias)])
+
+    def residual_norm(self, sublayer_output, residual, norm, name):
+        # LayerNorm(x + Sublayer(x)) (post-LN): an Add and a LayerNormalization, not ONNX Runtime's
+        # fused SkipLayerNormalization, whose CPU kernel took 4-6x their time here from 16 rows up
+        # (onnxruntime 1.32, one thread: 88 us vs 18 us at [64, 256]; benchmarks/README.md). Below
+        # opset 17, which has no LayerNormalization, the fused op.
+        const, node, epsilon = self.const, self.node, self.epsilon
+        gamma, beta = (const(f"{name}_{part}", value) for part, value in zip(("gamma", "beta"), norm))
+        if self.opset < 17:
+            return node("SkipLayerNormalization", [sublayer_output, residual, gamma, beta], domain=MS_DOMAIN,
+                        epsilon=epsilon)
+        return node("LayerNormalization", [node("Add", [sublayer_output, residual]), gamma, beta], axis=-1,
+                    epsilon=epsilon)
+
+
+def _step_values(weights):
+    """The step's inputs and outputs (`contract.FUSED_DECODER_STEP`) as ValueInfoProtos, sizes filled in."""
+    from onnx import TensorProto, helper
+
+    graph_spec = contract.FUSED_DECODER_STEP.expand(len(weights["layers"]))
+    sizes = {"num_heads": weights["num_heads"], "head_key_dim": weights["head_dim"],
+             "head_value_dim": weights["head_dim"], "vocabulary_size": weights["embedding"].shape[0]}
+    types = {"int32": TensorProto.INT32, "float32": TensorProto.FLOAT, contract.COMPUTE: TensorProto.FLOAT}
+
+    def value_info(tensor):
+        dims = [axis if size is None else size for axis, size in zip(tensor.axes, contract.shape(tensor, sizes))]
+        return helper.make_tensor_value_info(tensor.name, types[tensor.dtype], dims)
+
+    return [value_info(t) for t in graph_spec.inputs], [value_info(t) for t in graph_spec.outputs]
+
+
+class _Shapes(typing.NamedTuple):
+    """The values every layer reads (`_shapes`)."""
+
+    qkv: str  # [-1, 1, 3D]: the self-attention's rows
+    row: str  # [-1, D]
+    source: str  # [-1, K, D]: the cross-attention's queries, K beams per source
+    past_length: str  # [1], `index`
+    beam_width: str  # int32 [1], K
+
+
+def _shapes(graph, hidden):
+    """Shapes used by every layer: [B*K, 1, D] for the self-attention, [B, K, D] for the cross-attention."""
+    from onnx import TensorProto
+
+    const, node = graph.const, graph.node
+    qkv_shape = const("qkv_shape", np.array([-1, 1, 3 * hidden], np.int64))
+    row_shape = const("row_shape", np.array([-1, hidden], np.int64))
+    beam_size = node("Slice", [node("Shape", ["cache_indirection"]), const("one", np.array([1], np.int64)),
+                               const("two", np.array([2], np.int64))])
+    source_shape = node("Concat", [const("minus_one", np.array([-1], np.int64)), beam_size,
+                                   const("hidden", np.array([hidden], np.int64))], axis=0)
+    past_length = node("Reshape", ["index", const("one_element", np.array([1], np.int64))])
+    beam_width = node("Cast", [beam_size], to=TensorProto.INT32)
+    return _Shapes(qkv_shape, row_shape, source_shape, past_length, beam_width)
+
+
+def _embedding_nodes(graph, weights):
+    """`x` [B*K, D] of the step's tokens at `index`, and the embedding matrix's name (None under int8)."""
+    const, node = graph.const, graph.node
+    hidden = weights["embedding"].shape[1]
+    # Embedding: E[token] * sqrt(d_model) + PE[index] (section 3.4, 3.5); no dropout at inference.
+    scale = np.float32(math.sqrt(hidden))
+    embedding = None
+    if graph.quantize == "int8":  # the float32 matrix serves the lookup only: scaled once here (same products)
+        x = node("Gather", [const("scaled_embedding", weights["embedding"] * scale), "decoder_token_ids"])
+    else:  # one matrix for the lookup and the output layer (section 3.4)
+        embedding = const("embedding", weights["embedding"])
+        x = node("Mul", [node("Gather", [embedding, "decoder_token_ids"]), const("embedding_scale", scale)])
+    x = node("Add", [x, node("Gather", [const("positions", weights["positions"]), "index"])])  # [B*K, D]
+    return x, embedding
+
+
+def _decoder_layer_nodes(graph, i, layer, x, shapes, weights):
+    """Decoder layer `i` on `x` [B*K, D] (the module docstring's equations); returns its output [B*K, D]."""
+    const, node, linear, residual_norm = graph.const, graph.node, graph.linear, graph.residual_norm
+    heads, head_dim = weights["num_heads"], weights["head_dim"]
+    hidden = weights["embedding"].shape[1]
+    p = f"layer_{i}"
+    qkv = linear(x, f"{p}_self_qkv", layer["self_qkv"], layer["self_qkv_bias"])
+    qkv = node("Reshape", [qkv, shapes.qkv])  # [B*K, 1, 3D]: one reshape, not one each for q, k and v
+    q, k, v = node("Split", [qkv, const("qkv_split", np.array([hidden] * 3, np.int64))], outputs=3, axis=2)
+    attended = node("DecoderMaskedMultiHeadAttention", [
+        q, k, v, "", "", f"self_key_{i}", f"self_value_{i}", shapes.past_length, shapes.beam_width,
+        "cache_indirection",
+    ], outputs=[f"{p}_self_attention", f"present_self_key_{i}", f"present_self_value_{i}"], domain=MS_DOMAIN,
+        num_heads=heads, past_present_share_buffer=1, scale=float(head_dim**-0.5))[0]
+    attended = node("Reshape", [attended, shapes.row])
+    x = residual_norm(linear(attended, f"{p}_self_out", layer["self_out"], layer["self_out_bias"]), x,
+                      layer["self_norm"], f"{p}_self_norm")
+    query = linear(x, f"{p}_cross_query", layer["cross_query"], layer["cross_query_bias"])
+    attended = node("MultiHeadAttention", [
+        node("Reshape", [query, shapes.source]), f"cross_key_{i}", f"cross_value_{i}", "",
+        "encoder_padding_mask",
+    ], domain=MS_DOMAIN, num_heads=heads, scale=float(head_dim**-0.5))  # [B, K, D]
+    attended = node("Reshape", [attended, shapes.row])
+    x = residual_norm(linear(attended, f"{p}_cross_out", layer["cross_out"], layer["cross_out_bias"]), x,
+                      layer["cross_norm"], f"{p}_cross_norm")
+    hidden_units = linear(x, f"{p}_ffn_in", layer["ffn_in"], layer["ffn_in_bias"])
+    if weights["activation"] == "relu":
+        hidden_units = node("Relu", [hidden_units])
+    elif weights["activation"] == "silu":
+        hidden_units = node("Mul", [hidden_units, node("Sigmoid", [hidden_units])])
+    else:
+        hidden_units = node("Gelu", [hidden_units], domain=MS_DOMAIN)
+    return residual_norm(linear(hidden_units, f"{p}_ffn_out", layer["ffn_out"], layer["ffn_out_bias"]), x,
+                         layer["ffn_norm"], f"{p}_ffn_norm")
+
+
+def _logits_nodes(graph, x, weights, embedding):
+    """The output `logits` [B*K, V] of `x` [B*K, D]."""
+    from onnx import helper
+
+    # The pre-softmax projection with the embedding matrix (section 3.4): x E^T (+ an imported model's bias).
+    logits_bias = weights["logits_bias"]
+    if graph.quantize == "int8":
+        logits = graph.linear(x, "logits_projection", weights["embedding"].T, logits_bias)
+        graph.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
+    else:
+        gemm_inputs = [x, embedding] + ([graph.const("logits_bias", logits_bias)] if logits_bias is not None else [])
+        graph.nodes.append(helper.make_node("Gemm", gemm_inputs, ["logits"], name="logits", transB=1))
+
+
 def build_fused_step(weights, quantize=None, opset=17):
     """The decoder step as an `onnx.ModelProto` (see the module docstring).
 
@@ -150,124 +317,24 @@ def build_fused_step(weights, quantize=None, opset=17):
     `self_key_i` / `self_value_i` `[B*K, N, T, H]` and `cross_key_i` /
     `cross_value_i` `[B, N, S, H]`; `logits` `[B*K, V]` (position index + 1)
     and `present_self_*_i` (the `self_*_i` buffers, written at `index`).
+
+    Built in steps, in this order (the nodes are numbered as they are
+    made): `_shapes`, `_embedding_nodes`, `_decoder_layer_nodes` per layer,
+    `_logits_nodes`.
     """
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
-    layers = weights["layers"]
-    heads, head_dim = weights["num_heads"], weights["head_dim"]
-    hidden = weights["embedding"].shape[1]
-    nodes, initializers, names = [], [], set()
-    counter = iter(range(1 << 30))
-
-    def const(name, value):
-        if name not in names:  # a shape constant is made once and shared by the layers
-            names.add(name)
-            initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
-        return name
-
-    def node(op, inputs, outputs=1, domain="", **attributes):
-        number = next(counter)
-        names = [f"{op.lower()}_{number}_{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
-        nodes.append(helper.make_node(op, inputs, names, name=f"{op}_{number}", domain=domain, **attributes))
-        return names[0] if len(names) == 1 else names
-
-    def linear(x, name, kernel, bias=None):
-        """`x kernel (+ bias)`: float32, or int8 weights with a scale per output column."""
-        if quantize == "int8":
-            scale = np.abs(kernel).max(axis=0) / 127.0
-            scale[scale == 0] = 1.0
-            weights_int8 = np.clip(np.rint(kernel / scale), -127, 127).astype(np.int8)
-            inputs = [x, const(f"{name}_int8", weights_int8), const(f"{name}_scale", scale.astype(np.float32)),
-                      const(f"{name}_zero_point", np.zeros(kernel.shape[1], np.int8))]
-            inputs += [const(f"{name}_bias", bias)] if bias is not None else []
-            return node("DynamicQuantizeMatMul", inputs, domain=MS_DOMAIN)
-        y = node("MatMul", [x, const(name, kernel)])
-        return y if bias is None else node("Add", [y, const(f"{name}_bias", bias)])
-
-    graph_spec = contract.FUSED_DECODER_STEP.expand(len(layers))
-    sizes = {"num_heads": heads, "head_key_dim": head_dim, "head_value_dim": head_dim,
-             "vocabulary_size": weights["embedding"].shape[0]}
-    types = {"int32": TensorProto.INT32, "float32": TensorProto.FLOAT, contract.COMPUTE: TensorProto.FLOAT}
-
-    def value_info(tensor):
-        dims = [axis if size is None else size for axis, size in zip(tensor.axes, contract.shape(tensor, sizes))]
-        return helper.make_tensor_value_info(tensor.name, types[tensor.dtype], dims)
-
-    inputs, outputs = [value_info(t) for t in graph_spec.inputs], [value_info(t) for t in graph_spec.outputs]
-
-    # Shapes used by every layer: [B*K, 1, D] for the self-attention, [B, K, D] for the cross-attention.
-    qkv_shape = const("qkv_shape", np.array([-1, 1, 3 * hidden], np.int64))
-    row_shape = const("row_shape", np.array([-1, hidden], np.int64))
-    beam_size = node("Slice", [node("Shape", ["cache_indirection"]), const("one", np.array([1], np.int64)),
-                               const("two", np.array([2], np.int64))])
-    source_shape = node("Concat", [const("minus_one", np.array([-1], np.int64)), beam_size,
-                                   const("hidden", np.array([hidden], np.int64))], axis=0)
-    past_length = node("Reshape", ["index", const("one_element", np.array([1], np.int64))])
-    beam_width = node("Cast", [beam_size], to=TensorProto.INT32)
-
-    # Embedding: E[token] * sqrt(d_model) + PE[index] (section 3.4, 3.5); no dropout at inference.
-    scale = np.float32(math.sqrt(hidden))
-    if quantize == "int8":  # the float32 matrix serves the lookup only: scaled once here (same products)
-        x = node("Gather", [const("scaled_embedding", weights["embedding"] * scale), "decoder_token_ids"])
-    else:  # one matrix for the lookup and the output layer (section 3.4)
-        embedding = const("embedding", weights["embedding"])
-        x = node("Mul", [node("Gather", [embedding, "decoder_token_ids"]), const("embedding_scale", scale)])
-    x = node("Add", [x, node("Gather", [const("positions", weights["positions"]), "index"])])  # [B*K, D]
-    epsilon = weights["epsilon"]
-
-    def residual_norm(sublayer_output, residual, norm, name):
-        # LayerNorm(x + Sublayer(x)) (post-LN): an Add and a LayerNormalization, not ONNX Runtime's
-        # fused SkipLayerNormalization, whose CPU kernel took 4-6x their time here from 16 rows up
-        # (onnxruntime 1.32, one thread: 88 us vs 18 us at [64, 256]; benchmarks/README.md). Below
-        # opset 17, which has no LayerNormalization, the fused op.
-        gamma, beta = (const(f"{name}_{part}", value) for part, value in zip(("gamma", "beta"), norm))
-        if opset < 17:
-            return node("SkipLayerNormalization", [sublayer_output, residual, gamma, beta], domain=MS_DOMAIN,
-                        epsilon=epsilon)
-        return node("LayerNormalization", [node("Add", [sublayer_output, residual]), gamma, beta], axis=-1,
-                    epsilon=epsilon)
-
-    for i, layer in enumerate(layers):
-        p = f"layer_{i}"
-        qkv = linear(x, f"{p}_self_qkv", layer["self_qkv"], layer["self_qkv_bias"])
-        qkv = node("Reshape", [qkv, qkv_shape])  # [B*K, 1, 3D]: one reshape, not one each for q, k and v
-        q, k, v = node("Split", [qkv, const("qkv_split", np.array([hidden] * 3, np.int64))], outputs=3, axis=2)
-        attended = node("DecoderMaskedMultiHeadAttention", [
-            q, k, v, "", "", f"self_key_{i}", f"self_value_{i}", past_length, beam_width, "cache_indirection",
-        ], outputs=[f"{p}_self_attention", f"present_self_key_{i}", f"present_self_value_{i}"], domain=MS_DOMAIN,
-            num_heads=heads, past_present_share_buffer=1, scale=float(head_dim**-0.5))[0]
-        attended = node("Reshape", [attended, row_shape])
-        x = residual_norm(linear(attended, f"{p}_self_out", layer["self_out"], layer["self_out_bias"]), x,
-                          layer["self_norm"], f"{p}_self_norm")
-        query = linear(x, f"{p}_cross_query", layer["cross_query"], layer["cross_query_bias"])
-        attended = node("MultiHeadAttention", [
-            node("Reshape", [query, source_shape]), f"cross_key_{i}", f"cross_value_{i}", "",
-            "encoder_padding_mask",
-        ], domain=MS_DOMAIN, num_heads=heads, scale=float(head_dim**-0.5))  # [B, K, D]
-        attended = node("Reshape", [attended, row_shape])
-        x = residual_norm(linear(attended, f"{p}_cross_out", layer["cross_out"], layer["cross_out_bias"]), x,
-                          layer["cross_norm"], f"{p}_cross_norm")
-        hidden_units = linear(x, f"{p}_ffn_in", layer["ffn_in"], layer["ffn_in_bias"])
-        if weights["activation"] == "relu":
-            hidden_units = node("Relu", [hidden_units])
-        elif weights["activation"] == "silu":
-            hidden_units = node("Mul", [hidden_units, node("Sigmoid", [hidden_units])])
-        else:
-            hidden_units = node("Gelu", [hidden_units], domain=MS_DOMAIN)
-        x = residual_norm(linear(hidden_units, f"{p}_ffn_out", layer["ffn_out"], layer["ffn_out_bias"]), x,
-                          layer["ffn_norm"], f"{p}_ffn_norm")
-    # The pre-softmax projection with the embedding matrix (section 3.4): x E^T (+ an imported model's bias).
-    logits_bias = weights["logits_bias"]
-    if quantize == "int8":
-        logits = linear(x, "logits_projection", weights["embedding"].T, logits_bias)
-        nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
-    else:
-        gemm_inputs = [x, embedding] + ([const("logits_bias", logits_bias)] if logits_bias is not None else [])
-        nodes.append(helper.make_node("Gemm", gemm_inputs, ["logits"], name="logits", transB=1))
-    graph = helper.make_graph(nodes, "fused_decoder_step", inputs, outputs, initializers)
+    graph = _StepGraph(quantize, opset, weights["epsilon"])
+    inputs, outputs = _step_values(weights)
+    shapes = _shapes(graph, weights["embedding"].shape[1])
+    x, embedding = _embedding_nodes(graph, weights)
+    for i, layer in enumerate(weights["layers"]):
+        x = _decoder_layer_nodes(graph, i, layer, x, shapes, weights)
+    _logits_nodes(graph, x, weights, embedding)
     model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
+        helper.make_graph(graph.nodes, "fused_decoder_step", inputs, outputs, graph.initializers),
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS_DOMAIN, 1)],
         producer_name="keras_transformer.export.fused_step",
     )
     model.ir_version = min(model.ir_version, 9)
