@@ -26,6 +26,7 @@ from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 # Preset I/O lives in `presets` and Keras' export in `keras_export`; the names
 # below stay importable from here (plain re-exports) for code written before.
+from keras_transformer import keras_export
 from keras_transformer.keras_export import PROJECT_EXPORTERS, tf2onnx_optimizers  # noqa: F401 - re-export
 from keras_transformer.presets import (  # noqa: F401 - some re-exported
     PRESET_FORMAT_VERSION, PRESETS, PRETRAINED_PRESETS, QUANTIZED_PRESET_FORMAT_VERSION, READABLE_PRESET_FORMATS,
@@ -405,8 +406,6 @@ class TransformerModel(keras.Model):
         """
         if self.lora_enabled:  # served merged: the shapes and speed of the model without LoRA
             return self.merge_lora().export(filepath, format, verbose, input_signature, **kwargs)
-        from keras_transformer import keras_export
-
         return keras_export.export(self, filepath, format, verbose, input_signature, **kwargs)
 
     # ------------------------------------------------------------------ #
@@ -494,7 +493,7 @@ class TransformerModel(keras.Model):
     # ------------------------------------------------------------------ #
     # Training steps (fused_training: the output projection and the loss together)
     # ------------------------------------------------------------------ #
-    # "auto": fused on PyTorch and JAX, Keras' own path on TensorFlow (fused_training.why_not_fused);
+    # "auto": fused on JAX and PyTorch, Keras' own path on TensorFlow (fused_training.why_not_fused);
     # True: fused wherever the compiled loss and metrics allow; False: never (the logits, then the compiled loss).
     fuse_output_loss = "auto"
 

@@ -34,8 +34,8 @@ No framework is imported until a function needs Keras: the exporters import
 `refuse_quantized` at start-up.
 """
 
-import contextlib
 import collections
+import contextlib
 import logging
 import warnings
 
