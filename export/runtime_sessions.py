@@ -4,7 +4,8 @@
 directory is); `resolve_providers` picks CUDA when it works, else the CPU;
 `new_session` and `_session_options` make the sessions every graph runs in;
 `default_optimized_cache` and its command-line options say where optimised
-graphs are kept. `export/runtime.py` runs the graphs and keeps these names
+graphs are kept, and `OptimizedGraphCache` (a base of `OnnxSeq2Seq`) reads
+and writes them. `export/runtime.py` runs the graphs and keeps these names
 importable. Framework-free, as `export.runtime`: onnxruntime, NumPy and the
 standard library.
 """
@@ -218,3 +219,103 @@ def new_session(path, options, providers):
     import onnxruntime as ort
 
     return ort.InferenceSession(str(path), options, providers=providers, disabled_optimizers=list(DISABLED_OPTIMIZERS))
+
+
+class OptimizedGraphCache:
+    """The optimised-graph cache of `OnnxSeq2Seq` (`optimized_cache`): its sessions' methods that read and write it.
+
+    A base of `OnnxSeq2Seq`, whose attributes it reads: `directory`,
+    `config`, `_graph_path(graph)`, `_requested` (the providers),
+    `_session_options`, `_intra_op_threads` and `_optimized_cache` (the
+    cache directory; set to None when it cannot be created).
+    """
+
+    def _optimized_path(self, graph):
+        """Where the optimised copy of `graph` is cached for these files, this onnxruntime and these providers.
+
+        `<graph>-<export>-<files>-<runtime>.onnx`: `<export>` names the graph
+        file's path, `<files>` the graph and weights files (size,
+        modification time), `<runtime>` onnxruntime's version, the providers
+        and the optimisation level. A copy for other files or another
+        runtime is never loaded (its name differs); writing a copy removes
+        those of older files at the same path (`_keep_optimized`).
+        """
+        import hashlib
+
+        import onnxruntime as ort
+
+        def key(parts):
+            return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+        path = self._graph_path(graph)
+        weights = self.config.get("weights")
+        files = []
+        for file in (path, self.directory / weights) if weights else (path,):
+            stat = file.stat()
+            files.append(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}")
+        runtime = [ort.__version__, repr(self._requested), str(int(self._session_options.graph_optimization_level)),
+                   repr(DISABLED_OPTIMIZERS)]
+        return self._optimized_cache / f"{graph}-{key([str(path.resolve())])}-{key(files)}-{key(runtime)}.onnx"
+
+    def _cached_session(self, graph):
+        """A session on the cached optimised copy of `graph`, not optimised again; None when there is none."""
+        import onnxruntime as ort
+
+        cached = self._optimized_path(graph)
+        if not cached.is_file():
+            return None
+        options = _session_options(self._intra_op_threads)
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            return ort.InferenceSession(str(cached), options, providers=self._requested)
+        except Exception as error:  # noqa: BLE001 - optimised again from the export
+            logger.warning("Cannot load the cached %s (%s); optimising %s again", cached, error, graph)
+            return None
+
+    def _options_saving(self, graph):
+        """Session options that also write the optimised graph, and the temporary path it is written to.
+
+        Its weights go to a file of their own whose name the graph records
+        (unique per process); the graph is renamed into place once the
+        session exists (`_keep_optimized`), so a cached graph always has its
+        weights. A cache directory that cannot be created is said once and
+        the graph is optimised as without a cache: `(default options, None)`.
+        """
+        try:
+            self._optimized_cache.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            logger.warning("Cannot create the optimised-graph cache %s (%s); optimising without it",
+                           self._optimized_cache, error)
+            self._optimized_cache = None
+            return self._session_options, None
+        final = self._optimized_path(graph)
+        temporary = final.with_name(f".{final.stem}.{os.getpid()}.onnx")
+        options = _session_options(self._intra_op_threads)
+        options.optimized_model_filepath = str(temporary)
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", f"{final.stem}.{os.getpid()}.weights"
+        )
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        return options, temporary
+
+    def _keep_optimized(self, graph, saved):
+        """Renames the optimised graph written at `saved` into place; removes the copies of older files there.
+
+        Older files: another graph or weights file at the same path (a new
+        export in the same place). Copies of the same files for another
+        onnxruntime or providers stay.
+        """
+        final = self._optimized_path(graph)
+        try:
+            os.replace(saved, final)  # complete: its weights are written first
+        except OSError as error:
+            logger.warning("Could not cache the optimised %s in %s: %s", graph, self._optimized_cache, error)
+            return
+        name, export, files, _ = final.stem.split("-")
+        for old in final.parent.glob(f"{name}-{export}-*"):
+            parts = old.name.split(".")[0].split("-")
+            if old.suffix in (".onnx", ".weights") and len(parts) == 4 and parts[2] != files:
+                try:
+                    old.unlink()
+                except OSError:
+                    pass  # removed by another process; a copy of older files is never loaded anyway
