@@ -203,7 +203,6 @@ def _write_metadata(directory, metadata):
     contract.write_config(directory, metadata, METADATA_FILE)
 
 
-
 def _load_model(preset):
     """The model to export (`Exporter.load_model`: dropout off, LoRA merged; any backend)."""
     return EXPORTER.load_model(preset)
@@ -273,8 +272,6 @@ def export_ctranslate2(
         report = validate_ctranslate2(staging, model, sentences=validation_sentences)
         _write_metadata(staging, _metadata(model, tokens, quantization, validation=report))
     return output
-
-
 
 
 def main(argv=None):

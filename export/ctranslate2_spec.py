@@ -245,8 +245,6 @@ def model_spec(model, tokens):
     return spec
 
 
-
-
 # ---------------------------------------------------------------------- #
 # Search options
 # ---------------------------------------------------------------------- #
@@ -280,8 +278,6 @@ def max_decoding_length(num_pieces, max_sequence_length, max_extra_length=MAX_EX
     CTranslate2 counts tokens without the end token, so one fewer.
     """
     return max(min(num_pieces + 1 + max_extra_length, max_sequence_length - 1) - 1, 1)
-
-
 
 
 # ---------------------------------------------------------------------- #
@@ -322,8 +318,6 @@ def _what_it_is(directory):
 
 def _is_marian(tokenizer):
     return tokenizer is not None and tokenizer.format == "marian"
-
-
 
 
 def is_ctranslate2_export(directory):

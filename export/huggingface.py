@@ -361,8 +361,10 @@ def _write_json(path, value):
 # Export
 # ---------------------------------------------------------------------- #
 def _load(preset):
-    """`(model, metadata)`: the model (`Exporter.load_model`: the preset's own dropout, recorded in
-    config.json for fine-tuning; LoRA merged) and its preset's `metadata.json` ({} when there is none)."""
+    """`(model, metadata)`: the model to export and its preset's `metadata.json` ({} when there is none).
+
+    `Exporter.load_model` keeps the preset's dropout here: `config.json` records it for fine-tuning.
+    """
     model = EXPORTER.load_model(preset, argument="model")
     metadata = {}
     if not isinstance(preset, (str, os.PathLike)):
