@@ -330,7 +330,7 @@ def test_health_ready_and_metrics(server):
     # Every sample line parses as `name{labels} number`, and every metric has HELP and TYPE.
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert all(re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+', s) for s in samples)
-    assert text.count("# TYPE") == text.count("# HELP") == 10
+    assert text.count("# TYPE") == text.count("# HELP") == 14
 
 
 # --------------------------------------------------------------------------- #
