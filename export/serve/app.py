@@ -489,7 +489,8 @@ async def _wait_for_disconnect(receive):
 
 def request_id(scope):
     """`(the request's id, None)`: the client's `X-Request-Id`, or one made up; with why a client's was refused."""
-    given = [value for name, value in scope.get("headers", ()) if name.lower() == REQUEST_ID_HEADER.encode()]
+    header = REQUEST_ID_HEADER.encode()
+    given = [value for name, value in scope.get("headers", ()) if name.lower() == header]
     if not given:
         return uuid.uuid4().hex, None
     value = given[0].decode("latin-1")
@@ -527,8 +528,9 @@ class _RequestLog:
             if message["type"] == "http.response.start":
                 if info["status"] is None:
                     info["status"] = message["status"]
-                headers = [(name, value) for name, value in message.get("headers", ()) if name.lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", identifier.encode())]}
+                header = REQUEST_ID_HEADER.encode()
+                headers = [(name, value) for name, value in message.get("headers", ()) if name.lower() != header]
+                message = {**message, "headers": [*headers, (header, identifier.encode())]}
             await send(message)
 
         self.service.in_flight += 1
