@@ -923,6 +923,53 @@ def test_split_sentences_refusals_are_one_line_400s(server, extra, message):
 # As production servers: abandoned rows leave the search, per-request max_extra_length and timeout_ms,
 # X-Request-Id, the queue-wait histogram and in-flight gauges
 # --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "search",
+    [dict(beam_size=1), dict(beam_size=3, num_hypotheses=2), dict(beam_size=1, sampling_topk=0, seed=3, num_hypotheses=2)],
+    ids=["greedy", "beam", "samples"],
+)
+def test_the_step_driver_takes_cancelled_rows_out_and_keeps_the_other_rows_tokens(exported, search, monkeypatch):
+    """`cancelled=`: the texts it marks leave the search before the next step, without hypotheses; the others get
+    the tokens and scores of the search without it; a search of only cancelled texts stops."""
+    from export import steps
+
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    rows, step = [], steps.FusedDecoder.step
+    monkeypatch.setattr(steps.FusedDecoder, "step", lambda decoder, ids, index: rows.append(len(ids)) or step(
+        decoder, ids, index))
+    texts = ["the cat sees a dog.", "my bird eats the big fish.", "a red ball.", "the old fish likes the big fish."]
+    expected = translator.translate_hypotheses(texts, max_extra_length=20, **search)
+    everyone = rows[0]
+    polls = []
+
+    def cancelled():  # texts 1 and 3 leave after the third step
+        polls.append(len(rows))
+        return None if len(polls) < 3 else [False, True, False, True]
+
+    rows.clear()
+    found = translator.translate_hypotheses(texts, max_extra_length=20, cancelled=cancelled, **search)
+    assert found[1] == found[3] == []
+    for i in (0, 2):
+        assert [h.text for h in found[i]] == [h.text for h in expected[i]]
+        assert [h.score for h in found[i]] == pytest.approx([h.score for h in expected[i]], abs=1e-5)
+    assert rows[:3] == [everyone] * 3 and len(rows) > 3 and max(rows[3:]) <= everyone // 2, rows
+    assert polls[:3] == [1, 2, 3]  # asked after each step
+    # One translation per text: a cancelled text's is ""; a search of only cancelled texts stops after one step.
+    if search.get("num_hypotheses", 1) == 1:
+        plain = translator.translate(texts, max_extra_length=20, **search)
+        polls.clear()
+        assert translator.translate(texts, max_extra_length=20, cancelled=cancelled, **search) == [
+            plain[0], "", plain[2], ""
+        ]
+    rows.clear()
+    assert translator.translate_hypotheses(texts, max_extra_length=20, cancelled=lambda: [True] * 4, **search) == [
+        [], [], [], []
+    ]
+    assert rows == [everyone]
+    with pytest.raises(ValueError, match="cancelled cannot be used with split_sentences"):
+        translator.translate(texts, split_sentences=True, cancelled=lambda: None)
+
+
 class HeldEngine:
     """The ONNX Runtime engine; while `hold` is set, a search stops after its first step until `release` is set.
 
