@@ -488,20 +488,27 @@ async def _wait_for_disconnect(receive):
 
 
 def request_id(scope):
-    """`(the request's id, None)`: the client's `X-Request-Id`, or one made up; with why a client's was refused."""
+    """`(id, refusal)`: the client's `X-Request-Id`, or a made-up one; refusal: None, or why the client's was refused.
+
+    A client's id goes into log lines as it is: one header of 1 to
+    `MAX_REQUEST_ID_CHARS` visible ASCII characters. Another is replaced by
+    a made-up one (32 hex digits), and the refusal says why in one line.
+    """
     header = REQUEST_ID_HEADER.encode()
-    given = [value for name, value in scope.get("headers", ()) if name.lower() == header]
+    given = [value.decode("latin-1") for name, value in scope.get("headers", ()) if name.lower() == header]
+    if len(given) == 1 and _REQUEST_ID.fullmatch(given[0]):
+        return given[0], None
+    made_up = uuid.uuid4().hex
     if not given:
-        return uuid.uuid4().hex, None
-    value = given[0].decode("latin-1")
-    if len(given) == 1 and _REQUEST_ID.fullmatch(value):
-        return value, None
-    why = (f"{len(given)} X-Request-Id headers" if len(given) > 1 else
-           f"{len(value)} characters" if len(value) > MAX_REQUEST_ID_CHARS else "a space or a character outside ASCII"
-           if value else "an empty value")
-    return uuid.uuid4().hex, (
-        f"X-Request-Id must be one header of 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters, received {why}"
-    )
+        return made_up, None
+    if len(given) > 1:
+        why = f"{len(given)} X-Request-Id headers"
+    elif len(given[0]) > MAX_REQUEST_ID_CHARS:
+        why = f"{len(given[0])} characters"
+    else:
+        why = "a space or a character outside ASCII" if given[0] else "an empty value"
+    limit = f"one header of 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters"
+    return made_up, f"X-Request-Id must be {limit}, received {why}"
 
 
 class _RequestLog:
