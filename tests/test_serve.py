@@ -1073,7 +1073,8 @@ def test_a_timeout_ms_too_short_answers_504_frees_the_rows_and_the_next_request_
         assert answer.headers["x-request-id"] == "late-1"
         engine.release.set()
         deadline = time.monotonic() + 10
-        while running.metric("kt_serve_sentences_in_flight") > 0:  # the held search ends
+        assert running.metric("kt_serve_sentences_in_flight") == 0  # its rows were dropped at the 504
+        while running.service.batcher.running:  # the held search ends
             assert time.monotonic() < deadline
             time.sleep(0.02)
         # Every row left: the search stopped after the step it was held at.
