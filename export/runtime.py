@@ -372,7 +372,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
 
     def generate(
         self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False,
-        patience=None, options=None,
+        patience=None, options=None, cancelled=None,
     ):
         """Greedy (`beam_size=1`) or beam search.
 
@@ -384,7 +384,11 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         with `driver="whole"`, the `beam_search` / `greedy_search` graph in
         one call. With a `patience`, beam search is `generate_hypotheses`'
         best (as `generation.generate`). `options`: a `SearchOptions`
-        instead of the search keywords (one or the other).
+        instead of the search keywords (one or the other). `cancelled`:
+        None, or a callable asked after each step of the step driver, which
+        returns None or bool `[B]`: the rows marked leave the search at once
+        (a server's client left) and get no tokens (start id, end id; score
+        -inf); the whole-search graphs run every row to its end.
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s;
@@ -398,13 +402,18 @@ class OnnxSeq2Seq(OptimizedGraphCache):
             empty = np.zeros((0, 0), np.int32)
             return (empty, np.zeros((0,), np.float32)) if return_scores else empty
         if options.patience is not None and options.beam_size > 1:  # the n-best search's, as `generation.generate`
-            best = self.generate_hypotheses(ids, options=options)
+            best = self.generate_hypotheses(ids, options=options, cancelled=cancelled)
             sequences = finish_rows(best.sequences[:, 0], self.end_id, self.pad_id)
             return (sequences, best.scores[:, 0]) if return_scores else sequences
         if self.driver == "steps":
             plan = options.plan(ids)
-            sequences, scores, _ = self._step_search(plan, options.length_penalty, options.max_extra_length)
+            sequences, scores, _ = self._step_search(
+                plan, options.length_penalty, options.max_extra_length, cancelled
+            )
             sequences, scores = sequences[:, 0], scores[:, 0]
+            left = ~np.isfinite(scores)  # cancelled rows: no tokens
+            sequences[left] = self.pad_id
+            sequences[left, :2] = self.start_id, self.end_id
         else:
             values = {"encoder_token_ids": np.ascontiguousarray(ids), "alpha": options.length_penalty,
                       "max_extra_length": options.max_extra_length}
@@ -416,15 +425,19 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         sequences = finish_rows(sequences, self.end_id, self.pad_id)
         return (sequences, scores) if return_scores else sequences
 
-    def _step_search(self, plan, length_penalty, max_extra_length):
-        """Runs a `decoding.hypotheses_plan` step by step (`export.steps.step_search`)."""
+    def _step_search(self, plan, length_penalty, max_extra_length, cancelled=None):
+        """Runs a `decoding.hypotheses_plan` step by step (`export.steps.step_search`).
+
+        `cancelled`: None or a callable of flags per row of the plan (`generate`).
+        """
 
         def run(graph, values):
             return contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
 
         update = self._session(contract.STEP_GRAPHS[plan.search_name][1])
         return step_search(
-            run, self._session("fused_decoder_step"), plan, length_penalty, max_extra_length, update_session=update
+            run, self._session("fused_decoder_step"), plan, length_penalty, max_extra_length, update_session=update,
+            cancelled=cancelled,
         )
 
     def generate_hypotheses(
@@ -441,6 +454,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         seed=0,
         patience=None,
         options=None,
+        cancelled=None,
     ):
         """`keras_transformer.generation.generate_hypotheses` on ONNX Runtime.
 
@@ -453,6 +467,8 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         one call: the same tokens, scores and log-probabilities (within
         float32 rounding), the same samples for the same seed. `options`: a
         `SearchOptions` instead of the search keywords (one or the other).
+        `cancelled`: as `generate`'s (a cancelled row's hypotheses all
+        have score -inf: none).
 
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
@@ -465,12 +481,27 @@ class OnnxSeq2Seq(OptimizedGraphCache):
             return no_hypotheses(options.count)
         plan = options.plan(ids, prefix)
         if self.driver == "steps":
-            sequences, scores, log_probs = self._step_search(plan, options.length_penalty, options.max_extra_length)
+            sequences, scores, log_probs = self._step_search(
+                plan, options.length_penalty, options.max_extra_length,
+                _repeated(cancelled, len(plan.source) // len(ids)),  # sampling repeats each row per sample
+            )
         else:
             graph, values = contract.hypotheses_feeds(plan, options.length_penalty, options.max_extra_length)
             outputs = contract.run(self._session(graph), contract.ONNX.graphs[graph], values, self._cache_dtype)
             sequences, scores, log_probs = outputs["sequences"], outputs["scores"], outputs["log_probs"]
         return collect_hypotheses(plan, sequences, scores, log_probs, options.count, self)
+
+
+def _repeated(cancelled, repeats):
+    """`cancelled` (None, or a callable of flags per source row) for a plan that repeats each row `repeats` times."""
+    if cancelled is None or repeats == 1:
+        return cancelled
+
+    def flags():
+        found = cancelled()
+        return None if found is None else np.repeat(np.asarray(found, bool), repeats)
+
+    return flags
 
 
 class OnnxTranslator(Translator):
