@@ -16,7 +16,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_transformer import fused_training
+from keras_transformer import allocator, fused_training
 from keras_transformer.checks import check_batch_sizes, check_cache_index, check_token_ids
 from keras_transformer.layers.arguments import check_layer_args, check_positive_int, head_dims
 from keras_transformer.layers.dense import product_with_bias
@@ -35,6 +35,10 @@ from keras_transformer.presets import (  # noqa: F401 - some re-exported
 from keras_transformer.quantization import check_quantization
 from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
 from keras_transformer.utils import is_integer, is_real
+
+# On JAX, glibc keeps the CPU runtime's freed step buffers instead of unmapping them (`allocator`): done
+# here, before the runtime starts, because an arena once given to its threads stays theirs.
+allocator.configure_for_backend(keras.backend.backend())
 
 # `(model, E^T)` while `model.transposed_output_kernel()` is entered in this
 # thread (or task): a search traced in one thread never hands its traced

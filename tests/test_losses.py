@@ -335,6 +335,26 @@ def test_fused_output_losses_equal_the_projection_then_the_loss(eps, with_bias, 
     assert _value(correct) == (mask * (z.argmax(-1) == labels)).sum()
 
 
+def test_fused_output_losses_predict_the_first_of_equal_maxima():
+    """Tied logits (duplicate embedding rows): the prediction is the first of them, as `argmax`'s."""
+    from keras_transformer.losses import fused_output_losses
+
+    rng = np.random.default_rng(5)
+    hidden = rng.normal(size=(12, 5)).astype("float32")
+    embeddings = rng.normal(size=(9, 5)).astype("float32") * 0.1
+    embeddings[7] = 1.0
+    embeddings[[2, 5, 8]] = embeddings[7]  # four equal columns of logits: 2, 5, 7 and 8
+    hidden[:6] = embeddings[7] * 10.0  # rows whose maximum is one of the tied columns
+    labels = np.array([2, 5, 7, 8, 2, 0, 1, 2, 3, 4, 5, 6], "int32")
+    ones = np.ones(12, "float32")
+    z = hidden @ embeddings.T
+    assert (z[:6, [2, 5, 7, 8]] == z[:6].max(-1, keepdims=True)).all()
+    _, correct, predictions = fused_output_losses(hidden, embeddings, None, labels, ones, ones, 0.1, 5)
+    np.testing.assert_array_equal(_value(predictions), z.argmax(-1))
+    assert (_value(predictions)[:6] == 2).all()
+    assert _value(correct) == (z.argmax(-1) == labels).sum()
+
+
 def test_fused_output_losses_without_the_embedding_gradient():
     """A frozen output matrix (LoRA) gets zeros and the rows their full gradient."""
     from keras_transformer.losses import fused_output_losses
