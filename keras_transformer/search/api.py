@@ -68,7 +68,7 @@ from keras_transformer.decoding import (
 )
 from keras_transformer.search import compiled, loop, segments
 from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
-from keras_transformer.search.common import ModelConstants, dim
+from keras_transformer.search.common import ModelConstants, dim, encoder_vocabulary_size
 from keras_transformer.search.lengths import padded_search_inputs, search_lengths
 
 PROTOCOL_ATTRIBUTES = ("vocabulary_size", "pad_id", "start_id", "end_id", "encode", "init_cache", "decode_step")
@@ -182,7 +182,7 @@ def generate(
         best = generate_hypotheses(model, encoder_token_ids, compile=compile, options=options)
         sequences = finish_rows(best.sequences[:, 0], model.end_id, model.pad_id)
         return (sequences, best.scores[:, 0]) if return_scores else sequences
-    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
+    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", encoder_vocabulary_size(model))
     if model.pad_id != 0:
         raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
     source = np.asarray(ops.convert_to_numpy(encoder_token_ids)).astype("int32")
@@ -293,7 +293,7 @@ def generate_hypotheses(
     """
     check_protocol(model)
     options = resolve(options, **search_keywords(locals()))
-    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
+    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", encoder_vocabulary_size(model))
     if model.pad_id != 0:
         raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
     source = np.asarray(ops.convert_to_numpy(encoder_token_ids)).astype("int32")
