@@ -244,3 +244,29 @@ def test_inconsistent_separate_vocabularies_are_refused(marian_separate_random, 
     directory = _copy(marian_separate_random, tmp_path / "three", config={"decoder_vocab_size": 299})
     with pytest.raises(CheckpointError, match="decoder_vocab_size=299 but target_vocab.json has 300 pieces"):
         kt.TransformerModel.from_preset(directory)
+
+
+# ---------------------------------------------------------------------- #
+# The exports follow
+# ---------------------------------------------------------------------- #
+@pytest.mark.slow
+def test_hugging_face_export_writes_the_checkpoint_back(imported_trained, marian_separate_trained, tmp_path):
+    """Tensors, vocabularies and config as the original's; the export's own validation (transformers) passes."""
+    from safetensors.numpy import load_file
+
+    from export.huggingface import export_huggingface
+
+    directory = export_huggingface(imported_trained, tmp_path / "hf", validation_sentences=3)
+    original, exported = (load_file(str(path / "model.safetensors")) for path in (marian_separate_trained, directory))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        np.testing.assert_array_equal(exported[name], tensor.astype("float32"), err_msg=name)
+    for name in ("vocab.json", "target_vocab.json"):
+        assert json.loads((directory / name).read_text()) == json.loads((marian_separate_trained / name).read_text())
+    ours, theirs = (json.loads((path / "config.json").read_text()) for path in (directory, marian_separate_trained))
+    for key in ("vocab_size", "decoder_vocab_size", "share_encoder_decoder_embeddings", "pad_token_id",
+                "eos_token_id", "decoder_start_token_id"):
+        assert ours[key] == theirs[key], key
+    assert json.loads((directory / "tokenizer_config.json").read_text())["separate_vocabs"] is True
+    validation = json.loads((directory / "keras_transformer.json").read_text())["validation"]
+    assert validation["largest_logits_difference"] <= 1e-4 and validation["greedy_identical"] == 3
