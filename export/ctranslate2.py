@@ -148,6 +148,8 @@ METADATA_FILE = "keras_transformer.json"
 MODEL_FILE = "model.bin"
 CT2_CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "shared_vocabulary.json"
+# A model whose encoder has a table of its own (`source_vocabulary_size`) and two vocabularies: CTranslate2's names.
+SOURCE_VOCABULARY_FILE, TARGET_VOCABULARY_FILE = "source_vocabulary.json", "target_vocabulary.json"
 # ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES, plus None (the weights'
 # own float32). Only float32 is validated token for token.
 QUANTIZATIONS = (
@@ -311,12 +313,36 @@ def vocabulary(model):
     return pieces
 
 
-def model_spec(model, tokens):
+def source_vocabulary(model, tokens):
+    """The source tokens in id order: `tokens`, unless the encoder has a table (and vocabulary) of its own."""
+    if model.source_vocabulary_size is None:
+        return tokens
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        ordinary = range(FIRST_ORDINARY_ID, model.source_vocabulary_size)
+        return vocabulary(model)[:FIRST_ORDINARY_ID] + [f"<{i}>" for i in ordinary]
+    source = tokenizer.source_vocabulary() if hasattr(tokenizer, "source_vocabulary") else tokenizer.pieces()
+    if len(source) != model.source_vocabulary_size or len(set(source)) != len(source):
+        raise ValueError(f"The tokenizer has {len(source)} source pieces (unique: {len(set(source))}) but the model "
+                         f"source_vocabulary_size={model.source_vocabulary_size}")
+    return source
+
+
+def vocabulary_files(tokens, source_tokens):
+    """`(source file, target file)`: where CTranslate2 writes the vocabularies (one shared file when equal)."""
+    if source_tokens == tokens:
+        return VOCABULARY_FILE, VOCABULARY_FILE
+    return SOURCE_VOCABULARY_FILE, TARGET_VOCABULARY_FILE
+
+
+def model_spec(model, tokens, source_tokens=None):
     """The CTranslate2 `TransformerSpec` of `model`, with `tokens` as its shared vocabulary.
 
     Args:
         model: a `TransformerModel` (any backend; only its weights are read).
         tokens: list of `vocabulary_size` str, the token of each id.
+        source_tokens: the encoder's tokens (`source_vocabulary`) where the
+            model has a source table of its own; None: `tokens`.
 
     Returns:
         A `ctranslate2.specs.TransformerSpec`, validated, not yet optimised
@@ -346,7 +372,9 @@ def model_spec(model, tokens):
     # Our embeddings are multiplied by sqrt(d_model) (section 3.4), CTranslate2's by default.
     encoder.scale_embeddings = True
     decoder.scale_embeddings = True
-    encoder.embeddings[0].weight = embeddings
+    # The encoder's own table where the model has one (`source_vocabulary_size`), else the shared matrix.
+    source_table = model.source_token_embedding
+    encoder.embeddings[0].weight = embeddings if source_table is None else _numpy(source_table.embeddings)
     encoder.position_encodings.encodings = position_table(model, model.encoder_position)
     for layer_spec, layer in zip(encoder.layer, model.encoder_layers):
         _set_self_attention(layer_spec.self_attention, layer.self_attention, layer.self_attention_norm)
@@ -373,7 +401,7 @@ def model_spec(model, tokens):
     config.decoder_start_token = tokens[model.start_id]
     config.add_source_bos = False
     config.add_source_eos = True  # callers pass pieces; CTranslate2 appends the end piece
-    spec.register_source_vocabulary(tokens)
+    spec.register_source_vocabulary(tokens if source_tokens is None else source_tokens)
     spec.register_target_vocabulary(tokens)
     spec.validate()
     logger.debug("CTranslate2 %s spec built", ctranslate2.__version__)
@@ -563,7 +591,7 @@ def export_ctranslate2(
     model = _load_model(preset)
     refuse_quantized(model, "python -m export.ctranslate2", "--quantization int8 (CTranslate2's int8)")
     tokens = vocabulary(model)
-    spec = model_spec(model, tokens)
+    spec = model_spec(model, tokens, source_vocabulary(model, tokens))
     with atomic_directory(output) as staging:
         logger.info("Writing the CTranslate2 model (%s)", quantization or "float32")
         spec.optimize(quantization=quantization)
@@ -623,9 +651,11 @@ def _keras_outputs(model, ids, beam_size, length_penalty):
     return outputs
 
 
-def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size, length_penalty):
+def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size, length_penalty,
+                         source_tokens=None):
     """CTranslate2's tokens as ids, per row; rows of equal length share a call (one maximum length each)."""
     index = {token: i for i, token in enumerate(tokens)}
+    source_tokens = tokens if source_tokens is None else source_tokens
     outputs = [None] * len(ids)
     by_length = {}
     for row, source in enumerate(ids):
@@ -633,7 +663,7 @@ def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size
     options = translation_options(beam_size, length_penalty, max_sequence_length)
     for length, rows in sorted(by_length.items()):
         results = translator.translate_batch(
-            [[tokens[i] for i in ids[row]] for row in rows],
+            [[source_tokens[i] for i in ids[row]] for row in rows],
             max_decoding_length=max_decoding_length(length, max_sequence_length),
             **options,
         )
@@ -642,7 +672,7 @@ def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size
     return outputs
 
 
-def _check_files(directory, model, tokens):
+def _check_files(directory, model, tokens, source_tokens=None):
     """Names and contents CTranslate2 and our metadata must agree on."""
     directory = pathlib.Path(directory)
     metadata = read_metadata(directory)
@@ -652,13 +682,17 @@ def _check_files(directory, model, tokens):
         if metadata.get(key) != value:
             raise ValidationError(f"{METADATA_FILE} has {key}={metadata.get(key)!r}; the model has {value!r}")
     tokenizer_files = contract.tokenizer_files(model.tokenizer) if model.tokenizer is not None else ()
-    for name in (MODEL_FILE, CT2_CONFIG_FILE, VOCABULARY_FILE, *tokenizer_files):
+    source_tokens = tokens if source_tokens is None else source_tokens
+    files = vocabulary_files(tokens, source_tokens)
+    for name in (MODEL_FILE, CT2_CONFIG_FILE, *sorted(set(files)), *tokenizer_files):
         if not (directory / name).is_file():
             raise ValidationError(f"{directory} has no {name}")
-    written = json.loads((directory / VOCABULARY_FILE).read_text(encoding="utf-8"))
-    if written != tokens:
-        first = next((i for i, (a, b) in enumerate(zip(written, tokens)) if a != b), min(len(written), len(tokens)))
-        raise ValidationError(f"{VOCABULARY_FILE} differs from the tokenizer's pieces at id {first}")
+    for name, expected in zip(files, (source_tokens, tokens)):
+        written = json.loads((directory / name).read_text(encoding="utf-8"))
+        if written != expected:
+            first = next((i for i, (a, b) in enumerate(zip(written, expected)) if a != b),
+                         min(len(written), len(expected)))
+            raise ValidationError(f"{name} differs from the tokenizer's pieces at id {first}")
     config = json.loads((directory / CT2_CONFIG_FILE).read_text())
     ct2_expected = {
         "unk_token": tokens[model.unk_id], "bos_token": tokens[model.start_id], "eos_token": tokens[model.end_id],
@@ -761,14 +795,15 @@ def _validate(directory, model, sentences, beam_size, length_penalty, atol):
     ctranslate2 = _import_ctranslate2()
     directory = pathlib.Path(directory)
     tokens = vocabulary(model)
-    metadata = _check_files(directory, model, tokens)
+    source_tokens = source_vocabulary(model, tokens)
+    metadata = _check_files(directory, model, tokens, source_tokens)
     float32 = metadata["quantization"] == "float32"
     exact = float32 and beam_size == 1
     # What the encoder receives: CTranslate2 maps each piece by its line in the
     # vocabulary and appends the end piece; ours is the tokenizer's ids + end.
     texts, ids = _validation_sources(model, sentences)
     if model.tokenizer is not None:
-        index = {token: i for i, token in enumerate(tokens)}
+        index = {token: i for i, token in enumerate(source_tokens)}
         for text, row in zip(texts, ids):
             pieces = source_pieces(model.tokenizer, text)[: len(row)]
             mapped = [index.get(piece, model.unk_id) for piece in pieces]
@@ -783,7 +818,7 @@ def _validate(directory, model, sentences, beam_size, length_penalty, atol):
 
     # Values: both engines' log-probabilities of the same (Keras') outputs.
     scored = translator.score_batch(
-        [[tokens[i] for i in row] for row in ids], [[tokens[i] for i in row] for row in keras_outputs],
+        [[source_tokens[i] for i in row] for row in ids], [[tokens[i] for i in row] for row in keras_outputs],
         max_input_length=0,
     )
     expected = _keras_log_probs(model, ids, keras_outputs)
@@ -803,7 +838,8 @@ def _validate(directory, model, sentences, beam_size, length_penalty, atol):
             f"on sentence {worst_row} ({describe(worst_row)})"
         )
 
-    ct2_outputs = _ctranslate2_outputs(translator, tokens, ids, model.max_sequence_length, beam_size, length_penalty)
+    ct2_outputs = _ctranslate2_outputs(translator, tokens, ids, model.max_sequence_length, beam_size, length_penalty,
+                                       source_tokens)
     identical = sum(a == b for a, b in zip(keras_outputs, ct2_outputs))
     first_difference = None
     for row, (ours, theirs) in enumerate(zip(keras_outputs, ct2_outputs)):

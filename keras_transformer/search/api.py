@@ -59,6 +59,7 @@ import numpy as np
 from keras import ops
 
 from keras_transformer.checks import check_token_ids
+from keras_transformer.token_ids import encoder_vocabulary_size
 from keras_transformer.decoding import (
     check_search_args,
     collect_hypotheses,
@@ -68,7 +69,7 @@ from keras_transformer.decoding import (
 )
 from keras_transformer.search import compiled, loop, segments
 from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
-from keras_transformer.search.common import ModelConstants, dim, encoder_vocabulary_size
+from keras_transformer.search.common import ModelConstants, dim
 from keras_transformer.search.lengths import padded_search_inputs, search_lengths
 
 PROTOCOL_ATTRIBUTES = ("vocabulary_size", "pad_id", "start_id", "end_id", "encode", "init_cache", "decode_step")

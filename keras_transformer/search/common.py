@@ -40,11 +40,6 @@ class ModelConstants:
         return (self.vocabulary_size, self.pad_id, self.start_id, self.end_id)
 
 
-def encoder_vocabulary_size(model):
-    """The source ids a model takes: its `encoder_vocabulary_size` (separate vocabularies), else `vocabulary_size`."""
-    return int(getattr(model, "encoder_vocabulary_size", None) or model.vocabulary_size)
-
-
 def dim(x, axis):
     """`x.shape[axis]`, or a scalar tensor where it is unknown (a TensorFlow graph traced for any batch)."""
     size = x.shape[axis]

@@ -20,9 +20,8 @@ import sys
 import numpy as np
 
 from keras_transformer.decoding import LENGTH_BUCKET
-from keras_transformer.search.common import encoder_vocabulary_size
 from keras_transformer.search.log_probs import token_log_probs_numpy
-from keras_transformer.token_ids import check_id_range
+from keras_transformer.token_ids import check_id_range, encoder_vocabulary_size
 
 
 def score_targets(model, encoder_token_ids, decoder_token_ids):
