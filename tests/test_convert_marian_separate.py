@@ -11,6 +11,7 @@ every ordinary id differ). Our model is `TransformerModel(source_vocabulary_size
 import json
 import shutil
 
+import keras
 import numpy as np
 import pytest
 
@@ -270,3 +271,42 @@ def test_hugging_face_export_writes_the_checkpoint_back(imported_trained, marian
     assert json.loads((directory / "tokenizer_config.json").read_text())["separate_vocabs"] is True
     validation = json.loads((directory / "keras_transformer.json").read_text())["validation"]
     assert validation["largest_logits_difference"] <= 1e-4 and validation["greedy_identical"] == 3
+
+
+@pytest.mark.slow
+def test_ctranslate2_export_takes_the_source_table_and_both_vocabularies(imported_trained, tmp_path):
+    pytest.importorskip("ctranslate2")
+    from export.ctranslate2 import export_ctranslate2
+    from export.serve.engines import CTranslate2Engine
+    from keras_transformer.search.options import SearchOptions
+
+    model, tokenizer = imported_trained, imported_trained.tokenizer
+    directory = export_ctranslate2(model, tmp_path / "ct2", validation_sentences=6)  # validated: tokens and log-probs
+    assert not (directory / "shared_vocabulary.json").exists()
+    assert json.loads((directory / "source_vocabulary.json").read_text()) == tokenizer.source_vocabulary()
+    assert json.loads((directory / "target_vocabulary.json").read_text()) == tokenizer.pieces()
+    validation = json.loads((directory / "keras_transformer.json").read_text())["validation"]
+    assert validation["identical"] == validation["sentences"] == 6
+    engine = CTranslate2Engine(directory)
+    assert engine.translate(SENTENCES, SearchOptions(beam_size=1)) == \
+        kt.Translator(model, tokenizer).translate(SENTENCES, beam_size=1)
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_only
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="the exports trace TensorFlow graphs")
+def test_onnx_export_takes_the_source_table(imported_trained, tmp_path):
+    """Every graph validated against Keras at export (the fused step and translate.onnx included); the runtime agrees."""
+    from export.onnx import export_onnx
+    from export.runtime import OnnxTranslator
+
+    model = imported_trained
+    directory = export_onnx(model, tmp_path / "onnx", with_tokenizer=True)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["source_vocabulary_size"] == model.source_vocabulary_size != config["vocabulary_size"]
+    assert "fused_decoder_step" in config["graphs"] and (directory / "translate.onnx").is_file()
+    translator = OnnxTranslator(directory)
+    assert translator.model.encoder_vocabulary_size == model.source_vocabulary_size
+    for beam_size in (1, 4):
+        assert translator.translate(SENTENCES, beam_size=beam_size) == \
+            kt.Translator(model, model.tokenizer).translate(SENTENCES, beam_size=beam_size)
