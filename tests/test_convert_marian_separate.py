@@ -310,3 +310,18 @@ def test_onnx_export_takes_the_source_table(imported_trained, tmp_path):
     for beam_size in (1, 4):
         assert translator.translate(SENTENCES, beam_size=beam_size) == \
             kt.Translator(model, model.tokenizer).translate(SENTENCES, beam_size=beam_size)
+
+
+@pytest.mark.slow
+@pytest.mark.tensorflow_only
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="the exports trace TensorFlow graphs")
+def test_saved_model_tokenizes_sources_with_the_source_vocabulary(imported_trained, tmp_path):
+    import tensorflow as tf
+
+    from export.saved_model import export_saved_model
+
+    model = imported_trained
+    directory = export_saved_model(model, tmp_path / "saved_model", beam_size=1)
+    translate = tf.saved_model.load(str(directory)).signatures["translate"]
+    texts = [text.decode("utf-8") for text in translate(text=tf.constant(SENTENCES))["translation"].numpy()]
+    assert texts == kt.Translator(model, model.tokenizer).translate(SENTENCES, beam_size=1)
