@@ -74,8 +74,8 @@ def check_model_args(
     ):
         check_positive_int(name, value)
     check_positive_int("num_encoder_layers", num_encoder_layers, optional=True)
-    check_positive_int("source_vocabulary_size", source_vocabulary_size, optional=True)
     check_positive_int("num_decoder_layers", num_decoder_layers, optional=True)
+    check_positive_int("source_vocabulary_size", source_vocabulary_size, optional=True)
     check_layer_args(intermediate_dim, num_heads, dropout, attention_dropout, key_dim, value_dim, attention_window)
     if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
         raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")

@@ -222,6 +222,28 @@ def test_a_tokenizer_of_other_sizes_is_refused_by_the_translator(imported_random
         kt.Translator(imported_random, other)
 
 
+def test_fine_tuning_trains_both_tables_and_keeps_both_vocabularies(marian_separate_random, tmp_path):
+    """`init_from` a separate-vocabulary checkpoint: a couple of steps move both tables; the preset keeps both files."""
+    from keras_transformer import training
+
+    english, german = load_bundled("valid")
+    pairs = [(e, d) for e, d in zip(english, german) if len(e) <= 40 and len(d) <= 40][:16]
+    for name, side in (("train.en", 0), ("train.de", 1)):
+        (tmp_path / name).write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
+    imported = kt.TransformerModel.from_preset(marian_separate_random)
+    training.run_training(tmp_path / "run", init_from=str(marian_separate_random), train_src=str(tmp_path / "train.en"),
+                          train_tgt=str(tmp_path / "train.de"), steps=2, warmup_steps=2, tokens_per_batch=400,
+                          max_length=40, verbose=0)
+    model = kt.TransformerModel.from_preset(str(tmp_path / "run"))
+    assert model.source_vocabulary_size == imported.source_vocabulary_size and model.tokenizer.separate_vocabs
+    for name in ("vocab.json", "target_vocab.json"):
+        assert json.loads((tmp_path / "run" / name).read_text()) == \
+            json.loads((marian_separate_random / name).read_text())
+    for table in ("source_token_embedding", "token_embedding"):
+        before, after = (to_numpy(getattr(m, table).embeddings) for m in (imported, model))
+        assert before.shape == after.shape and not np.array_equal(before, after), table
+
+
 # ---------------------------------------------------------------------- #
 # What is refused
 # ---------------------------------------------------------------------- #
