@@ -565,7 +565,8 @@ def export_huggingface(model, directory, overwrite=False, metadata=None, validat
     if ids.pad >= source_ids.size:
         raise UnsupportedModelError(
             f"source_vocabulary_size={model.source_vocabulary_size} cannot be exported as a Marian checkpoint: "
-            f"MarianMTModel's encoder table needs pad_token_id={ids.pad} (the target's) below its {source_ids.size} rows")
+            f"MarianMTModel's encoder table needs pad_token_id={ids.pad} (the target's) below its "
+            f"{source_ids.size} rows")
     tensors = hf_tensors(model, ids, source_ids)
     languages = _languages(metadata)
     try:

@@ -138,7 +138,8 @@ class MarianTokenizer:
             specials["start_token"] = start_token
         for name, piece in specials.items():
             if piece not in (vocab if target_vocab is None else target_vocab):
-                raise ValueError(f"{name}={piece!r} is not in {VOCAB_FILE if target_vocab is None else TARGET_VOCAB_FILE}")
+                file = VOCAB_FILE if target_vocab is None else TARGET_VOCAB_FILE
+                raise ValueError(f"{name}={piece!r} is not in {file}")
             if target_vocab is not None and name != "start_token" and piece not in vocab:
                 raise ValueError(f"{name}={piece!r} is not in {VOCAB_FILE} (the source vocabulary)")
         if len(set(specials.values())) != len(specials):
@@ -153,7 +154,8 @@ class MarianTokenizer:
         decoder_vocab = vocab if target_vocab is None else target_vocab
         if start_token is None:
             # Marian starts from <pad>; our start id is an added piece with <pad>'s embedding.
-            self.added_start_token = next(piece for piece in ADDED_START_PIECES if piece not in decoder_vocab)
+            self.added_start_token = next(
+                piece for piece in ADDED_START_PIECES if piece not in decoder_vocab and piece not in vocab)
             start_piece, start_marian_id = self.added_start_token, decoder_vocab[pad_token]
         else:
             self.added_start_token = None

@@ -42,5 +42,5 @@ def check_id_range(values, name, vocabulary_size):
 
 
 def encoder_vocabulary_size(model):
-    """The source ids a model takes: its `encoder_vocabulary_size` (a source table of its own), else `vocabulary_size`."""
+    """The source ids a model takes: `encoder_vocabulary_size` (a source table of its own), else `vocabulary_size`."""
     return int(getattr(model, "encoder_vocabulary_size", None) or model.vocabulary_size)

@@ -236,7 +236,8 @@ MARIAN_STANDINS = {
     "random": dict(train_steps=0),      # random init (random logits bias and <pad> row)
     "trained": dict(train_steps=400),   # trained on the bundled corpus: outputs end with </s>
     # Separate source and target vocabularies (transformers PR #15831): the source's larger, so the two <pad>s differ.
-    "separate-random": dict(train_steps=0, separate_vocabs=True, source_vocabulary_size=400, target_vocabulary_size=300),
+    "separate-random": dict(train_steps=0, separate_vocabs=True, source_vocabulary_size=400,
+                            target_vocabulary_size=300),
     "separate-trained": dict(train_steps=400, separate_vocabs=True, source_vocabulary_size=400,
                              target_vocabulary_size=300),
 }

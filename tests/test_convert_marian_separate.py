@@ -173,7 +173,8 @@ def test_tokenizer_ids_and_strings_equal_marian_tokenizer_on_the_bundled_corpus(
     assert tokenizer.marian_ids[2] == target_vocab["<pad>"] and tokenizer.source_marian_ids[0] == vocab["<pad>"]
     for split in ("train", "valid", "test"):
         english, german = load_bundled(split)
-        for texts, target, marian in ((english, False, tokenizer.source_marian_ids), (german, True, tokenizer.marian_ids)):
+        for texts, target, marian in ((english, False, tokenizer.source_marian_ids),
+                                      (german, True, tokenizer.marian_ids)):
             ids = tokenizer.encode(texts, target=target)
             expected = reference(text_target=texts)["input_ids"] if target else reference(texts)["input_ids"]
             mismatches = [i for i, (a, b) in enumerate(zip(ids, expected)) if marian[a].tolist() != b]
@@ -318,7 +319,7 @@ def test_ctranslate2_export_takes_the_source_table_and_both_vocabularies(importe
 @pytest.mark.tensorflow_only
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="the exports trace TensorFlow graphs")
 def test_onnx_export_takes_the_source_table(imported_trained, tmp_path):
-    """Every graph validated against Keras at export (the fused step and translate.onnx included); the runtime agrees."""
+    """Every graph validated against Keras at export (the fused step and translate.onnx too); the runtime agrees."""
     from export.onnx import export_onnx
     from export.runtime import OnnxTranslator
 

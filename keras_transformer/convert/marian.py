@@ -63,7 +63,8 @@ def convert_config(config, path="config.json"):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             refuse(field, "must be a positive integer")
     if not config_field(config, "tie_word_embeddings", True):
-        refuse("tie_word_embeddings", "is not supported: the output projection must share the (decoder's) embedding matrix")
+        refuse("tie_word_embeddings",
+               "is not supported: the output projection must share the (decoder's) embedding matrix")
     if not config_field(config, "scale_embedding", False):
         refuse("scale_embedding", "is not supported: TransformerModel multiplies embeddings by sqrt(d_model)")
     activation = config_field(config, "activation_function", "gelu")
@@ -173,8 +174,9 @@ def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
         source_rows = tokenizer.source_marian_ids
         walk.port_weight(model.source_token_embedding.embeddings, "model.encoder.embed_tokens.weight",
                          lambda table: table[source_rows])
-        embeddings_key = next((key for key in ("model.decoder.embed_tokens.weight", "lm_head.weight") if key in tensors),
-                              "model.decoder.embed_tokens.weight")
+        embeddings_key = next(
+            (key for key in ("model.decoder.embed_tokens.weight", "lm_head.weight") if key in tensors),
+            "model.decoder.embed_tokens.weight")
         tied = ("model.decoder.embed_tokens.weight", "lm_head.weight")
     shared = walk.take(embeddings_key)
     walk.port_weight(model.token_embedding.embeddings, embeddings_key, lambda table: table[rows])
