@@ -217,9 +217,15 @@ def test_save_to_preset_loads_back_identically(imported_random, tmp_path):
     assert loaded.tokenizer.encode(SENTENCES) == model.tokenizer.encode(SENTENCES)
 
 
-def test_a_tokenizer_of_other_sizes_is_refused_by_the_translator(imported_random, marian_random):
-    other = kt.TransformerModel.from_preset(marian_random).tokenizer
-    with pytest.raises(ValueError, match="pieces"):
+def test_a_tokenizer_of_another_source_vocabulary_is_refused_by_the_translator(imported_random):
+    tokenizer = imported_random.tokenizer
+    specials = tokenizer.specials()
+    # The same target vocabulary (so the same target ids), the target's as the source's too.
+    other = MarianTokenizer(tokenizer.source_proto, tokenizer.target_proto, tokenizer.target_vocab,
+                            pad_token=specials["pad_token"], unk_token=specials["unk_token"],
+                            end_token=specials["end_token"], target_vocab=tokenizer.target_vocab)
+    assert other.vocabulary_size == tokenizer.vocabulary_size != other.source_vocabulary_size
+    with pytest.raises(ValueError, match=r"301 source pieces but the model's encoder takes 401 ids"):
         kt.Translator(imported_random, other)
 
 
@@ -232,9 +238,9 @@ def test_fine_tuning_trains_both_tables_and_keeps_both_vocabularies(marian_separ
     for name, side in (("train.en", 0), ("train.de", 1)):
         (tmp_path / name).write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
     imported = kt.TransformerModel.from_preset(marian_separate_random)
-    training.run_training(tmp_path / "run", init_from=str(marian_separate_random), train_src=str(tmp_path / "train.en"),
-                          train_tgt=str(tmp_path / "train.de"), steps=2, warmup_steps=2, tokens_per_batch=400,
-                          max_length=40, verbose=0)
+    training.run_training(tmp_path / "run", init_from=str(marian_separate_random),
+                          train_src=str(tmp_path / "train.en"), train_tgt=str(tmp_path / "train.de"), steps=2,
+                          warmup_steps=2, tokens_per_batch=400, max_length=40, verbose=0)
     model = kt.TransformerModel.from_preset(str(tmp_path / "run"))
     assert model.source_vocabulary_size == imported.source_vocabulary_size and model.tokenizer.separate_vocabs
     for name in ("vocab.json", "target_vocab.json"):
