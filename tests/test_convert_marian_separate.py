@@ -224,7 +224,7 @@ def test_a_tokenizer_of_another_source_vocabulary_is_refused_by_the_translator(i
     other = MarianTokenizer(tokenizer.source_proto, tokenizer.target_proto, tokenizer.target_vocab,
                             pad_token=specials["pad_token"], unk_token=specials["unk_token"],
                             end_token=specials["end_token"], target_vocab=tokenizer.target_vocab)
-    assert other.vocabulary_size == tokenizer.vocabulary_size != other.source_vocabulary_size
+    assert other.vocabulary_size == tokenizer.vocabulary_size and other.source_vocabulary_size == 301
     with pytest.raises(ValueError, match=r"301 source pieces but the model's encoder takes 401 ids"):
         kt.Translator(imported_random, other)
 
