@@ -112,12 +112,14 @@ def _copy(message):
 
 
 def _graphs(graph):
-    """`graph` and, depth first, every subgraph of its nodes (a Loop's body)."""
+    """`graph` and, depth first, every graph below it: the bodies and branches of its nodes (a Loop's, an If's)."""
     yield graph
     for node in graph.node:
         for attribute in node.attribute:
             if attribute.type == attribute.GRAPH:
                 yield from _graphs(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _graphs(subgraph)
 
 
 def _remove_dead_nodes(graph):

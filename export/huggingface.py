@@ -78,7 +78,6 @@ print(tokenizer.batch_decode(model.generate(**batch, num_beams=1), skip_special_
 ```
 """
 
-import argparse
 import json
 import logging
 import math
@@ -91,8 +90,12 @@ import numpy as np
 
 from export import contract
 from export.contract import UnsupportedModelError, ValidationError
-from keras_transformer.quantization import refuse_quantized
-from keras_transformer.utils import atomic_directory, check_output_directory
+from export.exporter import (
+    MAX_EXTRA_LENGTH, OVERWRITE_ARGUMENT, Exporter, check_sentences, keras_outputs, validation_sources,
+)
+from export.exporter import float32 as _numpy
+# The model card has its own module; its names stay importable from here (plain re-exports).
+from export.huggingface_card import _languages, model_card  # noqa: F401
 
 # Named, not __name__, so that `python -m export.huggingface` logs under the same name.
 logger = logging.getLogger("export.huggingface")
@@ -109,7 +112,6 @@ METADATA_FILE = "keras_transformer.json"
 # Keras' "gelu" is the exact, erf one, as transformers' "gelu").
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "silu": "swish"}
 MARIAN_LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default; Marian's config has no field for it
-MAX_EXTRA_LENGTH = 50
 VALIDATION_SENTENCES = 8
 LOGITS_ATOL = 1e-4
 
@@ -226,12 +228,6 @@ class IdMap:
 # ---------------------------------------------------------------------- #
 # Weights
 # ---------------------------------------------------------------------- #
-def _numpy(variable):
-    from keras import ops
-
-    return np.asarray(ops.convert_to_numpy(variable), dtype=np.float32)
-
-
 def hf_tensors(model, ids=None, source_ids=None):
     """`{name: float32 array}`: `model`'s weights under `MarianMTModel`'s names, in its layout.
 
@@ -272,6 +268,7 @@ def hf_tensors(model, ids=None, source_ids=None):
         writing(f"{name}.fc2", layer.feedforward_output)
         norm(f"{name}.final_layer_norm", layer.feedforward_norm)
 
+    # One matrix: both embeddings and the output projection (tied in Marian, stored once).
     if model.source_token_embedding is None:
         # One matrix: both embeddings and the output projection (tied in Marian, stored once).
         put("model.shared.weight", _numpy(model.token_embedding.embeddings)[ids.rows][:, order])
@@ -301,11 +298,10 @@ def hf_tensors(model, ids=None, source_ids=None):
 # ---------------------------------------------------------------------- #
 def hf_config(model, ids, source_ids=None):
     """`config.json` of the `MarianMTModel` computing what `model` does."""
-    source_ids = source_ids or IdMap(model, source=True)
     return {
         "architectures": ["MarianMTModel"],
         "model_type": "marian",
-        "vocab_size": source_ids.size,
+        "vocab_size": (source_ids or IdMap(model, source=True)).size,
         "decoder_vocab_size": ids.size,
         "d_model": model.hidden_dim,
         "encoder_layers": len(model.encoder_layers),
@@ -350,7 +346,7 @@ def generation_config(model, ids):
 
 
 def tokenizer_config(ids, languages, separate_vocabs=False):
-    """`tokenizer_config.json` for `MarianTokenizer` (one shared vocabulary, or `target_vocab.json` too)."""
+    """`tokenizer_config.json` for `MarianTokenizer` (one shared vocabulary)."""
     return {
         "tokenizer_class": "MarianTokenizer",
         **ids.pieces,
@@ -380,124 +376,17 @@ def _write_json(path, value):
 
 
 # ---------------------------------------------------------------------- #
-# Model card
-# ---------------------------------------------------------------------- #
-def _languages(metadata):
-    """`[source, target]` language codes from a preset's `metadata.json` data files, or [] when unknown."""
-    data = metadata.get("data") or {}
-    corpus = (data.get("bundled_corpus") or {}).get("name", "")
-    parts = corpus.rsplit("_", 2)
-    if len(parts) == 3 and all(len(code) == 2 for code in parts[1:]):
-        return parts[1:]
-    files = data.get("train") or []
-    codes = []
-    for name in files:
-        if not isinstance(name, str):
-            return []
-        stem = name[:-3] if name.endswith(".gz") else name
-        suffix = pathlib.PurePosixPath(stem).suffix.lstrip(".")
-        codes.append(suffix)
-    if len(codes) == 2 and all(2 <= len(code) <= 3 and code.isalpha() for code in codes):
-        return codes
-    return []
-
-
-def model_card(model, metadata, languages, validation=None):
-    """`README.md`: what the model is, its data and scores as `metadata.json` records them; license left to fill in."""
-    data = metadata.get("data") or {}
-    front = ["---", "library_name: transformers", "pipeline_tag: translation", "tags:", "- translation",
-             "- marian", "- keras-aiayn"]
-    if languages:
-        front += ["language:"] + [f"- {code}" for code in languages]
-    else:
-        front += ["# language: [xx, yy]  (fill in: the source and target languages)"]
-    front += ["# license: (fill in, e.g. apache-2.0, and the training data's terms)", "---", ""]
-    pair = f" ({languages[0]} → {languages[1]})" if languages else ""
-    lines = [
-        f"# Transformer translation model{pair}",
-        "",
-        "A Transformer encoder-decoder (Vaswani et al., 2017, \"Attention Is All You Need\") exported from "
-        "[keras-aiayn](https://pypi.org/project/keras-aiayn/) with `python -m export.huggingface`, as a "
-        "`MarianMTModel` checkpoint.",
-        "",
-        "## Architecture",
-        "",
-        f"- {len(model.encoder_layers)} encoder and {len(model.decoder_layers)} decoder layers, d_model "
-        f"{model.hidden_dim}, d_ff {model.intermediate_dim}, {model.num_heads} heads, post-LN, "
-        f"activation {model.activation}, sinusoidal positions (at most {model.max_sequence_length} tokens)",
-        f"- vocabulary: {model.vocabulary_size} pieces"
-        + (" (SentencePiece, shared by both languages)" if model.tokenizer is not None else " (no tokenizer)"),
-        "",
-        "## Training",
-        "",
-    ]
-    if metadata:
-        for split in ("train", "valid", "test"):
-            if data.get(split):
-                lines.append(f"- {split} data: " + ", ".join(str(name) for name in data[split] if name))
-        corpus = data.get("bundled_corpus")
-        if corpus:
-            lines.append(f"- corpus: {corpus.get('name')} (version {corpus.get('version')})")
-        for key, label in (("preset", "architecture preset"), ("init_from", "fine-tuned from"),
-                           ("steps", "training steps"), ("train_pairs", "training sentence pairs")):
-            value = metadata.get(key, data.get(key))
-            if value is not None:
-                lines.append(f"- {label}: {value}")
-    else:
-        lines.append("Not recorded (the model was exported without a preset's metadata.json).")
-    lines += ["", "## Evaluation", ""]
-    scores = [(key, label) for key, label in (("test_bleu", "test BLEU"), ("valid_bleu", "validation BLEU"),
-                                              ("valid_chrf", "validation chrF")) if metadata.get(key) is not None]
-    if scores:
-        for key, label in scores:
-            sentences = metadata.get("valid_bleu_sentences") if key.startswith("valid") else None
-            lines.append(f"- {label}: {metadata[key]}" + (f" ({sentences} sentences)" if sentences else ""))
-        if metadata.get("valid_bleu_signature"):
-            lines.append(f"- sacreBLEU signature: `{metadata['valid_bleu_signature']}`")
-    else:
-        lines.append("No score recorded.")
-    lines += [
-        "",
-        "## Use",
-        "",
-        "```python",
-        "from transformers import MarianMTModel, MarianTokenizer",
-        "",
-        "model = MarianMTModel.from_pretrained(\"PATH_OR_REPO\")",
-        "tokenizer = MarianTokenizer.from_pretrained(\"PATH_OR_REPO\")",
-        "batch = tokenizer([\"A sentence.\"], return_tensors=\"pt\")",
-        "print(tokenizer.batch_decode(model.generate(**batch, num_beams=1), skip_special_tokens=True))",
-        "```",
-        "",
-        "Greedy `generate` gives keras-aiayn's greedy tokens (checked at export); beam search scores "
-        "hypotheses with transformers' length penalty, not the GNMT penalty keras-aiayn uses.",
-    ]
-    if validation and not validation.get("skipped"):
-        lines += ["", f"Checked at export: logits within {validation['logits_atol']:g} of keras-aiayn's "
-                      f"(largest difference {validation['largest_logits_difference']:.1e}), the same greedy "
-                      f"tokens on {validation['sentences']} sentences."]
-    lines += ["", "## License", "", "Not set: fill in the license and the training data's terms before publishing.", ""]
-    return "\n".join(front + lines)
-
-
-# ---------------------------------------------------------------------- #
 # Export
 # ---------------------------------------------------------------------- #
 def _load(preset):
-    from keras_transformer.lora import merged_model
-    from keras_transformer.model import TransformerModel
+    """`(model, metadata)`: the model to export and its preset's `metadata.json` ({} when there is none).
 
-    if isinstance(preset, TransformerModel):
-        return merged_model(preset), {}  # LoRA adapters merged into the kernels
-    if not isinstance(preset, (str, os.PathLike)):
-        raise TypeError(
-            f"model must be a TransformerModel, a preset name or a directory, received {type(preset).__name__}"
-        )
-    model = TransformerModel.from_preset(preset)
-    from export.contract import check_exportable
-
-    check_exportable(model, "Hugging Face (MarianMTModel)")
+    `Exporter.load_model` keeps the preset's dropout here: `config.json` records it for fine-tuning.
+    """
+    model = EXPORTER.load_model(preset, argument="model")
     metadata = {}
+    if not isinstance(preset, (str, os.PathLike)):
+        return model, metadata
     path = pathlib.Path(preset) / "metadata.json"
     if path.is_file():
         try:
@@ -516,12 +405,15 @@ def is_huggingface_export(directory):
     return hf_model_type(directory) == "marian" and (directory / WEIGHTS_FILE).is_file()
 
 
-def check_output(output, overwrite, preset=None, flag="overwrite=True (--overwrite)"):
+EXPORTER = Exporter(
+    "Hugging Face (MarianMTModel)", "python -m export.huggingface", "a Hugging Face Marian checkpoint",
+    is_huggingface_export, dropout=None,
+)
+
+
+def check_output(output, overwrite, preset=None, flag=OVERWRITE_ARGUMENT):
     """`utils.check_output_directory` for this export: only an earlier Marian checkpoint is replaced."""
-    return check_output_directory(
-        output, overwrite, is_huggingface_export, "a Hugging Face Marian checkpoint (python -m export.huggingface)",
-        source=preset, flag=flag,
-    )
+    return EXPORTER.check_output(output, overwrite, preset, flag=flag)
 
 
 def export_huggingface(model, directory, overwrite=False, metadata=None, validate=True,
@@ -554,11 +446,10 @@ def export_huggingface(model, directory, overwrite=False, metadata=None, validat
         UnsupportedModelError: Marian cannot express the model (one line naming the option).
         export.contract.ValidationError: `transformers` computes something else.
     """
-    if isinstance(validation_sentences, bool) or not isinstance(validation_sentences, int) or validation_sentences < 1:
-        raise ValueError(f"validation_sentences={validation_sentences!r} must be an integer >= 1")
-    output = check_output(directory, overwrite, model if isinstance(model, (str, os.PathLike)) else None)
-    model, read_metadata = _load(model)
-    refuse_quantized(model, "python -m export.huggingface", None)
+    check_sentences(validation_sentences)
+    output = check_output(directory, overwrite, model)
+    preset = model
+    model, read_metadata = _load(preset)
     metadata = read_metadata if metadata is None else metadata
     check_exportable(model)
     ids, source_ids = IdMap(model), IdMap(model, source=True)
@@ -577,7 +468,7 @@ def export_huggingface(model, directory, overwrite=False, metadata=None, validat
             name="safetensors",
         ) from None
 
-    with atomic_directory(output) as staging:
+    with EXPORTER.staged(output, overwrite, preset) as staging:
         logger.info("Writing the Marian checkpoint (%d tensors)", len(tensors))
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         _write_json(staging / CONFIG_FILE, hf_config(model, ids, source_ids))
@@ -592,7 +483,6 @@ def export_huggingface(model, directory, overwrite=False, metadata=None, validat
             "skipped": "validate=False"}
         (staging / MODEL_CARD_FILE).write_text(model_card(model, metadata, languages, report), encoding="utf-8")
         contract.write_config(staging, _metadata(model, ids, report), METADATA_FILE)
-    logger.info("Exported %s", output)
     return output
 
 
@@ -643,8 +533,6 @@ def validate_huggingface(directory, model, sentences=VALIDATION_SENTENCES, atol=
     """
     from keras import ops
 
-    from export.ctranslate2 import _keras_outputs, _validation_sources
-
     reference = _import_reference()
     if reference is None:
         reason = "transformers and torch are not both importable (pip install transformers torch)"
@@ -653,7 +541,7 @@ def validate_huggingface(directory, model, sentences=VALIDATION_SENTENCES, atol=
     torch, transformers = reference
     directory = pathlib.Path(directory)
     ids, source_ids = IdMap(model), IdMap(model, source=True)
-    texts, sources = _validation_sources(model, sentences, seed=seed)
+    texts, sources = validation_sources(model, sentences, seed=seed)
 
     if model.tokenizer is not None:
         with warnings.catch_warnings():  # "Recommended: pip install sacremoses" (Moses is not used to tokenize)
@@ -692,8 +580,8 @@ def validate_huggingface(directory, model, sentences=VALIDATION_SENTENCES, atol=
     def describe(row):
         return repr(texts[row]) if texts is not None else f"ids {sources[row]}"
 
-    keras_outputs = _keras_outputs(model, sources, 1, 0.0)
-    for row, (source, output) in enumerate(zip(sources, keras_outputs)):
+    greedy = keras_outputs(model, sources, 1, 0.0)
+    for row, (source, output) in enumerate(zip(sources, greedy)):
         encoder = torch.tensor([source_ids.to_hf[list(source) + [model.end_id]].tolist()])
         # Ours: at most n + 50 ids with the end id (n: the source with its end id), below max_sequence_length.
         limit = min(len(source) + 1 + MAX_EXTRA_LENGTH, model.max_sequence_length - 1)
@@ -714,33 +602,15 @@ def validate_huggingface(directory, model, sentences=VALIDATION_SENTENCES, atol=
 
 
 def main(argv=None):
-    from keras_transformer import cli
-
-    parser = argparse.ArgumentParser(
-        prog="python -m export.huggingface",
-        description="Export a TransformerModel as a Hugging Face MarianMTModel checkpoint (and check it with "
-        "transformers when installed).",
+    parser = EXPORTER.parser(
+        "Export a TransformerModel as a Hugging Face MarianMTModel checkpoint (and check it with "
+        "transformers when installed)."
     )
-    parser.add_argument("--preset", required=True,
-                        help="built-in preset name, preset directory, Marian checkpoint directory or hf://org/name")
-    parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument("--validation-sentences", type=int, default=VALIDATION_SENTENCES,
                         help=f"sentences compared with transformers (default {VALIDATION_SENTENCES})")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    cli.add_verbose_argument(parser)
-    args = parser.parse_args(argv)
-    cli.setup_logging(args.verbose)
-    logging.getLogger("export").setLevel(logging.INFO)
-    try:
-        check_output(args.output, args.overwrite, args.preset, flag="--overwrite")
-    except (FileExistsError, ValueError) as error:
-        parser.exit(2, f"error: {error}\n")
-    try:
-        export_huggingface(args.preset, args.output, overwrite=args.overwrite,
-                           validation_sentences=args.validation_sentences)
-    except (FileNotFoundError, ValueError, ImportError) as error:
-        parser.exit(1, f"error: {error}\n")
-    return 0
+    return EXPORTER.main(parser, argv, lambda args: export_huggingface(
+        args.preset, args.output, overwrite=args.overwrite, validation_sentences=args.validation_sentences,
+    ))
 
 
 if __name__ == "__main__":

@@ -66,7 +66,6 @@ same preset rather than converting the model again (the conversion is most
 of an export's time); the export is checked to be the preset's first.
 """
 
-import argparse
 import json
 import logging
 import os
@@ -92,8 +91,7 @@ from export.graph_passes import (  # noqa: E402
 from export.graphs import graph_functions  # noqa: E402
 from export.tf2onnx_support import CUSTOM_OP_HANDLERS, _one_walk_subgraph_extraction, _optimize_in_place  # noqa: E402
 from export.validate import QUANTIZATIONS, validate_onnx  # noqa: E402
-from keras_transformer.utils import atomic_directory, check_output_directory  # noqa: E402
-from keras_transformer.quantization import refuse_quantized  # noqa: E402
+from export.exporter import OVERWRITE_ARGUMENT, Exporter  # noqa: E402
 
 # Named, not __name__, so that `python -m export.onnx` logs under the same name.
 logger = logging.getLogger("export.onnx")
@@ -274,24 +272,8 @@ def _config(model, files, opset, quantize):
 
 
 def _load_model(preset):
-    import keras
-
-    from keras_transformer.lora import merged_model
-    from keras_transformer.model import TransformerModel
-
-    if keras.backend.backend() != "tensorflow":
-        raise RuntimeError(
-            "ONNX export runs on the TensorFlow backend (tf2onnx converts "
-            f"TensorFlow graphs); KERAS_BACKEND is {keras.backend.backend()!r}. "
-            "Run with KERAS_BACKEND=tensorflow."
-        )
-    if isinstance(preset, TransformerModel):
-        model = merged_model(preset)  # LoRA adapters merged into the kernels
-    else:
-        # Dropout is inactive at inference; 0.0 keeps it out of the traced graphs.
-        model = TransformerModel.from_preset(preset, dropout=0.0)
-    contract.check_exportable(model, "ONNX")
-    return model
+    """The model to export (`Exporter.load_model`: dropout off, LoRA merged, TensorFlow only)."""
+    return EXPORTER.load_model(preset)
 
 
 def _reusable_graphs(directory, model, opset, names, atol):
@@ -334,11 +316,15 @@ def is_onnx_export(directory):
     return contract.is_export_of(contract.ONNX)(directory) or oldest
 
 
-def check_output(output, overwrite, preset=None, flag="overwrite=True (--overwrite)"):
+EXPORTER = Exporter(
+    "ONNX", "python -m export.onnx", "an ONNX export", is_onnx_export,
+    tensorflow_because="tf2onnx converts TensorFlow graphs", int8_instead="--quantize int8 (ONNX Runtime's int8)",
+)
+
+
+def check_output(output, overwrite, preset=None, flag=OVERWRITE_ARGUMENT):
     """`utils.check_output_directory` for an ONNX export: only an earlier ONNX export is replaced."""
-    return check_output_directory(
-        output, overwrite, is_onnx_export, "an ONNX export (python -m export.onnx)", source=preset, flag=flag
-    )
+    return EXPORTER.check_output(output, overwrite, preset, flag=flag)
 
 
 def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=False, atol=1e-4, float32_export=None,
@@ -394,7 +380,6 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
     output = check_output(output, overwrite, preset)
 
     model = _load_model(preset)
-    refuse_quantized(model, "python -m export.onnx", "--quantize int8 (ONNX Runtime's int8)")
     if with_tokenizer:
         from export.text_graph import check_text_graph_support
 
@@ -410,7 +395,7 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
     converted = [name for name in names if name != "fused_decoder_step"]
     if float32_export is not None:
         reused = _reusable_graphs(float32_export, model, opset, converted, atol)
-    with atomic_directory(output) as staging:
+    with EXPORTER.staged(output, overwrite, preset) as staging:
         if float32_export is None:
             for name, (function, signature) in graph_functions(model, converted).items():
                 path = staging / files[name]
@@ -439,19 +424,13 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
             from export.text_graph import write_text_graph
 
             write_text_graph(staging)
-    logger.info("Exported %s", output)
     return output
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m export.onnx",
-        description="Export a TransformerModel to ONNX (encoder, init_cache and cached decoder step) "
-        "and validate it against Keras.",
+    parser = EXPORTER.parser(
+        "Export a TransformerModel to ONNX (encoder, init_cache and cached decoder step) and validate it against Keras."
     )
-    parser.add_argument("--preset", required=True,
-                        help="built-in preset name, preset directory, Marian checkpoint directory or hf://org/name")
-    parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument(
         "--opset", type=int, default=DEFAULT_OPSET,
         help=f"ONNX opset, {MIN_OPSET}-{MAX_OPSET} (default {DEFAULT_OPSET})",
@@ -461,24 +440,12 @@ def main(argv=None):
     parser.add_argument("--from-float32", metavar="DIR", default=None,
                         help="with --quantize int8: quantize the graphs of DIR, a float32 export of the same "
                         "preset, instead of converting the model again (checked against the preset first)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    cli.add_verbose_argument(parser)
     parser.add_argument("--with-tokenizer", action="store_true",
                         help="also write translate.onnx: text in, text out (needs onnxruntime-extensions)")
-    args = parser.parse_args(argv)
-    # Our progress at INFO; tf2onnx's and the quantizer's INFO lines are noise here.
-    cli.setup_logging(args.verbose)
-    logging.getLogger("export").setLevel(logging.INFO)
-    try:
-        check_output(args.output, args.overwrite, args.preset, flag="--overwrite")
-    except (FileExistsError, ValueError) as error:
-        parser.exit(2, f"error: {error}\n")
-    try:
-        export_onnx(args.preset, args.output, opset=args.opset, quantize=args.quantize, overwrite=args.overwrite,
-                    float32_export=args.from_float32, with_tokenizer=args.with_tokenizer)
-    except (FileNotFoundError, ValueError, ImportError) as error:
-        parser.exit(1, f"error: {error}\n")
-    return 0
+    return EXPORTER.main(parser, argv, lambda args: export_onnx(
+        args.preset, args.output, opset=args.opset, quantize=args.quantize, overwrite=args.overwrite,
+        float32_export=args.from_float32, with_tokenizer=args.with_tokenizer,
+    ))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,6 @@ python -m export.saved_model --preset path/to/preset --output exported/greedy --
 ```
 """
 
-import argparse
 import logging
 import os
 import pathlib
@@ -70,10 +69,9 @@ if __name__ == "__main__":  # a command: quiet the frameworks before anything im
     cli.quiet_startup()
 
 from export import contract  # noqa: E402
+from export.exporter import OVERWRITE_ARGUMENT, Exporter  # noqa: E402
 from export.graphs import graph_functions  # noqa: E402
 from keras_transformer.decoding import check_search_args  # noqa: E402
-from keras_transformer.utils import atomic_directory, check_output_directory  # noqa: E402
-from keras_transformer.quantization import refuse_quantized  # noqa: E402
 
 logger = logging.getLogger("export.saved_model")
 
@@ -83,37 +81,18 @@ _BLANK = contract.WHITESPACE_RE2 + "*"
 
 def _load(preset_or_model, tokenizer):
     """`(model, tokenizer)`, checked against each other; a clear error when there is no tokenizer."""
-    import keras
-
-    from keras_transformer.lora import merged_model
-    from keras_transformer.model import TransformerModel
     from keras_transformer.presets import TOKENIZER_FILE
     from keras_transformer.translator import Translator
 
-    if keras.backend.backend() != "tensorflow":
-        raise RuntimeError(
-            "SavedModel export runs on the TensorFlow backend (it saves TensorFlow graphs); "
-            f"KERAS_BACKEND is {keras.backend.backend()!r}. Run with KERAS_BACKEND=tensorflow."
-        )
-    if isinstance(preset_or_model, TransformerModel):
-        model = merged_model(preset_or_model)  # LoRA adapters merged into the kernels
-        where = "the model has no tokenizer attached"
-    elif isinstance(preset_or_model, (str, os.PathLike)):
-        # Dropout is inactive at inference; 0.0 keeps it out of the traced graphs.
-        model = TransformerModel.from_preset(preset_or_model, dropout=0.0)
-        where = (
-            f"the directory {os.fspath(preset_or_model)!r} has no {TOKENIZER_FILE}"
-            if os.path.isdir(preset_or_model)
-            else f"{preset_or_model!r} is a built-in architecture preset (random weights, no tokenizer)"
-        )
-    else:
-        raise TypeError(
-            "preset_or_model must be a preset name, a preset directory or a TransformerModel, "
-            f"received {type(preset_or_model).__name__}"
-        )
-    contract.check_exportable(model, "SavedModel")
+    model = EXPORTER.load_model(preset_or_model, argument="preset_or_model")
     tokenizer = tokenizer if tokenizer is not None else model.tokenizer
     if tokenizer is None:
+        if not isinstance(preset_or_model, (str, os.PathLike)):
+            where = "the model has no tokenizer attached"
+        elif os.path.isdir(preset_or_model):
+            where = f"the directory {os.fspath(preset_or_model)!r} has no {TOKENIZER_FILE}"
+        else:
+            where = f"{preset_or_model!r} is a built-in architecture preset (random weights, no tokenizer)"
         raise ValueError(
             f"Cannot export a SavedModel without a tokenizer ({where}): the translate signature "
             "tokenizes in the graph. Pass tokenizer=... (a keras_transformer Tokenizer), or a preset "
@@ -335,11 +314,10 @@ def export_saved_model(
     check_search_args(beam_size, length_penalty, max_extra_length)
     output = check_output(output, overwrite, preset_or_model)
     model, tokenizer = _load(preset_or_model, tokenizer)
-    refuse_quantized(model, "python -m export.saved_model", None)
 
     import tensorflow as tf
 
-    with atomic_directory(output) as staging:
+    with EXPORTER.staged(output, overwrite, preset_or_model) as staging:
         logger.info("Tracing the signatures %s", ", ".join(contract.SAVED_MODEL.graphs))
         module, signatures = _serving_module(model, tokenizer, beam_size, length_penalty, max_extra_length)
         logger.info("Writing the SavedModel")
@@ -347,7 +325,6 @@ def export_saved_model(
         tokenizer.save(staging)
         config = _config(model, tokenizer, beam_size, length_penalty, max_extra_length)
         contract.write_config(staging, config)
-    logger.info("Exported %s", output)
     return output
 
 
@@ -357,23 +334,24 @@ def is_saved_model_export(directory):
     return contract.is_export_of(contract.SAVED_MODEL)(directory) or (directory / "saved_model.pb").is_file()
 
 
-def check_output(output, overwrite, preset=None, flag="overwrite=True (--overwrite)"):
+EXPORTER = Exporter(
+    "SavedModel", "python -m export.saved_model", "a SavedModel", is_saved_model_export,
+    tensorflow_because="it saves TensorFlow graphs", cli_errors=(FileNotFoundError, ValueError, RuntimeError),
+)
+
+
+def check_output(output, overwrite, preset=None, flag=OVERWRITE_ARGUMENT):
     """`utils.check_output_directory` for a SavedModel export: only an earlier SavedModel is replaced."""
-    return check_output_directory(
-        output, overwrite, is_saved_model_export, "a SavedModel (python -m export.saved_model)",
-        source=preset, flag=flag,
-    )
+    return EXPORTER.check_output(output, overwrite, preset, flag=flag)
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m export.saved_model",
-        description="Export a TransformerModel and its tokenizer as a TensorFlow SavedModel "
+    parser = EXPORTER.parser(
+        "Export a TransformerModel and its tokenizer as a TensorFlow SavedModel "
         "(signatures translate, encode, init_cache, decode_step).",
+        preset_help="preset directory with a tokenizer (from save_to_preset), Marian checkpoint directory or "
+        "hf://org/name",
     )
-    parser.add_argument("--preset", required=True, help="preset directory with a tokenizer (from save_to_preset), "
-                        "Marian checkpoint directory or hf://org/name")
-    parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument(
         "--beam-size", type=int, default=4, help="beam size of the translate signature; 1 is greedy (default 4)"
     )
@@ -381,27 +359,10 @@ def main(argv=None):
     parser.add_argument(
         "--max-extra-length", type=int, default=50, help="output tokens allowed beyond the source length (default 50)"
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    cli.add_verbose_argument(parser)
-    args = parser.parse_args(argv)
-    cli.setup_logging(args.verbose)
-    logging.getLogger("export").setLevel(logging.INFO)
-    try:
-        check_output(args.output, args.overwrite, args.preset, flag="--overwrite")
-    except (FileExistsError, ValueError) as error:
-        parser.exit(2, f"error: {error}\n")
-    try:
-        export_saved_model(
-            args.preset,
-            args.output,
-            beam_size=args.beam_size,
-            length_penalty=args.length_penalty,
-            max_extra_length=args.max_extra_length,
-            overwrite=args.overwrite,
-        )
-    except (FileNotFoundError, ValueError, RuntimeError) as error:
-        parser.exit(1, f"error: {error}\n")
-    return 0
+    return EXPORTER.main(parser, argv, lambda args: export_saved_model(
+        args.preset, args.output, beam_size=args.beam_size, length_penalty=args.length_penalty,
+        max_extra_length=args.max_extra_length, overwrite=args.overwrite,
+    ))
 
 
 if __name__ == "__main__":

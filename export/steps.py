@@ -271,7 +271,7 @@ def _fill_holes(array, kept, positions=None):
     return array[: len(kept)]
 
 
-def run_steps(update, graph, decoder, values):
+def run_steps(update, graph, decoder, values, cancelled=None):
     """Runs the decoder and the search's update graph until every row is done; done rows leave.
 
     After each step, the rows that `rows_done` marks (all rows once
@@ -292,6 +292,12 @@ def run_steps(update, graph, decoder, values):
         decoder: a `FusedDecoder`.
         values: `{name: array}`: every input of `graph` but `logits`, and
             `decoder_token_ids` (the start graph's).
+        cancelled: None, or a callable asked after each step: None (no row
+            leaves) or bool `[B]` in the order of `values`' rows, true for
+            the rows nobody waits for any more (a server's client left):
+            they leave the batch as done rows do, before the next step,
+            without hypotheses (sequences 0, scores and log-probabilities
+            -inf); once every row is done or cancelled the search ends.
 
     Returns:
         `(sequences [B, K, L], scores [B, K], log_probs [B, K])` NumPy arrays,
@@ -317,8 +323,9 @@ def run_steps(update, graph, decoder, values):
             decoder.reorder(outputs["parents"], index)
         keep_going = bool(outputs["keep_going"])
         done = np.asarray(outputs["rows_done"], bool) if keep_going else np.ones(len(places), bool)
+        dropped = _cancelled_rows(cancelled, places, done) if keep_going and cancelled is not None else None
         any_done = np.count_nonzero(done) > 0  # (`done.any()` goes through a ufunc reduction)
-        if any_done:  # the hypotheses are read only for rows that are done
+        if any_done or dropped is not None:  # the hypotheses are read only for rows that are done
             hypotheses = [
                 outputs[name] if "hypotheses" in axes else np.expand_dims(outputs[name], 1)
                 for name, axes in hypotheses_axes.items()
@@ -327,6 +334,11 @@ def run_steps(update, graph, decoder, values):
                 results = [np.zeros((batch, *x.shape[1:]), x.dtype) for x in hypotheses]
             for result, x in zip(results, hypotheses):
                 result[places[done]] = x[done]
+            if dropped is not None:
+                for result in results[1:]:  # scores and log-probabilities: no hypothesis
+                    result[places[dropped]] = -np.inf
+                done = done | dropped
+                any_done, keep_going = True, not done.all()
         if not keep_going:
             return tuple(results)
         if any_done:
@@ -342,8 +354,18 @@ def run_steps(update, graph, decoder, values):
             decoder.keep(kept)
 
 
+def _cancelled_rows(cancelled, places, done):
+    """The live rows (bool `[n]`, at their places now) that `cancelled()` marks and are not done, or None."""
+    flags = cancelled()
+    if flags is None:
+        return None
+    dropped = np.asarray(flags, bool)[places] & ~done
+    return dropped if np.count_nonzero(dropped) else None
+
+
 def step_search(
-    run, decoder_session, plan, length_penalty, max_extra_length, initial_cache_length=None, update_session=None
+    run, decoder_session, plan, length_penalty, max_extra_length, initial_cache_length=None, update_session=None,
+    cancelled=None,
 ):
     """Runs a `decoding.hypotheses_plan` with its search's start and update graphs and the fused step.
 
@@ -358,6 +380,8 @@ def step_search(
         update_session: the update graph's ONNX Runtime session: its runs
             then write into bound buffers (`BoundUpdate`); without it, each
             step's update is one call of `run`.
+        cancelled: None, or `run_steps`' callable, its flags in the plan's
+            row order.
 
     The rows are sorted by source length for the start graph's groups
     (`start_groups`, `merge_start_outputs`) and run so; the results are
@@ -386,7 +410,20 @@ def step_search(
     if update_session is not None:
         update_run = BoundUpdate(update_session, update, update_run)
     places = np.argsort(order)  # each row's place in the sorted batch
-    return tuple(result[places] for result in run_steps(update_run, update, decoder, values))
+    results = run_steps(update_run, update, decoder, values, _reordered(cancelled, order))
+    return tuple(result[places] for result in results)
+
+
+def _reordered(cancelled, order):
+    """`cancelled` (None, or a callable of flags in the plan's row order) for the rows taken in `order`."""
+    if cancelled is None:
+        return None
+
+    def flags():
+        found = cancelled()
+        return None if found is None else np.asarray(found, bool)[order]
+
+    return flags
 
 
 def start_groups(lengths):

@@ -116,6 +116,7 @@ from export.text_graph_builder import (  # noqa: F401 - some re-exported
 from export.text_graph_tokenizer import (  # noqa: F401 - some re-exported
     LANGUAGE_CODE_RE2, check_tokenizer, marian_source_model, marian_target_pieces,
 )
+from keras_transformer import cli
 from keras_transformer.tokenizer import FIRST_ORDINARY_ID, load_tokenizer
 from keras_transformer.tokenizer import TOKENIZER_FILENAME as TOKENIZER_FILE
 
@@ -366,7 +367,7 @@ def main(argv=None):
                         help="default of the max_extra_length input (default 50)")
     parser.add_argument("--no-validate", action="store_true", help="skip the comparison with OnnxTranslator")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cli.setup_logging()
     logging.getLogger("export").setLevel(logging.INFO)
     try:
         write_text_graph(args.model, beam_size=args.beam_size, length_penalty=args.length_penalty,

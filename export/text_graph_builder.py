@@ -14,6 +14,7 @@ import json
 import numpy as np
 
 from export import contract
+from export.graph_passes import _graphs as _subgraphs  # the one walk over a graph and its subgraphs
 from export.text_graph_tokenizer import EXTENSIONS_DOMAIN, _decode_ids, _decode_nodes, _source_nodes, check_tokenizer
 
 SEARCH_FILE = "beam_search.onnx"
@@ -105,17 +106,6 @@ def _check_search_graph(search_model, spec=contract.BEAM_SEARCH, file=SEARCH_FIL
     )
     if clash:
         raise ValueError(f"The search graph {file} uses names reserved for translate.onnx: {clash[:5]}")
-
-
-def _subgraphs(graph):
-    """`graph` and every graph below it (the bodies and branches of its nodes)."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == attribute.GRAPH:
-                yield from _subgraphs(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from _subgraphs(subgraph)
 
 
 def _tensor_key(tensor):

@@ -321,6 +321,7 @@ class Translator:
         split_sentences=False,
         source_language=None,
         target_language=None,
+        cancelled=None,
     ):
         """Translates a list of sentences (or of documents, with `split_sentences`).
 
@@ -371,6 +372,13 @@ class Translator:
             source_language, target_language: a multilingual model's (NLLB-200's)
                 language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
                 required there, refused elsewhere.
+            cancelled: None, or a callable that returns None or one bool
+                per text, true for the texts nobody waits for any more (a
+                server's client left). A model whose search can drop rows
+                (`OnnxSeq2Seq`'s step driver) asks it after each step and
+                stops searching those texts at once; they translate to "".
+                Other models search them to the end. Not with
+                `split_sentences`.
 
         Returns:
             list of str, in the order of `texts`.
@@ -383,12 +391,16 @@ class Translator:
         options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         if split_sentences is not False:
             _check_split_sentences(split_sentences, target_prefix)
+            if cancelled is not None:
+                raise ValueError("cancelled cannot be used with split_sentences (it flags texts, not sentences)")
             split = self.split_texts(texts, split_sentences)
             with _progress_bar(progress, total=len(split.units), desc="Translating", unit=" sentences") as bar:
                 return split.join(self._translate(split.units, options, batch_size, max_batch_tokens, bar))
         prefixes = self._prefixes(target_prefix, texts)
         with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
-            return self._translate(texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes)
+            return self._translate(
+                texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, cancelled=cancelled
+            )
 
     def split_texts(self, texts, split_sentences=True):
         """`documents.split_texts` of `texts` (each checked to be a str), parts cut to the model's source limit.
@@ -431,6 +443,7 @@ class Translator:
         options=None,
         source_language=None,
         target_language=None,
+        cancelled=None,
     ):
         """The `num_hypotheses` best translations of each sentence, with their scores.
 
@@ -450,6 +463,7 @@ class Translator:
             source_language, target_language: a multilingual model's (NLLB-200's)
                 language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
                 required there, refused elsewhere.
+            cancelled: as `translate`; a cancelled text gets no hypotheses.
 
         Returns:
             list (one per text, in order) of lists of `Hypothesis(text,
@@ -471,7 +485,8 @@ class Translator:
         prefixes = self._prefixes(target_prefix, texts)
         with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(
-                texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, num_hypotheses=options.count
+                texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, num_hypotheses=options.count,
+                cancelled=cancelled,
             )
 
     def translate_iterable(
@@ -628,12 +643,14 @@ class Translator:
                 yield from split.join(self._translate(split.units, options, batch_size, max_batch_tokens, bar))
 
     def _translate(
-        self, texts, options, batch_size, max_batch_tokens, bar, first_index=0, prefixes=None, num_hypotheses=None
+        self, texts, options, batch_size, max_batch_tokens, bar, first_index=0, prefixes=None, num_hypotheses=None,
+        cancelled=None,
     ):
         """Translations of `texts` (a list), batched by `length_batches`; `bar` counts sentences.
 
         With `num_hypotheses`, lists of `Hypothesis` instead of str;
-        `prefixes`: None or per text None or its prefix's token ids.
+        `prefixes`: None or per text None or its prefix's token ids;
+        `cancelled`: as `translate`'s.
         """
         for i, text in enumerate(texts):
             if not isinstance(text, str):
@@ -654,16 +671,17 @@ class Translator:
         for positions in length_batches([len(sources[i]) for i in todo], batch_size, max_batch_tokens):
             batch = [todo[position] for position in positions]
             ids = _padded([sources[i] for i in batch])
+            rows_cancelled = _batch_cancelled(cancelled, batch, len(texts))
             if not hypotheses:
-                for i, text in zip(batch, self.tokenizer.decode(self._generate(ids, options))):
+                for i, text in zip(batch, self.tokenizer.decode(self._generate(ids, options, rows_cancelled))):
                     results[i] = text
             else:
                 prefix = None if prefixes is None else [prefixes[i] for i in batch]
-                found = self._generate_hypotheses(ids, options, prefix)
+                found = self._generate_hypotheses(ids, options, prefix, rows_cancelled)
                 for row, i in enumerate(batch):
                     results[i] = self._hypotheses(found, row)
-                    if num_hypotheses is None:
-                        results[i] = results[i][0].text
+                    if num_hypotheses is None:  # (a cancelled text has none)
+                        results[i] = results[i][0].text if results[i] else ""
             bar.update(len(batch))
         return results
 
@@ -680,18 +698,18 @@ class Translator:
             results.append(Hypothesis(text, token_ids, float(log_prob), float(score)))
         return results
 
-    def _generate(self, ids, options):
+    def _generate(self, ids, options, cancelled=None):
         generate = getattr(self.model, "generate", None)
         if callable(generate):
-            return generate(ids, **_model_search_args(generate, options))
+            return generate(ids, **_model_search_args(generate, options, cancelled))
         from keras_transformer.generation import generate
 
         return generate(self.model, ids, options=options)
 
-    def _generate_hypotheses(self, ids, options, target_prefix):
+    def _generate_hypotheses(self, ids, options, target_prefix, cancelled=None):
         generate_hypotheses = getattr(self.model, "generate_hypotheses", None)
         if callable(generate_hypotheses):
-            args = _model_search_args(generate_hypotheses, options)
+            args = _model_search_args(generate_hypotheses, options, cancelled)
             if "options" not in args:
                 args.update(num_hypotheses=options.count)
             return generate_hypotheses(ids, target_prefix=target_prefix, **args)
@@ -827,19 +845,43 @@ def _one_per_text(options):
     return options
 
 
-def _model_search_args(method, options):
+def _model_search_args(method, options, cancelled=None):
     """The search arguments of a model's own `generate` or `generate_hypotheses`.
 
     `options=` when the method takes it (`TransformerModel`,
     `OnnxSeq2Seq`), else its keywords (`SearchOptions.search_args`: a
-    decoding-protocol object of its own, which may take only some).
+    decoding-protocol object of its own, which may take only some);
+    `cancelled=` when given and the method takes it (`OnnxSeq2Seq`).
     """
     try:
-        parameter = inspect.signature(method).parameters.get("options")
+        parameters = inspect.signature(method).parameters
     except (TypeError, ValueError):  # no signature to read (a builtin)
-        parameter = None
-    takes_options = parameter is not None and parameter.kind != inspect.Parameter.VAR_KEYWORD
-    return {"options": options} if takes_options else options.search_args()
+        parameters = {}
+
+    def takes(name):
+        return name in parameters and parameters[name].kind != inspect.Parameter.VAR_KEYWORD
+
+    args = {"options": options} if takes("options") else options.search_args()
+    if cancelled is not None and takes("cancelled"):
+        args["cancelled"] = cancelled
+    return args
+
+
+def _batch_cancelled(cancelled, batch, count):
+    """`cancelled` (None, or a callable of flags per text of `count`) for the rows of one batch (text indices)."""
+    if cancelled is None:
+        return None
+
+    def flags():
+        found = cancelled()
+        if found is None:
+            return None
+        found = np.asarray(found, bool)
+        if found.shape != (count,):
+            raise ValueError(f"cancelled() returned {found.shape[0] if found.ndim else found!r} flags for {count} texts")
+        return found[batch]
+
+    return flags
 
 
 def _check_split_sentences(split_sentences, target_prefix):

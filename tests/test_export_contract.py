@@ -154,7 +154,7 @@ def test_is_export_of_reads_the_format_name_of_any_version(tmp_path):
     assert not contract.is_export_of(contract.ONNX)(tmp_path)
 
 
-@pytest.mark.parametrize("exporter", ["onnx", "ctranslate2", "saved_model"])
+@pytest.mark.parametrize("exporter", ["onnx", "ctranslate2", "saved_model", "huggingface"])
 def test_an_exporter_never_replaces_the_preset_or_a_directory_of_yours(exporter, tiny_preset_dir, tmp_path, capsys):
     """`--output` the preset itself (with --overwrite) or a directory of other files: one line, exit 2, all kept."""
     import importlib

@@ -249,7 +249,9 @@ def test_half_split_sinusoids_fail_validation(tmp_path, model, monkeypatch):
         table = interleaved(model, layer)
         return np.concatenate([table[:, 0::2], table[:, 1::2]], axis=1)
 
-    monkeypatch.setattr(ct2_export, "position_table", half_split)
+    from export import ctranslate2_spec  # where model_spec reads it
+
+    monkeypatch.setattr(ctranslate2_spec, "position_table", half_split)
     with pytest.raises(ValidationError, match=r"differ from Keras by .* on sentence \d+"):
         # The validation's shapes, so that Keras' compiled search is reused.
         ct2_export.export_ctranslate2(model, tmp_path / "bad", validation_sentences=SENTENCES)

@@ -9,6 +9,7 @@ importing a training framework fails.
 import concurrent.futures
 import itertools
 import json
+import logging
 import os
 import pathlib
 import re
@@ -330,7 +331,7 @@ def test_health_ready_and_metrics(server):
     # Every sample line parses as `name{labels} number`, and every metric has HELP and TYPE.
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert all(re.fullmatch(r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? [0-9.e+-]+', s) for s in samples)
-    assert text.count("# TYPE") == text.count("# HELP") == 10
+    assert text.count("# TYPE") == text.count("# HELP") == 14
 
 
 # --------------------------------------------------------------------------- #
@@ -916,3 +917,281 @@ def test_split_sentences_sends_the_sentences_to_the_engine_and_joins_them(gated)
 def test_split_sentences_refusals_are_one_line_400s(server, extra, message):
     answer = post(server.url, {"text": ["The cat sees a dog. A dog eats."], **extra})
     assert answer.status_code == 400 and answer.json() == {"error": message}
+
+
+# --------------------------------------------------------------------------- #
+# As production servers: abandoned rows leave the search, per-request max_extra_length and timeout_ms,
+# X-Request-Id, the queue-wait histogram and in-flight gauges
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "search",
+    [dict(beam_size=1), dict(beam_size=3, num_hypotheses=2), dict(beam_size=1, sampling_topk=0, seed=3, num_hypotheses=2)],
+    ids=["greedy", "beam", "samples"],
+)
+def test_the_step_driver_takes_cancelled_rows_out_and_keeps_the_other_rows_tokens(exported, search, monkeypatch):
+    """`cancelled=`: the texts it marks leave the search before the next step, without hypotheses; the others get
+    the tokens and scores of the search without it; a search of only cancelled texts stops."""
+    from export import steps
+
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    rows, step = [], steps.FusedDecoder.step
+    monkeypatch.setattr(steps.FusedDecoder, "step", lambda decoder, ids, index: rows.append(len(ids)) or step(
+        decoder, ids, index))
+    texts = ["the cat sees a dog.", "my bird eats the big fish.", "a red ball.", "the old fish likes the big fish."]
+    expected = translator.translate_hypotheses(texts, max_extra_length=20, **search)
+    everyone = rows[0]
+    polls = []
+
+    def cancelled():  # texts 1 and 3 leave after the third step
+        polls.append(len(rows))
+        return None if len(polls) < 3 else [False, True, False, True]
+
+    rows.clear()
+    found = translator.translate_hypotheses(texts, max_extra_length=20, cancelled=cancelled, **search)
+    assert found[1] == found[3] == []
+    for i in (0, 2):
+        assert [h.text for h in found[i]] == [h.text for h in expected[i]]
+        assert [h.score for h in found[i]] == pytest.approx([h.score for h in expected[i]], abs=1e-5)
+    assert rows[:3] == [everyone] * 3 and len(rows) > 3 and max(rows[3:]) <= everyone // 2, rows
+    assert polls[:3] == [1, 2, 3]  # asked after each step
+    # One translation per text: a cancelled text's is ""; a search of only cancelled texts stops after one step.
+    if search.get("num_hypotheses", 1) == 1:
+        plain = translator.translate(texts, max_extra_length=20, **search)
+        polls.clear()
+        assert translator.translate(texts, max_extra_length=20, cancelled=cancelled, **search) == [
+            plain[0], "", plain[2], ""
+        ]
+    rows.clear()
+    assert translator.translate_hypotheses(texts, max_extra_length=20, cancelled=lambda: [True] * 4, **search) == [
+        [], [], [], []
+    ]
+    assert rows == [everyone]
+    with pytest.raises(ValueError, match="cancelled cannot be used with split_sentences"):
+        translator.translate(texts, split_sentences=True, cancelled=lambda: None)
+
+
+class HeldEngine:
+    """The ONNX Runtime engine; while `hold` is set, a search stops after its first step until `release` is set.
+
+    `polls`: what the search's `cancelled` callable answered after each step
+    (of the last held search); `rows`: the decoder's rows at each step.
+    """
+
+    def __init__(self, engine):
+        self.engine, self.hold, self.stepping, self.release = engine, threading.Event(), threading.Event(), threading.Event()
+        self.polls, self.rows = [], []
+
+    def __getattr__(self, name):  # name, features, drops_rows, tokenizer, count_tokens, ...
+        return getattr(self.engine, name)
+
+    def translate(self, texts, options, target_prefix=None, cancelled=None):
+        if not self.hold.is_set():
+            return self.engine.translate(texts, options, target_prefix, cancelled)
+        self.polls, self.rows = [], []
+
+        def held():
+            if not self.polls and not self.stepping.is_set():
+                self.stepping.set()
+                assert self.release.wait(30)
+            flags = cancelled()
+            self.polls.append(None if flags is None else list(flags))
+            return flags
+
+        return self.engine.translate(texts, options, target_prefix, held)
+
+
+@pytest.fixture
+def held(exported, monkeypatch):
+    """`(engine, server)`: a `HeldEngine` served with long outputs; one search holds the decoder's row counts."""
+    from export import steps
+
+    engine = HeldEngine(serve.load_engine(exported))
+    step = steps.FusedDecoder.step
+
+    def counted(decoder, token_ids, index):
+        if engine.hold.is_set():
+            engine.rows.append(len(token_ids))
+        return step(decoder, token_ids, index)
+
+    monkeypatch.setattr(steps.FusedDecoder, "step", counted)
+    text = "the cat sees a dog."
+    tokens = engine.count_tokens([text])[0]
+    # A search starts once two such sentences wait (max_batch_tokens), never after a delay.
+    running = InProcessServer(
+        engine, max_extra_length=40, max_delay_ms=60_000, max_batch_tokens=2 * tokens, request_timeout=30,
+    )
+    engine.text = text
+    yield engine, running
+    engine.release.set()
+    running.close()
+
+
+def test_a_client_that_disconnects_mid_search_takes_its_rows_out_of_the_search(held, exported):
+    engine, running = held
+    text = engine.text
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    expected = translator.translate([text], beam_size=1, max_extra_length=40)
+    engine.hold.set()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        leaving = connect(running.url)
+        leaving.sendall(raw_request(running.url, json.dumps({"text": [text], "beam_size": 1}).encode()))
+        staying = pool.submit(post, running.url, {"text": [text], "beam_size": 1})
+        assert engine.stepping.wait(30)  # both rows in one search, held after its first step
+        text_metrics = httpx.get(running.url + "/metrics").text
+        assert metric(text_metrics, "kt_serve_sentences_in_flight") == 2
+        assert metric(text_metrics, "kt_serve_requests_searching") == 2
+        leaving.close()
+        deadline = time.monotonic() + 10
+        while running.metric("kt_serve_dropped_sentences_total") < 1:
+            assert time.monotonic() < deadline, "the departure was not noticed"
+            time.sleep(0.02)
+        text_metrics = httpx.get(running.url + "/metrics").text
+        assert metric(text_metrics, "kt_serve_sentences_in_flight") == 1
+        assert metric(text_metrics, "kt_serve_requests_searching") == 1
+        engine.release.set()
+        answer = staying.result()
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"translations": expected}  # the row that stayed: the same tokens
+    # The departed row left at the next step: 2 rows for one step, then 1 until the end.
+    flags = [poll for poll in engine.polls if poll is not None]
+    assert flags and all(sorted(poll) == [False, True] for poll in flags), engine.polls
+    assert engine.rows[0] == 2 and set(engine.rows[1:]) == {1} and len(engine.rows) > 10, engine.rows
+    assert running.metric("kt_serve_dropped_sentences_total") == 1
+    assert running.metric("kt_serve_errors_total", reason="disconnected") == 1
+    assert running.metric("kt_serve_sentences_in_flight") == 0
+
+
+def test_a_timeout_ms_too_short_answers_504_frees_the_rows_and_the_next_request_is_served(held, exported, caplog):
+    engine, running = held
+    texts = [engine.text, engine.text]  # two sentences: the search starts at once
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    engine.hold.set()
+    with caplog.at_level(logging.INFO, logger="export.serve"):
+        answer = post(running.url, {"text": texts, "beam_size": 1, "timeout_ms": 300}, headers={"X-Request-Id": "late-1"})
+        assert engine.stepping.wait(30)  # the search that could not end before the 504 (held after its first step)
+        assert answer.status_code == 504 and answer.json() == {"error": "no translation within 300 ms (timeout_ms)"}
+        assert answer.headers["x-request-id"] == "late-1"
+        engine.release.set()
+        deadline = time.monotonic() + 10
+        assert running.metric("kt_serve_sentences_in_flight") == 0  # its rows were dropped at the 504
+        while running.service.batcher.running:  # the held search ends
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # Every row left: the search stopped after the step it was held at.
+        assert engine.rows == [2] and engine.polls == [[True, True]], (engine.rows, engine.polls)
+        assert running.metric("kt_serve_dropped_sentences_total") == 2
+        assert running.metric("kt_serve_errors_total", reason="timeout") == 1
+        engine.hold.clear()
+        answer = post(running.url, {"text": texts, "beam_size": 1, "timeout_ms": 20_000})
+        assert answer.status_code == 200 and answer.json() == {
+            "translations": translator.translate(texts, beam_size=1, max_extra_length=40)
+        }
+    # The lines about the request carry its id: the departure from the search and the request's line.
+    lines = [record.getMessage() for record in caplog.records if "late-1" in record.getMessage()]
+    assert any(line.startswith("request_id=late-1: 2 sentences leave the running search") for line in lines), lines
+    assert any(re.match(r"method=POST path=/v1/translate status=504 sentences=2 ms=[\d.]+ client=\S+ "
+                        r"request_id=late-1$", line) for line in lines), lines
+
+
+def test_a_request_max_extra_length_caps_the_output_and_batches_apart(server, exported, monkeypatch):
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    texts = sentences()[:4]
+    for length in (0, 2):
+        answer = post(server.url, {"text": texts, "beam_size": 2, "max_extra_length": length})
+        assert answer.status_code == 200, answer.text
+        translations = answer.json()["translations"]
+        assert translations == translator.translate(texts, beam_size=2, max_extra_length=length)
+        sources = translator.tokenizer.encode(texts, add_start=False, add_end=True)
+        outputs = translator.tokenizer.encode(translations, add_start=False, add_end=False)
+        assert all(len(out) <= len(src) + length for src, out in zip(sources, outputs))
+    # Waiting requests with other lengths form batches of their own, as other options do.
+    recording = Recording(server.service.batcher.engine)
+    searched = []
+    translate = recording.translate
+    monkeypatch.setattr(recording, "translate", lambda texts, options, **extra: searched.append(
+        (options.max_extra_length, list(texts))) or translate(texts, options, **extra))
+    monkeypatch.setattr(server.service.batcher, "engine", recording)
+    requests = [{"text": [text], "beam_size": 2, "max_extra_length": 1 + i % 2} for i, text in enumerate(texts)]
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        first = pool.submit(post, server.url, {"text": [sentences()[5]], "beam_size": 1})
+        while not recording.batches:
+            time.sleep(0.01)
+        others = [pool.submit(post, server.url, payload) for payload in requests]
+        deadline = time.monotonic() + 30
+        while server.service.batcher.queued < len(requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        recording.release.set()
+        assert first.result().status_code == 200
+        for payload, future in zip(requests, others):
+            assert future.result().json()["translations"] == translator.translate(
+                payload["text"], beam_size=2, max_extra_length=payload["max_extra_length"]
+            )
+    by_length = {}
+    for length, batch in searched[1:]:
+        by_length.setdefault(length, []).extend(batch)
+    assert {length: sorted(batch) for length, batch in by_length.items()} == {
+        1: sorted([texts[0], texts[2]]), 2: sorted([texts[1], texts[3]])
+    }, searched
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"max_extra_length": 6}, "max_extra_length must be an integer in [0, 5] (--max-extra-length), received 6"),
+        ({"max_extra_length": -1}, "max_extra_length must be an integer in [0, 5] (--max-extra-length), received -1"),
+        ({"max_extra_length": "3"}, "max_extra_length must be an integer in [0, 5] (--max-extra-length), received a "
+                                    "string"),
+        ({"max_extra_length": 2.5}, "max_extra_length must be an integer in [0, 5] (--max-extra-length), received 2.5"),
+        ({"max_extra_length": True}, "max_extra_length must be an integer in [0, 5] (--max-extra-length), received a "
+                                     "boolean"),
+        ({"timeout_ms": 0}, "timeout_ms must be an integer in [1, 3000] (--request-timeout), received 0"),
+        ({"timeout_ms": 3001}, "timeout_ms must be an integer in [1, 3000] (--request-timeout), received 3001"),
+        ({"timeout_ms": 10.5}, "timeout_ms must be an integer in [1, 3000] (--request-timeout), received 10.5"),
+        ({"timeout_ms": "5"}, "timeout_ms must be an integer in [1, 3000] (--request-timeout), received a string"),
+        ({"timeout_ms": [5]}, "timeout_ms must be an integer in [1, 3000] (--request-timeout), received an array"),
+    ],
+)
+def test_max_extra_length_and_timeout_ms_out_of_range_are_one_line_400s(server, extra, message):
+    answer = post(server.url, {"text": ["a dog."], **extra})
+    assert answer.status_code == 400 and answer.json() == {"error": message}
+
+
+def test_the_request_id_is_taken_or_made_up_and_in_the_answer_and_the_log(server, caplog):
+    with caplog.at_level(logging.INFO, logger="export.serve"):
+        given = post(server.url, {"text": ["a dog."]}, headers={"X-Request-Id": "client-42.a"})
+        made = post(server.url, {"text": ["a dog."]})
+        health = httpx.get(server.url + "/health", headers={"X-Request-Id": "probe-7"})
+        deadline = time.monotonic() + 10
+        while not sum("request_id=" in record.getMessage() for record in caplog.records) >= 3:
+            assert time.monotonic() < deadline, [record.getMessage() for record in caplog.records]
+            time.sleep(0.02)
+    assert given.status_code == 200 and given.headers["x-request-id"] == "client-42.a"
+    assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])
+    assert health.headers["x-request-id"] == "probe-7"
+    lines = [record.getMessage() for record in caplog.records]
+    for identifier, path in (("client-42.a", "/v1/translate"), (made.headers["x-request-id"], "/v1/translate"),
+                             ("probe-7", "/health")):
+        assert any(line.startswith("method=") and f"path={path} status=200 " in line
+                   and line.endswith(f" request_id={identifier}") for line in lines), (identifier, lines)
+    # An id that cannot go into a log line as it is: a one-line 400 naming the header and the limit.
+    for value, why in (("x" * 129, "129 characters"), ("a b", "a space or a character outside ASCII")):
+        answer = post(server.url, {"text": ["a dog."]}, headers={"X-Request-Id": value})
+        assert answer.status_code == 400 and answer.json() == {
+            "error": f"X-Request-Id must be one header of 1 to 128 visible ASCII characters, received {why}"
+        }
+        assert re.fullmatch(r"[0-9a-f]{32}", answer.headers["x-request-id"])
+
+
+def test_the_queue_wait_histogram_counts_each_searched_sentence(server):
+    before = httpx.get(server.url + "/metrics").text
+    assert post(server.url, {"text": ["a dog.", "the cat.", "", "a red ball."]}).status_code == 200
+    after = httpx.get(server.url + "/metrics").text
+    name = "kt_serve_queue_wait_seconds"
+    assert metric(after, name + "_count") - metric(before, name + "_count") == 3  # "" is not searched
+    assert metric(after, name + "_bucket", le="+Inf") == metric(after, name + "_count")
+    buckets = [float(line.rsplit(" ", 1)[1]) for line in after.splitlines() if line.startswith(name + "_bucket")]
+    assert buckets == sorted(buckets) and metric(after, name + "_sum") >= metric(before, name + "_sum")
+    for gauge in ("kt_serve_sentences_in_flight", "kt_serve_requests_searching"):
+        assert re.search(rf"^{gauge} 0$", after, re.M), gauge  # idle
+    assert "# TYPE kt_serve_queue_wait_seconds histogram" in after
+    assert "# TYPE kt_serve_dropped_sentences_total counter" in after

@@ -19,15 +19,22 @@ Endpoints:
   first, the first being the translation), and sampling (`sampling_topk`
   != 1, `sampling_topp`, `sampling_temperature`, `seed`; beam_size then
   defaults to 1, and a text gets the same samples for the same seed in any
-  batch). The CTranslate2 engine serves `target_prefix` but not
-  `num_hypotheses` or sampling (400 naming the engine); any other field is
-  refused as unknown.
+  batch). `max_extra_length` (at most the server's, which is the default)
+  caps the request's output length (requests are batched by it as by their
+  other options); `timeout_ms` (at most `request_timeout`) is the request's
+  own deadline (504 past it). The CTranslate2 engine serves `target_prefix`
+  but not `num_hypotheses` or sampling (400 naming the engine); any other
+  field is refused as unknown. Every answer has an `X-Request-Id` header:
+  the client's (1-128 visible ASCII characters; another is a 400 on
+  `/v1/translate`) or a made-up one, also in the request's log lines.
 - `GET /health`: 200 while the process runs (liveness).
 - `GET /ready`: 200 once the model is loaded and has translated a warm-up
   sentence; 503 while loading and while draining (readiness).
 - `GET /metrics`: Prometheus text format: requests by path and status,
-  errors by reason, sentences, request latency, batch sizes (sentences and
-  padded source tokens), search time, queue depth, requests in flight.
+  errors by reason, sentences, sentences dropped from a running search,
+  request latency, queue wait, batch sizes (sentences and padded source
+  tokens), search time, queue depth, requests in flight, sentences and
+  requests in the running search.
 
 Dynamic batching (`Batcher`): the sentences of all waiting requests with
 equal search options (`SearchOptions`, the batching key) are translated in
@@ -47,15 +54,17 @@ missing fields get 400; a request whose sentences do not fit in the queue
 while the model loads; a body that has not arrived within `request_timeout`
 gets 408 and an answer not ready by then 504. Every error is JSON
 `{"error": "..."}` naming the field and the limit (and its option). A client
-that disconnects is logged with status 499 and its waiting sentences leave
-the queue.
+that disconnects is logged with status 499; its waiting sentences leave
+the queue and, as those of a request past its deadline, its sentences in the
+running search leave it after the current step (the ONNX Runtime engine's
+step driver drops their rows; CTranslate2 runs a started batch to its end).
 
 Shutdown: on SIGTERM (or SIGINT) the server stops accepting connections,
 answers every request it has accepted (the queue is flushed at once), and
 exits 0; requests still unanswered after `drain_seconds` are cancelled and
 the exit status is 1. One log line per request (`logging`, logger
 `export.serve`): `method=POST path=/v1/translate status=200 sentences=3
-ms=41.2 client=127.0.0.1:50412`.
+ms=41.2 client=127.0.0.1:50412 request_id=0f3c...`.
 
 Example:
 

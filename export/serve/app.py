@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import time
+import uuid
 
 from export.serve.batching import Batcher, QueueFull
 from export.serve.engines import FEATURES
@@ -20,7 +22,7 @@ logger = logging.getLogger("export.serve")
 FIELDS = {
     "text": None, "beam_size": None, "num_hypotheses": "num_hypotheses", "target_prefix": "target_prefix",
     "sampling_topk": "sampling", "sampling_topp": "sampling", "sampling_temperature": "sampling", "seed": "sampling",
-    "split_sentences": None,
+    "split_sentences": None, "max_extra_length": None, "timeout_ms": None,
 }
 SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SearchOptions) if FIELDS.get(f.name) == "sampling"}
 RETRY_AFTER_SECONDS = 1
@@ -28,6 +30,10 @@ RETRY_AFTER_SECONDS = 1
 CLIENT_CLOSED = 499
 WARM_UP_TEXT = "Hello."
 _INFO = "export.serve"  # the ASGI scope key of a request's log record
+# A client's X-Request-Id is kept when it is 1-128 visible ASCII characters (it goes into log lines as it is).
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
 
 
 class RequestError(Exception):
@@ -125,10 +131,16 @@ def request_from_payload(payload, settings, engine_name=None, features=FEATURES)
             400, f"beam_size must be an integer in [1, {settings.max_beam_size}] (--max-beam-size; 1 is greedy), "
             f"received {beam_size if number else _json_type(beam_size)}", "bad_request",
         )
+    max_extra_length = payload.get("max_extra_length", settings.max_extra_length)
+    if not _is_integer(max_extra_length) or not 0 <= max_extra_length <= settings.max_extra_length:
+        raise RequestError(
+            400, f"max_extra_length must be an integer in [0, {settings.max_extra_length}] (--max-extra-length), "
+            f"received {_number_or_type(max_extra_length)}", "bad_request",
+        )
     num_hypotheses = payload.get("num_hypotheses")
     try:  # checked once, when made: SearchOptions' own one-line messages (they name the field)
         options = SearchOptions(
-            beam_size, float(settings.length_penalty), int(settings.max_extra_length), settings.patience,
+            beam_size, float(settings.length_penalty), int(max_extra_length), settings.patience,
             num_hypotheses, **sampling,
         )
     except ValueError as error:
@@ -143,6 +155,29 @@ def request_from_payload(payload, settings, engine_name=None, features=FEATURES)
         # with the others of its options.
         options = dataclasses.replace(options, **SAMPLING_DEFAULTS)
     return texts, options, target_prefix
+
+
+def _is_integer(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number_or_type(value):
+    """A received value as a message quotes it: a number itself, anything else its JSON type."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else _json_type(value)
+
+
+def timeout_option(payload, settings):
+    """The request's `timeout_ms` (None when not given), checked to be at most `request_timeout` (400)."""
+    value = payload.get("timeout_ms")
+    if value is None:
+        return None
+    cap = int(settings.request_timeout * 1000)
+    if not _is_integer(value) or not 1 <= value <= cap:
+        raise RequestError(
+            400, f"timeout_ms must be an integer in [1, {cap}] (--request-timeout), received {_number_or_type(value)}",
+            "bad_request",
+        )
+    return value
 
 
 def split_sentences_option(payload, options, target_prefix):
@@ -218,6 +253,8 @@ class Service:
             queue_depth=lambda: self.batcher.queued if self.batcher else 0,
             in_flight=lambda: self.in_flight,
             ready=lambda: int(self.ready and not self.draining),
+            searching_sentences=lambda: len(self.batcher.running) - self.batcher.running_dropped if self.batcher else 0,
+            searching_requests=lambda: self.batcher.searching_requests() if self.batcher else 0,
         )
         self.batcher = None
         self._executor = None
@@ -332,6 +369,8 @@ class Service:
         deadline = start + self.settings.request_timeout
         job = None
         try:
+            if info.get("refused_request_id"):
+                raise RequestError(400, info["refused_request_id"], "bad_request")
             # While draining, requests already received are answered (only /ready turns 503).
             if not self.ready:
                 why = self.failure or "the model is loading"
@@ -341,6 +380,7 @@ class Service:
             texts, options, target_prefix = request_from_payload(
                 payload, self.settings, getattr(self.engine, "name", None), getattr(self.engine, "features", ())
             )
+            timeout_ms = timeout_option(payload, self.settings)
             split = self._split(texts, split_sentences_option(payload, options, target_prefix))
             if split is not None:
                 texts = split.units  # the sentences are what the batcher and the engine see
@@ -357,10 +397,14 @@ class Service:
                 raise RequestError(400, str(error), "bad_request") from None
             tokens = [count if text.strip() else 0 for text, count in zip(texts, counts)]
             try:
-                job = self.batcher.submit(texts, tokens, options, target_prefix)
+                job = self.batcher.submit(texts, tokens, options, target_prefix, info.get("request_id"))
             except QueueFull as error:
                 raise RequestError(503, str(error), "queue_full", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-            results = await self._answer(job, request, deadline)
+            expired = None
+            if timeout_ms is not None:  # the request's own deadline, within the server's
+                deadline = min(deadline, start + timeout_ms / 1000)
+                expired = RequestError(504, f"no translation within {timeout_ms} ms (timeout_ms)", "timeout")
+            results = await self._answer(job, request, deadline, expired)
             self.metrics.sentences.inc(len(texts))
             return JSONResponse(_answer_document(results if split is None else split.join(results), options))
         except RequestError as error:
@@ -380,8 +424,11 @@ class Service:
                 self.batcher.cancel(job)
             self.metrics.latency.observe(self._loop.time() - start)
 
-    async def _answer(self, job, request, deadline):
-        """The job's translations; `RequestError` when the client leaves, the time runs out or the search fails."""
+    async def _answer(self, job, request, deadline, expired=None):
+        """The job's translations; `RequestError` when the client leaves, the time runs out or the search fails.
+
+        `expired`: the error when `deadline` passes (default: `request_timeout`'s 504).
+        """
         disconnected = asyncio.ensure_future(_wait_for_disconnect(request.receive))
         try:
             done, _ = await asyncio.wait(
@@ -397,7 +444,7 @@ class Service:
             return job.future.result()
         if disconnected in done:
             raise RequestError(CLIENT_CLOSED, "the client disconnected", "disconnected")
-        raise RequestError(
+        raise expired or RequestError(
             504, f"no translation within {self.settings.request_timeout:g} s (--request-timeout)", "timeout"
         )
 
@@ -440,8 +487,37 @@ async def _wait_for_disconnect(receive):
             return
 
 
+def request_id(scope):
+    """`(id, refusal)`: the client's `X-Request-Id`, or a made-up one; refusal: None, or why the client's was refused.
+
+    A client's id goes into log lines as it is: one header of 1 to
+    `MAX_REQUEST_ID_CHARS` visible ASCII characters. Another is replaced by
+    a made-up one (32 hex digits), and the refusal says why in one line.
+    """
+    header = REQUEST_ID_HEADER.encode()
+    given = [value.decode("latin-1") for name, value in scope.get("headers", ()) if name.lower() == header]
+    if len(given) == 1 and _REQUEST_ID.fullmatch(given[0]):
+        return given[0], None
+    made_up = uuid.uuid4().hex
+    if not given:
+        return made_up, None
+    if len(given) > 1:
+        why = f"{len(given)} X-Request-Id headers"
+    elif len(given[0]) > MAX_REQUEST_ID_CHARS:
+        why = f"{len(given[0])} characters"
+    else:
+        why = "a space or a character outside ASCII" if given[0] else "an empty value"
+    limit = f"one header of 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters"
+    return made_up, f"X-Request-Id must be {limit}, received {why}"
+
+
 class _RequestLog:
-    """ASGI middleware: one log line and the request metrics per HTTP request."""
+    """ASGI middleware: one log line and the request metrics per HTTP request; its `X-Request-Id` in the answer.
+
+    A request's id is its client's `X-Request-Id` or, without one, a made-up
+    one (a client's that is not 1-128 visible ASCII characters is replaced,
+    and `/v1/translate` answers 400 naming the header).
+    """
 
     PATHS = ("/v1/translate", "/health", "/ready", "/metrics")
 
@@ -451,12 +527,17 @@ class _RequestLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        info = scope[_INFO] = {"status": None, "sentences": 0}
+        identifier, refused = request_id(scope)
+        info = scope[_INFO] = {"status": None, "sentences": 0, "request_id": identifier, "refused_request_id": refused}
         start = time.perf_counter()
 
         async def send_and_note(message):
-            if message["type"] == "http.response.start" and info["status"] is None:
-                info["status"] = message["status"]
+            if message["type"] == "http.response.start":
+                if info["status"] is None:
+                    info["status"] = message["status"]
+                header = REQUEST_ID_HEADER.encode()
+                headers = [(name, value) for name, value in message.get("headers", ()) if name.lower() != header]
+                message = {**message, "headers": [*headers, (header, identifier.encode())]}
             await send(message)
 
         self.service.in_flight += 1
@@ -475,9 +556,9 @@ class _RequestLog:
             self.service.metrics.requests.inc(path=path, code=status)
             client = scope.get("client")
             logger.info(
-                "method=%s path=%s status=%s sentences=%d ms=%.1f client=%s",
+                "method=%s path=%s status=%s sentences=%d ms=%.1f client=%s request_id=%s",
                 scope["method"], scope["path"][:200], status, info["sentences"], (time.perf_counter() - start) * 1000,
-                f"{client[0]}:{client[1]}" if client else "-",
+                f"{client[0]}:{client[1]}" if client else "-", identifier,
             )
 
 

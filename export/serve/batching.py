@@ -16,11 +16,16 @@ class QueueFull(Exception):
 
 
 class _Job:
-    """One request's sentences: its options and target prefixes (or None), a future for its translations."""
+    """One request's sentences: its options and target prefixes (or None), a future for its translations.
 
-    def __init__(self, texts, options, future, arrival, target_prefix=None):
+    `abandoned` turns true (on the event loop) when nobody waits for the
+    answer any more; the worker thread reads it while searching.
+    """
+
+    def __init__(self, texts, options, future, arrival, target_prefix=None, request_id=None):
         self.texts, self.options, self.future, self.arrival = texts, options, future, arrival
-        self.target_prefix = target_prefix
+        self.target_prefix, self.request_id = target_prefix, request_id
+        self.abandoned = False
         # What a text without a search (nothing to translate) gets: no translation, or no hypotheses.
         self.results = [[] if options.num_hypotheses is not None else "" for _ in texts]
         self.remaining = 0
@@ -54,10 +59,16 @@ class Batcher:
     draining). Requests with other options keep their place for a later
     batch.
 
+    A request that ends unanswered (its client left, its deadline passed:
+    `cancel`) leaves the queue, and its sentences in the running search
+    leave that search at its next step where the engine can drop rows
+    (`drops_rows`: its `translate` takes `cancelled=`, a callable that
+    returns None or one bool per text, true for the abandoned ones).
+
     Args:
         engine: has `translate(texts, options) -> list of str`.
         settings: `ServerSettings`.
-        metrics: `Metrics` (batch sizes and search times).
+        metrics: `Metrics` (batch sizes, search times, queue waits, dropped sentences).
         executor: the worker thread (`concurrent.futures.Executor`).
     """
 
@@ -66,20 +77,23 @@ class Batcher:
         self.pending = []  # _Item, in arrival order
         self.queued = 0  # sentences in `pending`
         self.draining = False
+        self.running = []  # _Item: the sentences of the search under way
+        self.running_dropped = 0  # of them, those whose request was abandoned
         self._arrived = asyncio.Event()
 
-    def submit(self, texts, tokens, options, target_prefix=None):
+    def submit(self, texts, tokens, options, target_prefix=None, request_id=None):
         """Queues the texts with `tokens > 0`; returns a job whose future gives every text's translation.
 
         Texts with 0 tokens (nothing to translate) get "" (no hypotheses:
         `[]`) without a search. `target_prefix`: None, or one str or None
-        per text (checked by the engine before).
+        per text (checked by the engine before). `request_id` names the
+        request in log lines.
 
         Raises:
             QueueFull: the sentences do not fit in the queue (nothing queued).
         """
         loop = asyncio.get_running_loop()
-        job = _Job(texts, options, loop.create_future(), loop.time(), target_prefix)
+        job = _Job(texts, options, loop.create_future(), loop.time(), target_prefix, request_id)
         items = [_Item(job, i, count) for i, count in enumerate(tokens) if count > 0]
         if self.queued + len(items) > self.settings.max_queue:
             raise QueueFull(
@@ -96,10 +110,16 @@ class Batcher:
         return job
 
     def cancel(self, job):
-        """Takes a job's waiting sentences out of the queue (its client left or its time ran out)."""
+        """Takes a job's sentences out of the queue and the running search (its client left or its time ran out)."""
         before = len(self.pending)
         self.pending = [item for item in self.pending if item.job is not job]
         self.queued -= before - len(self.pending)
+        searching = 0 if job.abandoned else sum(item.job is job for item in self.running)
+        job.abandoned = True
+        if searching and getattr(self.engine, "drops_rows", False):
+            self.running_dropped += searching
+            self.metrics.dropped_sentences.inc(searching)
+            logger.info("request_id=%s: %d sentences leave the running search", job.request_id, searching)
         if not job.future.done():
             job.future.cancel()
 
@@ -107,6 +127,20 @@ class Batcher:
         """From now on, batches start without waiting for more sentences."""
         self.draining = True
         self._arrived.set()
+
+    def searching_requests(self):
+        """Requests with a sentence in the running search that still wait for it."""
+        return len({id(item.job) for item in self.running if not item.job.abandoned})
+
+    def _cancelled(self, batch):
+        """The `cancelled` callable of a search of `batch` (read by the worker thread after each step)."""
+
+        def flags():
+            if not self.running_dropped:  # nothing abandoned: no list per step
+                return None
+            return [item.job.abandoned for item in batch]
+
+        return flags
 
     def _waiting_tokens(self, options):
         return sum(item.tokens for item in self.pending if item.job.options == options)
@@ -175,24 +209,35 @@ class Batcher:
                     await asyncio.wait_for(self._arrived.wait(), remaining)
                 continue  # the queue may have changed: look again
             batch, padded = self._take(options)
+            now = loop.time()
+            for item in batch:
+                self.metrics.queue_wait.observe(now - item.job.arrival)
             # Jobs cancelled while their batch runs are answered by nobody; their results are dropped.
             texts = [item.job.texts[item.index] for item in batch]
             prefixes = [None if item.job.target_prefix is None else item.job.target_prefix[item.index] for item in batch]
-            # An engine's `translate` takes `target_prefix` only where it serves prefixes (engines.py).
-            prefix = {"target_prefix": prefixes} if any(prefixes) else {}
+            # An engine's `translate` takes `target_prefix` only where it serves prefixes, and `cancelled` where it
+            # drops rows (engines.py).
+            extra = {"target_prefix": prefixes} if any(prefixes) else {}
+            if getattr(self.engine, "drops_rows", False):
+                extra["cancelled"] = self._cancelled(batch)
+            self.running, self.running_dropped = batch, 0
             start = time.perf_counter()
             try:
                 outputs = await loop.run_in_executor(
-                    self.executor, functools.partial(self.engine.translate, texts, options, **prefix)
+                    self.executor, functools.partial(self.engine.translate, texts, options, **extra)
                 )
                 if len(outputs) != len(texts):
                     raise RuntimeError(f"the engine returned {len(outputs)} translations for {len(texts)} texts")
             except Exception as error:  # noqa: BLE001 - every request of the batch gets the error
-                logger.exception("A search of %d sentences failed", len(batch))
+                logger.exception(
+                    "A search of %d sentences failed (request_id=%s)", len(batch),
+                    ",".join(dict.fromkeys(str(item.job.request_id) for item in batch)),
+                )
                 for item in batch:
                     item.job.fail(error)
                 continue
             finally:
+                self.running, self.running_dropped = [], 0
                 self.metrics.search_seconds.observe(time.perf_counter() - start)
                 self.metrics.batch_sentences.observe(len(batch))
                 self.metrics.batch_tokens.observe(padded)

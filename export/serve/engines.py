@@ -10,7 +10,11 @@ serves more of a request's fields lists them in `features` (of
 `ValueError` naming the entry) for "target_prefix"; its `translate` then
 takes `target_prefix=` (one str or None per text; passed only when a text
 of the batch has one) and, with `options.num_hypotheses`, returns per text
-a list of hypotheses (`text`, `score`, `log_prob`), best first.
+a list of hypotheses (`text`, `score`, `log_prob`), best first. An engine
+whose search can drop rows mid-search says `drops_rows = True`; its
+`translate` then takes `cancelled=` (`Translator.translate`'s: a callable
+that returns None or one bool per text, true for the texts whose request
+was abandoned), asked after each step.
 """
 
 import json
@@ -35,6 +39,7 @@ class OnnxRuntimeEngine:
 
     name = "onnxruntime"
     features = frozenset(FEATURES)
+    drops_rows = True  # the step driver (export.steps) drops a cancelled text's rows after the current step
 
     def __init__(self, directory, threads=None, providers=None, optimized_cache=None):
         from export.runtime import OnnxTranslator
@@ -55,11 +60,16 @@ class OnnxRuntimeEngine:
         """`check_target_prefix` (below) with the translator's tokenizer."""
         return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
 
-    def translate(self, texts, options, target_prefix=None):
-        """Translations (or with `options.num_hypotheses`, `Hypothesis` lists) of `texts`, in one search."""
+    def translate(self, texts, options, target_prefix=None, cancelled=None):
+        """Translations (or with `options.num_hypotheses`, `Hypothesis` lists) of `texts`, in one search.
+
+        `cancelled`: None or `Translator.translate`'s (a cancelled text gets "" or no hypotheses).
+        """
         # The keywords, not options=: what `Translator.translate` is called with is the engine's interface
         # (tests/test_serve.py watches it); the translator makes them one `SearchOptions` again.
-        batch = dict(batch_size=max(len(texts), 1), target_prefix=target_prefix, **options.search_args())
+        batch = dict(
+            batch_size=max(len(texts), 1), target_prefix=target_prefix, cancelled=cancelled, **options.search_args()
+        )
         if options.num_hypotheses is None:
             return self.translator.translate(texts, **batch)
         return self.translator.translate_hypotheses(texts, num_hypotheses=options.num_hypotheses, **batch)
@@ -79,7 +89,9 @@ class CTranslate2Engine:
     (CTranslate2's own); `num_hypotheses` and sampling are the ONNX
     engine's only (CTranslate2 scores hypotheses with its own length
     penalty, and its draws depend on the batch, so a seed would not give a
-    text the same samples in every batch).
+    text the same samples in every batch). It cannot drop rows mid-search
+    (`translate_batch` runs a batch to its end): an abandoned request's
+    sentences leave the queue only.
 
     Args:
         directory: written by `python -m export.ctranslate2` from a preset with a tokenizer.

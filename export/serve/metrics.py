@@ -76,7 +76,7 @@ class Histogram(_Metric):
 class Metrics:
     """The server's counters, gauges and histograms (updated on the event loop)."""
 
-    def __init__(self, queue_depth, in_flight, ready):
+    def __init__(self, queue_depth, in_flight, ready, searching_sentences=lambda: 0, searching_requests=lambda: 0):
         powers = [2**i for i in range(11)]
         self.requests = Counter("kt_serve_requests_total", "HTTP requests by path and status code.")
         self.errors = Counter("kt_serve_errors_total", "Requests answered with an error, by reason.")
@@ -93,13 +93,26 @@ class Metrics:
             "kt_serve_search_duration_seconds", "Time of one search (a batch) in the worker thread.",
             [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
         )
+        self.queue_wait = Histogram(
+            "kt_serve_queue_wait_seconds", "Time from a request's arrival to the start of the search of each of its "
+            "sentences.", [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
+        )
+        self.dropped_sentences = Counter(
+            "kt_serve_dropped_sentences_total",
+            "Sentences that left a running search because their request ended unanswered (client gone, deadline).",
+        )
+        for counter in (self.sentences, self.dropped_sentences):  # unlabelled: a sample from the start
+            counter.inc(0)
         self.gauges = [
             Gauge("kt_serve_queue_sentences", "Sentences waiting for a search.", queue_depth),
             Gauge("kt_serve_requests_in_flight", "Requests being received, waiting or searched.", in_flight),
+            Gauge("kt_serve_sentences_in_flight", "Sentences in the running search (dropped ones not counted).",
+                  searching_sentences),
+            Gauge("kt_serve_requests_searching", "Requests with a sentence in the running search.", searching_requests),
             Gauge("kt_serve_ready", "1 when the model is loaded and warm and the server is not draining.", ready),
         ]
 
     def render(self):
-        metrics = [self.requests, self.errors, self.sentences, self.latency, self.batch_sentences,
-                   self.batch_tokens, self.search_seconds, *self.gauges]
+        metrics = [self.requests, self.errors, self.sentences, self.dropped_sentences, self.latency, self.queue_wait,
+                   self.batch_sentences, self.batch_tokens, self.search_seconds, *self.gauges]
         return "\n".join(line for metric in metrics for line in metric.render()) + "\n"

@@ -130,7 +130,8 @@ def main(argv=None):
     group.add_argument("--max-beam-size", type=positive_int, default=defaults.max_beam_size,
                        help=f"largest beam_size a request may ask (default {defaults.max_beam_size})")
     group.add_argument("--request-timeout", type=positive_float, default=defaults.request_timeout,
-                       help=f"seconds to an answer; 408 / 504 after (default {defaults.request_timeout:g})")
+                       help="seconds to an answer, the largest timeout_ms; 408 / 504 after "
+                            f"(default {defaults.request_timeout:g})")
     group.add_argument("--max-connections", type=positive_int, default=defaults.max_connections,
                        help=f"open connections (default {defaults.max_connections})")
     group.add_argument("--drain-seconds", type=positive_float, default=defaults.drain_seconds,
@@ -141,7 +142,8 @@ def main(argv=None):
     group.add_argument("--length-penalty", type=float, default=defaults.length_penalty,
                        help=f"GNMT alpha (default {defaults.length_penalty:g})")
     group.add_argument("--max-extra-length", type=non_negative_int, default=defaults.max_extra_length,
-                       help=f"output tokens beyond the source length (default {defaults.max_extra_length})")
+                       help="output tokens beyond the source length, the largest a request may ask "
+                            f"(default {defaults.max_extra_length})")
     group.add_argument("--patience", type=positive_float, default=defaults.patience,
                        help="beam search: stop a sentence once round(beam size x PATIENCE) hypotheses ended, as "
                             "CTranslate2 (default: the exact search, stop when no live beam can win; CTranslate2 "

@@ -38,12 +38,14 @@ class ServerSettings:
         max_beam_size: int >= 1, the largest `beam_size` a request may ask.
         beam_size: int in [1, max_beam_size], for requests without one.
         length_penalty: float >= 0, GNMT's alpha for every request.
-        max_extra_length: int >= 0, output tokens beyond the source length.
+        max_extra_length: int >= 0, output tokens beyond the source length:
+            the default and the largest a request may ask.
         patience: None (the exact beam search) or a number > 0: beam search
             stops a row once `round(beam_size * patience)` hypotheses ended
             (`generation.generate`; CTranslate2's option, 1 there by default).
         request_timeout: float > 0, seconds from the start of a request to
-            its answer (408 while the body is still arriving, 504 after).
+            its answer (408 while the body is still arriving, 504 after);
+            a request's `timeout_ms` may be shorter.
         drain_seconds: float > 0, how long a SIGTERM waits for accepted
             requests before cancelling them.
         max_connections: int >= 1, open connections and requests (uvicorn's
