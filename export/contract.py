@@ -571,6 +571,9 @@ def model_fields(model):
         "max_sequence_length": model.max_sequence_length,
         "cache_dtype": model.compute_dtype,
         "model_config": jsonable_config(model.get_config()),
+        # Only for a model whose encoder has a table of its own: every other export's config.json is unchanged.
+        **({"source_vocabulary_size": model.source_vocabulary_size}
+           if getattr(model, "source_vocabulary_size", None) else {}),
     }
 
 

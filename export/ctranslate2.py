@@ -137,10 +137,11 @@ from export.contract import UnsupportedModelError, ValidationError  # noqa: F401
 # stay importable from here (plain re-exports).
 from export.ctranslate2_spec import (  # noqa: F401
     ACTIVATIONS, CT2_CONFIG_FILE, FORMAT_VERSION, HEAD_DIM_CTRANSLATE2, METADATA_FILE, MIN_CTRANSLATE2, MODEL_FILE,
-    SUPPRESSED_LOGIT, VOCABULARY_FILE, _import_ctranslate2, _is_marian, _set_cross_attention, _set_feedforward,
-    _set_fused_linear, _set_layer_norm, _set_linear, _set_self_attention, _version_tuple, _what_it_is, activation,
-    check_exportable, is_ctranslate2_export, max_decoding_length, model_spec, position_table, projection_bias,
-    read_metadata, source_pieces, translation_options, vocabulary,
+    SOURCE_VOCABULARY_FILE, SUPPRESSED_LOGIT, TARGET_VOCABULARY_FILE, VOCABULARY_FILE, _import_ctranslate2,
+    _is_marian, _set_cross_attention, _set_feedforward, _set_fused_linear, _set_layer_norm, _set_linear,
+    _set_self_attention, _version_tuple, _what_it_is, activation, check_exportable, is_ctranslate2_export,
+    max_decoding_length, model_spec, position_table, projection_bias, read_metadata, source_pieces, source_vocabulary,
+    translation_options, vocabulary, vocabulary_files,
 )
 from export.ctranslate2_validate import (  # noqa: F401
     LOG_PROB_ATOL, VALIDATION_SENTENCES, _check_files, _ctranslate2_outputs, _keras_log_probs, _validate,
@@ -260,7 +261,7 @@ def export_ctranslate2(
 
     model = _load_model(preset)
     tokens = vocabulary(model)
-    spec = model_spec(model, tokens)
+    spec = model_spec(model, tokens, source_vocabulary(model, tokens))
     with EXPORTER.staged(output, overwrite, preset) as staging:
         logger.info("Writing the CTranslate2 model (%s)", quantization or "float32")
         spec.optimize(quantization=quantization)

@@ -28,6 +28,8 @@ METADATA_FILE = "keras_transformer.json"
 MODEL_FILE = "model.bin"
 CT2_CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "shared_vocabulary.json"
+# A model whose encoder has a table of its own (`source_vocabulary_size`) and two vocabularies: CTranslate2's names.
+SOURCE_VOCABULARY_FILE, TARGET_VOCABULARY_FILE = "source_vocabulary.json", "target_vocabulary.json"
 # Output bias of the pad and start ids: exp(-1e4) is 0 in every float type,
 # and -1e4 is finite in float16 (which -1e9 is not).
 SUPPRESSED_LOGIT = -1e4
@@ -176,12 +178,38 @@ def vocabulary(model):
     return pieces
 
 
-def model_spec(model, tokens):
+def source_vocabulary(model, tokens):
+    """The source tokens in id order: `tokens`, unless the encoder has a table (and vocabulary) of its own."""
+    from keras_transformer.token_ids import FIRST_ORDINARY_ID
+
+    if model.source_vocabulary_size is None:
+        return tokens
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        ordinary = range(FIRST_ORDINARY_ID, model.source_vocabulary_size)
+        return vocabulary(model)[:FIRST_ORDINARY_ID] + [f"<{i}>" for i in ordinary]
+    source = tokenizer.source_vocabulary() if hasattr(tokenizer, "source_vocabulary") else tokenizer.pieces()
+    if len(source) != model.source_vocabulary_size or len(set(source)) != len(source):
+        raise ValueError(f"The tokenizer has {len(source)} source pieces (unique: {len(set(source))}) but the model "
+                         f"source_vocabulary_size={model.source_vocabulary_size}")
+    return source
+
+
+def vocabulary_files(tokens, source_tokens):
+    """`(source file, target file)`: where CTranslate2 writes the vocabularies (one shared file when equal)."""
+    if source_tokens == tokens:
+        return VOCABULARY_FILE, VOCABULARY_FILE
+    return SOURCE_VOCABULARY_FILE, TARGET_VOCABULARY_FILE
+
+
+def model_spec(model, tokens, source_tokens=None):
     """The CTranslate2 `TransformerSpec` of `model`, with `tokens` as its shared vocabulary.
 
     Args:
         model: a `TransformerModel` (any backend; only its weights are read).
         tokens: list of `vocabulary_size` str, the token of each id.
+        source_tokens: the encoder's tokens (`source_vocabulary`) where the
+            model has a source table of its own; None: `tokens`.
 
     Returns:
         A `ctranslate2.specs.TransformerSpec`, validated, not yet optimised
@@ -211,7 +239,9 @@ def model_spec(model, tokens):
     # Our embeddings are multiplied by sqrt(d_model) (section 3.4), CTranslate2's by default.
     encoder.scale_embeddings = True
     decoder.scale_embeddings = True
-    encoder.embeddings[0].weight = embeddings
+    # The encoder's own table where the model has one (`source_vocabulary_size`), else the shared matrix.
+    source_table = model.source_token_embedding
+    encoder.embeddings[0].weight = embeddings if source_table is None else float32(source_table.embeddings)
     encoder.position_encodings.encodings = position_table(model, model.encoder_position)
     for layer_spec, layer in zip(encoder.layer, model.encoder_layers):
         _set_self_attention(layer_spec.self_attention, layer.self_attention, layer.self_attention_norm)
@@ -238,7 +268,7 @@ def model_spec(model, tokens):
     config.decoder_start_token = tokens[model.start_id]
     config.add_source_bos = False
     config.add_source_eos = True  # callers pass pieces; CTranslate2 appends the end piece
-    spec.register_source_vocabulary(tokens)
+    spec.register_source_vocabulary(tokens if source_tokens is None else source_tokens)
     spec.register_target_vocabulary(tokens)
     spec.validate()
     logger.debug("CTranslate2 %s spec built", ctranslate2.__version__)

@@ -16,8 +16,8 @@ import numpy as np
 from export import contract
 from export.contract import ValidationError
 from export.ctranslate2_spec import (
-    CT2_CONFIG_FILE, METADATA_FILE, MODEL_FILE, VOCABULARY_FILE, _import_ctranslate2, max_decoding_length,
-    read_metadata, source_pieces, translation_options, vocabulary,
+    CT2_CONFIG_FILE, METADATA_FILE, MODEL_FILE, _import_ctranslate2, max_decoding_length, read_metadata,
+    source_pieces, source_vocabulary, translation_options, vocabulary, vocabulary_files,
 )
 from export.exporter import check_sentences, keras_outputs, validation_sources
 
@@ -28,9 +28,11 @@ VALIDATION_SENTENCES = 32
 LOG_PROB_ATOL = 1e-3
 
 
-def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size, length_penalty):
+def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size, length_penalty,
+                         source_tokens=None):
     """CTranslate2's tokens as ids, per row; rows of equal length share a call (one maximum length each)."""
     index = {token: i for i, token in enumerate(tokens)}
+    source_tokens = tokens if source_tokens is None else source_tokens
     outputs = [None] * len(ids)
     by_length = {}
     for row, source in enumerate(ids):
@@ -38,7 +40,7 @@ def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size
     options = translation_options(beam_size, length_penalty, max_sequence_length)
     for length, rows in sorted(by_length.items()):
         results = translator.translate_batch(
-            [[tokens[i] for i in ids[row]] for row in rows],
+            [[source_tokens[i] for i in ids[row]] for row in rows],
             max_decoding_length=max_decoding_length(length, max_sequence_length),
             **options,
         )
@@ -47,7 +49,7 @@ def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size
     return outputs
 
 
-def _check_files(directory, model, tokens):
+def _check_files(directory, model, tokens, source_tokens=None):
     """Names and contents CTranslate2 and our metadata must agree on."""
     directory = pathlib.Path(directory)
     metadata = read_metadata(directory)
@@ -57,13 +59,17 @@ def _check_files(directory, model, tokens):
         if metadata.get(key) != value:
             raise ValidationError(f"{METADATA_FILE} has {key}={metadata.get(key)!r}; the model has {value!r}")
     tokenizer_files = contract.tokenizer_files(model.tokenizer) if model.tokenizer is not None else ()
-    for name in (MODEL_FILE, CT2_CONFIG_FILE, VOCABULARY_FILE, *tokenizer_files):
+    source_tokens = tokens if source_tokens is None else source_tokens
+    files = vocabulary_files(tokens, source_tokens)
+    for name in (MODEL_FILE, CT2_CONFIG_FILE, *sorted(set(files)), *tokenizer_files):
         if not (directory / name).is_file():
             raise ValidationError(f"{directory} has no {name}")
-    written = json.loads((directory / VOCABULARY_FILE).read_text(encoding="utf-8"))
-    if written != tokens:
-        first = next((i for i, (a, b) in enumerate(zip(written, tokens)) if a != b), min(len(written), len(tokens)))
-        raise ValidationError(f"{VOCABULARY_FILE} differs from the tokenizer's pieces at id {first}")
+    for name, expected in zip(files, (source_tokens, tokens)):
+        written = json.loads((directory / name).read_text(encoding="utf-8"))
+        if written != expected:
+            first = next((i for i, (a, b) in enumerate(zip(written, expected)) if a != b),
+                         min(len(written), len(expected)))
+            raise ValidationError(f"{name} differs from the tokenizer's pieces at id {first}")
     config = json.loads((directory / CT2_CONFIG_FILE).read_text())
     ct2_expected = {
         "unk_token": tokens[model.unk_id], "bos_token": tokens[model.start_id], "eos_token": tokens[model.end_id],
@@ -165,14 +171,15 @@ def _validate(directory, model, sentences, beam_size, length_penalty, atol):
     ctranslate2 = _import_ctranslate2()
     directory = pathlib.Path(directory)
     tokens = vocabulary(model)
-    metadata = _check_files(directory, model, tokens)
+    source_tokens = source_vocabulary(model, tokens)
+    metadata = _check_files(directory, model, tokens, source_tokens)
     float32 = metadata["quantization"] == "float32"
     exact = float32 and beam_size == 1
     # What the encoder receives: CTranslate2 maps each piece by its line in the
     # vocabulary and appends the end piece; ours is the tokenizer's ids + end.
     texts, ids = validation_sources(model, sentences)
     if model.tokenizer is not None:
-        index = {token: i for i, token in enumerate(tokens)}
+        index = {token: i for i, token in enumerate(source_tokens)}
         for text, row in zip(texts, ids):
             pieces = source_pieces(model.tokenizer, text)[: len(row)]
             mapped = [index.get(piece, model.unk_id) for piece in pieces]
@@ -187,7 +194,7 @@ def _validate(directory, model, sentences, beam_size, length_penalty, atol):
 
     # Values: both engines' log-probabilities of the same (Keras') outputs.
     scored = translator.score_batch(
-        [[tokens[i] for i in row] for row in ids], [[tokens[i] for i in row] for row in keras_tokens],
+        [[source_tokens[i] for i in row] for row in ids], [[tokens[i] for i in row] for row in keras_tokens],
         max_input_length=0,
     )
     expected = _keras_log_probs(model, ids, keras_tokens)
@@ -207,7 +214,8 @@ def _validate(directory, model, sentences, beam_size, length_penalty, atol):
             f"on sentence {worst_row} ({describe(worst_row)})"
         )
 
-    ct2_outputs = _ctranslate2_outputs(translator, tokens, ids, model.max_sequence_length, beam_size, length_penalty)
+    ct2_outputs = _ctranslate2_outputs(translator, tokens, ids, model.max_sequence_length, beam_size, length_penalty,
+                                       source_tokens)
     identical = sum(a == b for a, b in zip(keras_tokens, ct2_outputs))
     first_difference = None
     for row, (ours, theirs) in enumerate(zip(keras_tokens, ct2_outputs)):

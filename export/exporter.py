@@ -247,7 +247,8 @@ def validation_sources(model, count, seed=0):
         return texts, ids
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, min(24, limit) + 1, size=count)
-    return None, [rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, size=n).tolist() for n in lengths]
+    size = getattr(model, "encoder_vocabulary_size", model.vocabulary_size)  # a source table of its own, or the shared
+    return None, [rng.integers(FIRST_ORDINARY_ID, size, size=n).tolist() for n in lengths]
 
 
 def keras_outputs(model, ids, beam_size, length_penalty, max_extra_length=MAX_EXTRA_LENGTH):

@@ -18,6 +18,7 @@ exactly:
 | `activation` relu / gelu / silu            | `activation_function` relu / gelu / swish |
 | embeddings times sqrt(d_model), one matrix | `scale_embedding`, tied `model.shared` |
 | `logits_bias` (or none: zeros)             | `final_logits_bias`                    |
+| `source_vocabulary_size` (two tables)      | `share_encoder_decoder_embeddings: false`, `decoder_vocab_size`, `target_vocab.json` |
 | `layer_norm_epsilon=1e-5`                  | PyTorch's LayerNorm default            |
 | `position_encoding="sinusoidal_halves"`    | its own table (sin \\| cos halves)     |
 | `position_encoding="sinusoidal"` (paper)   | the same, features permuted (below)    |
@@ -178,16 +179,22 @@ class IdMap:
         pieces: dict of the special pieces (`pad_token`, `unk_token`, `eos_token`), or None.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, source=False):
         tokenizer = model.tokenizer
-        size = model.vocabulary_size
-        if tokenizer is not None and tokenizer.vocabulary_size != size:
+        # `source`: the encoder's ids, where the model has a table of its own for them (`source_vocabulary_size`).
+        size = model.encoder_vocabulary_size if source else model.vocabulary_size
+        pieces = None if tokenizer is None else tokenizer.vocabulary_size
+        if source and getattr(tokenizer, "source_vocabulary_size", None):
+            pieces = tokenizer.source_vocabulary_size
+        if tokenizer is not None and pieces != size:
             raise ValueError(
-                f"The tokenizer has {tokenizer.vocabulary_size} pieces, the model vocabulary_size={size}"
+                f"The tokenizer has {pieces} {'source ' if source else ''}pieces, the model "
+                f"{'source_' if source else ''}vocabulary_size={size}"
             )
         if _is_marian(tokenizer):
-            vocab = tokenizer.vocab
-            self.to_hf = np.asarray(tokenizer.marian_ids, np.int64)
+            target_vocab = getattr(tokenizer, "target_vocab", None)
+            vocab = tokenizer.vocab if source or target_vocab is None else target_vocab
+            self.to_hf = np.asarray(tokenizer.source_marian_ids if source else tokenizer.marian_ids, np.int64)
             self.rows = np.empty(len(vocab), np.int64)
             # Where two of our ids share a Marian id (our pad and the added start piece share <pad>'s),
             # the start id's row wins: Marian's decoder starts from it; it never reads our pad's.
@@ -221,7 +228,7 @@ class IdMap:
 # ---------------------------------------------------------------------- #
 # Weights
 # ---------------------------------------------------------------------- #
-def hf_tensors(model, ids=None):
+def hf_tensors(model, ids=None, source_ids=None):
     """`{name: float32 array}`: `model`'s weights under `MarianMTModel`'s names, in its layout.
 
     PyTorch's `Linear` stores `[out, in]` (Keras' `Dense` kernels are `[in,
@@ -231,6 +238,7 @@ def hf_tensors(model, ids=None):
     """
     check_exportable(model)
     ids = ids or IdMap(model)
+    source_ids = source_ids or IdMap(model, source=True)
     order = feature_permutation(model)
     tensors = {}
 
@@ -261,7 +269,13 @@ def hf_tensors(model, ids=None):
         norm(f"{name}.final_layer_norm", layer.feedforward_norm)
 
     # One matrix: both embeddings and the output projection (tied in Marian, stored once).
-    put("model.shared.weight", _numpy(model.token_embedding.embeddings)[ids.rows][:, order])
+    if model.source_token_embedding is None:
+        # One matrix: both embeddings and the output projection (tied in Marian, stored once).
+        put("model.shared.weight", _numpy(model.token_embedding.embeddings)[ids.rows][:, order])
+    else:  # the encoder's table, and the decoder's (tied to the output projection, stored once)
+        put("model.encoder.embed_tokens.weight",
+            _numpy(model.source_token_embedding.embeddings)[source_ids.rows][:, order])
+        put("model.decoder.embed_tokens.weight", _numpy(model.token_embedding.embeddings)[ids.rows][:, order])
     bias = _numpy(model.logits_bias_weight) if model.logits_bias else np.zeros(model.vocabulary_size, np.float32)
     put("final_logits_bias", bias[ids.rows][None, :])
     for i, layer in enumerate(model.encoder_layers):
@@ -282,12 +296,12 @@ def hf_tensors(model, ids=None):
 # ---------------------------------------------------------------------- #
 # Configs and tokenizer files
 # ---------------------------------------------------------------------- #
-def hf_config(model, ids):
+def hf_config(model, ids, source_ids=None):
     """`config.json` of the `MarianMTModel` computing what `model` does."""
     return {
         "architectures": ["MarianMTModel"],
         "model_type": "marian",
-        "vocab_size": ids.size,
+        "vocab_size": (source_ids or IdMap(model, source=True)).size,
         "decoder_vocab_size": ids.size,
         "d_model": model.hidden_dim,
         "encoder_layers": len(model.encoder_layers),
@@ -305,7 +319,7 @@ def hf_config(model, ids):
         "decoder_layerdrop": 0.0,
         "init_std": 0.02,
         "scale_embedding": True,
-        "share_encoder_decoder_embeddings": True,
+        "share_encoder_decoder_embeddings": model.source_token_embedding is None,
         "tie_word_embeddings": True,
         "is_encoder_decoder": True,
         "use_cache": True,
@@ -331,25 +345,29 @@ def generation_config(model, ids):
     }
 
 
-def tokenizer_config(ids, languages):
+def tokenizer_config(ids, languages, separate_vocabs=False):
     """`tokenizer_config.json` for `MarianTokenizer` (one shared vocabulary)."""
     return {
         "tokenizer_class": "MarianTokenizer",
         **ids.pieces,
         "model_max_length": 512,
-        "separate_vocabs": False,
+        "separate_vocabs": separate_vocabs,
         "sp_model_kwargs": {},
         "source_lang": languages[0] if languages else None,
         "target_lang": languages[1] if languages else None,
     }
 
 
-def _write_tokenizer(directory, tokenizer, ids):
-    from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, VOCAB_FILE
+def _write_tokenizer(directory, tokenizer, ids, source_ids=None):
+    from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, TARGET_VOCAB_FILE, VOCAB_FILE
 
     # Ours has one shared vocabulary: its source_proto and target_proto are the same model.
     (directory / SOURCE_SPM).write_bytes(tokenizer.source_proto)
     (directory / TARGET_SPM).write_bytes(tokenizer.target_proto)
+    if getattr(tokenizer, "separate_vocabs", False):  # an imported checkpoint's two vocabularies
+        (directory / TARGET_VOCAB_FILE).write_text(json.dumps(ids.vocab, ensure_ascii=False, indent=2) + "\n",
+                                                   encoding="utf-8")
+        ids = source_ids
     (directory / VOCAB_FILE).write_text(json.dumps(ids.vocab, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
 
 
@@ -434,8 +452,13 @@ def export_huggingface(model, directory, overwrite=False, metadata=None, validat
     model, read_metadata = _load(preset)
     metadata = read_metadata if metadata is None else metadata
     check_exportable(model)
-    ids = IdMap(model)
-    tensors = hf_tensors(model, ids)
+    ids, source_ids = IdMap(model), IdMap(model, source=True)
+    if ids.pad >= source_ids.size:
+        raise UnsupportedModelError(
+            f"source_vocabulary_size={model.source_vocabulary_size} cannot be exported as a Marian checkpoint: "
+            f"MarianMTModel's encoder table needs pad_token_id={ids.pad} (the target's) below its "
+            f"{source_ids.size} rows")
+    tensors = hf_tensors(model, ids, source_ids)
     languages = _languages(metadata)
     try:
         from safetensors.numpy import save_file
@@ -448,11 +471,12 @@ def export_huggingface(model, directory, overwrite=False, metadata=None, validat
     with EXPORTER.staged(output, overwrite, preset) as staging:
         logger.info("Writing the Marian checkpoint (%d tensors)", len(tensors))
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        _write_json(staging / CONFIG_FILE, hf_config(model, ids))
+        _write_json(staging / CONFIG_FILE, hf_config(model, ids, source_ids))
         _write_json(staging / GENERATION_CONFIG_FILE, generation_config(model, ids))
         if model.tokenizer is not None:
-            _write_tokenizer(staging, model.tokenizer, ids)
-            _write_json(staging / TOKENIZER_CONFIG_FILE, tokenizer_config(ids, languages))
+            _write_tokenizer(staging, model.tokenizer, ids, source_ids)
+            _write_json(staging / TOKENIZER_CONFIG_FILE, tokenizer_config(
+                ids, languages, separate_vocabs=bool(getattr(model.tokenizer, "separate_vocabs", False))))
         else:
             logger.warning("The model has no tokenizer: the checkpoint has no tokenizer files (ids as ours)")
         report = validate_huggingface(staging, model, sentences=validation_sentences) if validate else {
@@ -516,14 +540,14 @@ def validate_huggingface(directory, model, sentences=VALIDATION_SENTENCES, atol=
         return {"skipped": reason}
     torch, transformers = reference
     directory = pathlib.Path(directory)
-    ids = IdMap(model)
+    ids, source_ids = IdMap(model), IdMap(model, source=True)
     texts, sources = validation_sources(model, sentences, seed=seed)
 
     if model.tokenizer is not None:
         with warnings.catch_warnings():  # "Recommended: pip install sacremoses" (Moses is not used to tokenize)
             warnings.simplefilter("ignore", UserWarning)
             hf_tokenizer = transformers.MarianTokenizer.from_pretrained(str(directory))
-        expected = [ids.to_hf[row].tolist() for row in model.tokenizer.encode(texts)]
+        expected = [source_ids.to_hf[row].tolist() for row in model.tokenizer.encode(texts)]
         actual = hf_tokenizer(texts)["input_ids"]
         for text, ours, theirs in zip(texts, expected, actual):
             if list(theirs) != ours:
@@ -544,7 +568,7 @@ def validate_huggingface(directory, model, sentences=VALIDATION_SENTENCES, atol=
                       np.float32)[..., ids.rows]  # [B, T, V_hf]
     with torch.no_grad():
         theirs = hf_model(
-            input_ids=torch.tensor(ids.to_hf[batch]), attention_mask=torch.tensor(batch != model.pad_id),
+            input_ids=torch.tensor(source_ids.to_hf[batch]), attention_mask=torch.tensor(batch != model.pad_id),
             decoder_input_ids=torch.tensor(ids.to_hf[targets]),
         ).logits.numpy()
     largest = float(np.max(np.abs(ours - theirs))) if ours.shape == theirs.shape else math.inf
@@ -558,7 +582,7 @@ def validate_huggingface(directory, model, sentences=VALIDATION_SENTENCES, atol=
 
     greedy = keras_outputs(model, sources, 1, 0.0)
     for row, (source, output) in enumerate(zip(sources, greedy)):
-        encoder = torch.tensor([ids.to_hf[list(source) + [model.end_id]].tolist()])
+        encoder = torch.tensor([source_ids.to_hf[list(source) + [model.end_id]].tolist()])
         # Ours: at most n + 50 ids with the end id (n: the source with its end id), below max_sequence_length.
         limit = min(len(source) + 1 + MAX_EXTRA_LENGTH, model.max_sequence_length - 1)
         with torch.no_grad():

@@ -161,7 +161,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
             would cross to the device every step; not measured on a GPU
             yet), "whole".
 
-    Attributes: `vocabulary_size`, `pad_id`, `unk_id`, `start_id`, `end_id`,
+    Attributes: `vocabulary_size`, `encoder_vocabulary_size`, `pad_id`, `unk_id`, `start_id`, `end_id`,
     `max_sequence_length`, `config` (the directory's `config.json`),
     `providers` (those the sessions run with).
 
@@ -188,6 +188,8 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         config = self.config
         try:
             self.vocabulary_size = int(config["vocabulary_size"])
+            # The source ids: a table of the encoder's own (`source_vocabulary_size`), or the shared vocabulary.
+            self.encoder_vocabulary_size = int(config.get("source_vocabulary_size") or self.vocabulary_size)
             self.pad_id, self.unk_id = int(config["pad_id"]), int(config["unk_id"])
             self.start_id, self.end_id = int(config["start_id"]), int(config["end_id"])
             self.max_sequence_length = int(config["max_sequence_length"])
@@ -301,7 +303,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
 
     def encode(self, encoder_token_ids):
         """Encoder outputs `[B, S, D]` (float32 NumPy) for source ids `[B, S]`."""
-        ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
+        ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.encoder_vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
         return self._run("encoder", {"encoder_token_ids": ids})["encoder_outputs"]
 
@@ -313,7 +315,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
             `self_value [B, L, N, T_max, Vh]`, `cross_key [B, L, N, S, K]`,
             `cross_value [B, L, N, S, Vh]`, `encoder_padding_mask [B, S]` bool.
         """
-        ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
+        ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.encoder_vocabulary_size)
         outputs = _to_numpy(encoder_outputs)
         if outputs.ndim != 3 or outputs.shape[-1] != self.hidden_dim or outputs.shape[:2] != ids.shape:
             raise ValueError(
@@ -396,7 +398,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         """
         options = resolve(options, **search_keywords(locals()))
         refuse_hypotheses(options, "generate", "generate_hypotheses")
-        ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
+        ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.encoder_vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
         if ids.shape[0] == 0:
             empty = np.zeros((0, 0), np.int32)
@@ -474,7 +476,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
         """
         options = resolve(options, **search_keywords(locals()))
-        ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.vocabulary_size)
+        ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.encoder_vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
         prefix = target_prefix_ids(target_prefix, ids.shape[0], self)
         if ids.shape[0] == 0:

@@ -209,7 +209,7 @@ def _in_graph_tokenizer(module, tokenizer):
     import tensorflow_text
 
     module.tokenizer = tensorflow_text.SentencepieceTokenizer(model=tokenizer.source_proto, out_type=tf.string)
-    pieces = tokenizer.pieces()
+    pieces = tokenizer.source_vocabulary()  # the source's ids (its own vocabulary, or the shared one)
     module.piece_ids = tf.lookup.StaticHashTable(
         tf.lookup.KeyValueTensorInitializer(tf.constant(pieces), tf.range(len(pieces), dtype=tf.int32)),
         default_value=tokenizer.unk_id,

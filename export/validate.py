@@ -151,6 +151,7 @@ def _read_config(directory, model):
         **{name: getattr(model, name) for name in contract.SPECIAL_IDS},
         "num_decoder_layers": len(model.decoder_layers),
         "max_sequence_length": model.max_sequence_length,
+        **({"source_vocabulary_size": model.source_vocabulary_size} if model.source_vocabulary_size else {}),
     }
     for key, value in expected_config.items():
         if config.get(key) != value:
@@ -194,7 +195,7 @@ def _validate_protocol_graphs(run, model, rng, record, shapes, steps):
     from keras import ops
 
     for batch, source_length, cache_length in shapes:
-        ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
+        ids = _source_ids(rng, batch, source_length, model.encoder_vocabulary_size)
         keras_outputs = ops.convert_to_numpy(model.encode(ids))
         record("encoder", "encoder_outputs", run("encoder", encoder_token_ids=ids)["encoder_outputs"], keras_outputs)
 
@@ -241,7 +242,7 @@ def _validate_search_graphs(run, model, rng, record, exact):
         ("beam_search", 3, (3, 11), 5),
         ("beam_search", 4, (1, 6), 50),
     ):
-        ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
+        ids = _source_ids(rng, batch, source_length, model.encoder_vocabulary_size)
         ids[np.arange(batch), np.count_nonzero(ids, axis=1) - 1] = model.end_id
         arguments = {"beam_size": beam_size} if graph == "beam_search" else {}
         outputs = run(graph, encoder_token_ids=ids, alpha=0.6, max_extra_length=max_extra_length, **arguments)
@@ -271,7 +272,7 @@ def _validate_fused_step(session, model, rng, record, batch=3, beam_size=3, sour
     """
     from export.steps import FusedDecoder
 
-    ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
+    ids = _source_ids(rng, batch, source_length, model.encoder_vocabulary_size)
     cache = model.init_cache(model.encode(ids), ids, steps)
     start = {name: np.asarray(cache[name]) for name in ("cross_key", "cross_value", "encoder_padding_mask")}
     decoder = FusedDecoder(session, dict(start, buffer_length=steps), beam_size, initial_length=2)
@@ -314,7 +315,7 @@ def _validate_hypotheses_graphs(run, model, rng, record, exact, sessions=None):
     sessions = sessions or {}
     decoder_session = sessions.get("fused_decoder_step")
     batch, source_length = 3, 9
-    ids = _source_ids(rng, batch, source_length, model.vocabulary_size)
+    ids = _source_ids(rng, batch, source_length, model.encoder_vocabulary_size)
     ids[np.arange(batch), np.count_nonzero(ids, axis=1) - 1] = model.end_id
     prefixes = [list(rng.integers(FIRST_ORDINARY_ID, model.vocabulary_size, 2)), None, [FIRST_ORDINARY_ID]]
     for label, arguments in (

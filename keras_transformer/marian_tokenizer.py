@@ -17,6 +17,12 @@ does, and the search, the exports and the server need no other special ids.
 `marian_ids` is that permutation (the Marian id behind each of our ids),
 which `keras_transformer.convert.marian` applies to the weights.
 
+Newer checkpoints (Tatoeba-Challenge, transformers PR #15831) have separate
+vocabularies: `vocab.json` for the source and `target_vocab.json` for the
+target (`separate_vocabs: true`). Then source texts are numbered with the
+first, target texts with the second, each renumbered the same way
+(`source_marian_ids`, `marian_ids`), and decoding reads the target's.
+
 Only NumPy, SentencePiece and the standard library are imported: the ONNX
 Runtime server uses this class without Keras.
 
@@ -43,6 +49,7 @@ from keras_transformer.utils import write_bytes_atomically
 SOURCE_SPM = "source.spm"
 TARGET_SPM = "target.spm"
 VOCAB_FILE = "vocab.json"
+TARGET_VOCAB_FILE = "target_vocab.json"
 # Ours: which pieces of vocab.json are special (Hugging Face keeps this in
 # config.json and tokenizer_config.json, which a preset directory does not have).
 SPECIALS_FILE = "marian_tokenizer.json"
@@ -72,8 +79,31 @@ def _processor(proto, name):
         raise ValueError(f"{name} is not a SentencePiece model ({len(proto)} bytes SentencePiece cannot parse)") from None
 
 
+def _check_vocab(vocab, name):
+    if not isinstance(vocab, dict) or not vocab:
+        raise ValueError(f"{name} must be a non-empty JSON object of piece -> id")
+    marian_ids = sorted(vocab.values()) if all(isinstance(i, int) for i in vocab.values()) else None
+    if marian_ids != list(range(len(vocab))):
+        raise ValueError(
+            f"{name}: the ids must be the integers 0 .. {len(vocab) - 1}, each once "
+            "(a vocabulary with gaps or repeated ids cannot be a model's embedding rows)"
+        )
+
+
+def _renumbered(vocab, pad_token, unk_token, end_token, start_piece, start_marian_id):
+    """`(pieces, marian_ids)`: our ids' pieces (pad, unk, start, end, then Marian's order) and Marian rows."""
+    special = {vocab[pad_token], vocab[unk_token], vocab[end_token], start_marian_id}
+    ordinary = [piece for piece in sorted(vocab, key=vocab.get) if vocab[piece] not in special]
+    pieces = [pad_token, unk_token, start_piece, end_token] + ordinary
+    marian_ids = np.array(
+        [vocab[pad_token], vocab[unk_token], start_marian_id, vocab[end_token]] + [vocab[p] for p in ordinary],
+        dtype=np.int64,
+    )
+    return pieces, marian_ids
+
+
 class MarianTokenizer:
-    """Source and target SentencePiece models with Marian's shared vocabulary, in our ids.
+    """Source and target SentencePiece models with Marian's vocabulary (or two), in our ids.
 
     Args:
         source_proto: bytes, the serialized `source.spm`.
@@ -82,6 +112,10 @@ class MarianTokenizer:
         pad_token, unk_token, end_token: the special pieces of `vocab`.
         start_token: the piece the Marian decoder starts from; None or equal
             to `pad_token` (Marian's convention) adds a start piece.
+        target_vocab: optional dict piece -> Marian id (`target_vocab.json`):
+            separate vocabularies. `vocab` then numbers the source only; the
+            special pieces are looked up by name in each (the config's ids
+            are the target's).
 
     Raises:
         ValueError: naming the field: ids that are not 0 .. len - 1, a special
@@ -94,47 +128,49 @@ class MarianTokenizer:
     FILES = FILES  # `save` writes them; the last is the one `load_tokenizer` recognises
 
     def __init__(self, source_proto, target_proto, vocab, pad_token="<pad>", unk_token="<unk>", end_token="</s>",
-                 start_token=None):
-        if not isinstance(vocab, dict) or not vocab:
-            raise ValueError(f"{VOCAB_FILE} must be a non-empty JSON object of piece -> id")
-        marian_ids = sorted(vocab.values()) if all(isinstance(i, int) for i in vocab.values()) else None
-        if marian_ids != list(range(len(vocab))):
-            raise ValueError(
-                f"{VOCAB_FILE}: the ids must be the integers 0 .. {len(vocab) - 1}, each once "
-                "(a vocabulary with gaps or repeated ids cannot be a model's embedding rows)"
-            )
+                 start_token=None, target_vocab=None):
+        _check_vocab(vocab, VOCAB_FILE)
+        if target_vocab is not None:
+            _check_vocab(target_vocab, TARGET_VOCAB_FILE)
         start_token = None if start_token == pad_token else start_token
         specials = {"pad_token": pad_token, "unk_token": unk_token, "end_token": end_token}
         if start_token is not None:
             specials["start_token"] = start_token
         for name, piece in specials.items():
-            if piece not in vocab:
-                raise ValueError(f"{name}={piece!r} is not in {VOCAB_FILE}")
+            if piece not in (vocab if target_vocab is None else target_vocab):
+                file = VOCAB_FILE if target_vocab is None else TARGET_VOCAB_FILE
+                raise ValueError(f"{name}={piece!r} is not in {file}")
+            if target_vocab is not None and name != "start_token" and piece not in vocab:
+                raise ValueError(f"{name}={piece!r} is not in {VOCAB_FILE} (the source vocabulary)")
         if len(set(specials.values())) != len(specials):
             raise ValueError(f"the special pieces {specials} must be distinct")
         self._source = _processor(bytes(source_proto), SOURCE_SPM)
         self._target = _processor(bytes(target_proto), TARGET_SPM)
         self._source_proto, self._target_proto = bytes(source_proto), bytes(target_proto)
         self._vocab = dict(vocab)
+        self._target_vocab = None if target_vocab is None else dict(target_vocab)
         self.pad_token, self.unk_token, self.end_token = pad_token, unk_token, end_token
         self.start_token = start_token
-        by_marian_id = sorted(vocab, key=vocab.get)
+        decoder_vocab = vocab if target_vocab is None else target_vocab
         if start_token is None:
             # Marian starts from <pad>; our start id is an added piece with <pad>'s embedding.
-            self.added_start_token = next(piece for piece in ADDED_START_PIECES if piece not in vocab)
-            start_piece, start_marian_id = self.added_start_token, vocab[pad_token]
+            self.added_start_token = next(
+                piece for piece in ADDED_START_PIECES if piece not in decoder_vocab and piece not in vocab)
+            start_piece, start_marian_id = self.added_start_token, decoder_vocab[pad_token]
         else:
             self.added_start_token = None
-            start_piece, start_marian_id = start_token, vocab[start_token]
-        special = {vocab[pad_token], vocab[unk_token], vocab[end_token], vocab.get(start_token)}
-        ordinary = [piece for piece in by_marian_id if vocab[piece] not in special]
-        self._pieces = [pad_token, unk_token, start_piece, end_token] + ordinary
-        # marian_ids[i]: the Marian id (embedding row, logits-bias entry) of our id i.
-        self.marian_ids = np.array(
-            [vocab[pad_token], vocab[unk_token], start_marian_id, vocab[end_token]] + [vocab[p] for p in ordinary],
-            dtype=np.int64,
-        )
-        self._ids = {piece: i for i, piece in enumerate(self._pieces)}
+            start_piece, start_marian_id = start_token, decoder_vocab[start_token]
+        # marian_ids[i]: the Marian id (the decoder's embedding row, logits-bias entry) of our id i.
+        self._pieces, self.marian_ids = _renumbered(decoder_vocab, pad_token, unk_token, end_token, start_piece,
+                                                    start_marian_id)
+        self._target_ids = {piece: i for i, piece in enumerate(self._pieces)}
+        if target_vocab is None:
+            self._source_pieces, self.source_marian_ids = self._pieces, self.marian_ids
+        else:
+            # The encoder never reads the start id: its row is the source <pad>'s (as the shared case's).
+            self._source_pieces, self.source_marian_ids = _renumbered(
+                vocab, pad_token, unk_token, end_token, start_piece, vocab[pad_token])
+        self._ids = {piece: i for i, piece in enumerate(self._source_pieces)}
         self.language_codes = sorted(piece for piece in vocab if piece.startswith(">>") and piece.endswith("<<"))
 
     # The special ids, as `keras_transformer.tokenizer.Tokenizer` has them.
@@ -142,12 +178,28 @@ class MarianTokenizer:
 
     @property
     def vocabulary_size(self):
+        """Our target ids (the decoder's and the output's; with a shared vocabulary, every id)."""
         return len(self._pieces)
 
     @property
+    def separate_vocabs(self):
+        """Whether the source and the target have vocabularies of their own (`target_vocab.json`)."""
+        return self._target_vocab is not None
+
+    @property
+    def source_vocabulary_size(self):
+        """Our source ids with separate vocabularies (`TransformerModel(source_vocabulary_size=...)`), else None."""
+        return len(self._source_pieces) if self.separate_vocabs else None
+
+    @property
     def vocab(self):
-        """Marian's `vocab.json` (piece -> Marian id), as loaded."""
+        """Marian's `vocab.json` (piece -> Marian id), as loaded: the source's with separate vocabularies."""
         return dict(self._vocab)
+
+    @property
+    def target_vocab(self):
+        """Marian's `target_vocab.json` (piece -> Marian id) with separate vocabularies, else None."""
+        return None if self._target_vocab is None else dict(self._target_vocab)
 
     @property
     def source_proto(self):
@@ -158,8 +210,12 @@ class MarianTokenizer:
         return self._target_proto
 
     def pieces(self):
-        """The piece of each of our ids, in id order (the added start piece included)."""
+        """The piece of each of our (target) ids, in id order (the added start piece included)."""
         return list(self._pieces)
+
+    def source_vocabulary(self):
+        """The piece of each of our source ids, in id order: `pieces()` unless the vocabularies are separate."""
+        return list(self._source_pieces)
 
     def source_pieces(self, text):
         """The pieces of one source text (str), without start or end pieces, as `encode` cuts them.
@@ -172,11 +228,11 @@ class MarianTokenizer:
 
     def files(self):
         """The file names `save` writes, the last the one `load_tokenizer` recognises the tokenizer by."""
-        return self.FILES
+        return self.FILES[:-1] + (TARGET_VOCAB_FILE,) + self.FILES[-1:] if self.separate_vocabs else self.FILES
 
-    def id_of(self, piece):
-        """Our id of `piece` (`unk_id` for a piece outside the vocabulary, as Marian)."""
-        return self._ids.get(piece, UNK_ID)
+    def id_of(self, piece, target=False):
+        """Our (source, or `target`) id of `piece` (`unk_id` for a piece outside the vocabulary, as Marian)."""
+        return (self._target_ids if target else self._ids).get(piece, UNK_ID)
 
     def encode(self, texts, add_start=False, add_end=True, target=False):
         """Text to our ids, as Hugging Face's `MarianTokenizer` tokenizes (then renumbered).
@@ -216,7 +272,8 @@ class MarianTokenizer:
                     f"(e.g. '{self.language_codes[0]} {text[:30]}')"
                 )
             pieces = ([code] if code is not None else []) + processor.encode(rest, out_type=str)
-            ids = [self._ids.get(piece, UNK_ID) for piece in pieces]
+            numbers = self._target_ids if target else self._ids
+            ids = [numbers.get(piece, UNK_ID) for piece in pieces]
             encoded.append(([START_ID] if add_start else []) + ids + ([END_ID] if add_end else []))
         return encoded
 
@@ -249,16 +306,19 @@ class MarianTokenizer:
 
     def specials(self):
         """What `SPECIALS_FILE` holds: the special pieces and the added start piece."""
-        return {
+        specials = {
             "format": self.format,
             "pad_token": self.pad_token,
             "unk_token": self.unk_token,
             "end_token": self.end_token,
             "start_token": self.start_token,
         }
+        if self.separate_vocabs:  # only then: the files of a shared vocabulary are unchanged
+            specials["separate_vocabs"] = True
+        return specials
 
     def save(self, directory):
-        """Writes source.spm, target.spm, vocab.json and marian_tokenizer.json, each atomically.
+        """Writes source.spm, target.spm, vocab.json (target_vocab.json) and marian_tokenizer.json, each atomically.
 
         Returns:
             the directory (str).
@@ -271,6 +331,8 @@ class MarianTokenizer:
             VOCAB_FILE: (json.dumps(self._vocab, ensure_ascii=False, indent=2) + "\n").encode("utf-8"),
             SPECIALS_FILE: (json.dumps(self.specials(), indent=2, sort_keys=True) + "\n").encode("utf-8"),
         }
+        if self.separate_vocabs:
+            contents[TARGET_VOCAB_FILE] = (json.dumps(self._target_vocab, ensure_ascii=False, indent=2) + "\n").encode()
         for name, data in contents.items():
             write_bytes_atomically(os.path.join(directory, name), data)
         return directory
@@ -281,8 +343,9 @@ class MarianTokenizer:
 
         Args:
             directory: str or path.
-            specials: optional dict with pad_token, unk_token, end_token and
-                start_token; read from marian_tokenizer.json when None.
+            specials: optional dict with pad_token, unk_token, end_token,
+                start_token and separate_vocabs; read from
+                marian_tokenizer.json when None.
 
         Raises:
             FileNotFoundError: naming the missing file.
@@ -298,6 +361,13 @@ class MarianTokenizer:
             if not isinstance(specials, dict) or specials.get("format") != "marian":
                 raise ValueError(f"{os.path.join(directory, SPECIALS_FILE)} is not a Marian tokenizer description")
         vocab = _read_json(os.path.join(directory, VOCAB_FILE))
+        target_vocab = None
+        if specials.get("separate_vocabs"):
+            path = os.path.join(directory, TARGET_VOCAB_FILE)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"No Marian tokenizer in {directory!r}: {TARGET_VOCAB_FILE} is missing "
+                                        "(separate_vocabs is true)")
+            target_vocab = _read_json(path)
         protos = []
         for name in (SOURCE_SPM, TARGET_SPM):
             with open(os.path.join(directory, name), "rb") as f:
@@ -307,6 +377,7 @@ class MarianTokenizer:
                 *protos, vocab,
                 pad_token=specials.get("pad_token", "<pad>"), unk_token=specials.get("unk_token", "<unk>"),
                 end_token=specials.get("end_token", "</s>"), start_token=specials.get("start_token"),
+                target_vocab=target_vocab,
             )
         except ValueError as error:
             raise ValueError(f"Cannot load the Marian tokenizer in {directory}: {error}") from None

@@ -64,7 +64,7 @@ def check_model_args(
     vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
     attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
     layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
-    activation="relu", logits_bias=False, exclude_start_logit=False,
+    activation="relu", logits_bias=False, exclude_start_logit=False, source_vocabulary_size=None,
 ):
     """Raises a `ValueError` naming the first bad `TransformerModel` argument; returns `(d_k, d_v)` per head.
 
@@ -79,6 +79,7 @@ def check_model_args(
         check_positive_int(name, value)
     check_positive_int("num_encoder_layers", num_encoder_layers, optional=True)
     check_positive_int("num_decoder_layers", num_decoder_layers, optional=True)
+    check_positive_int("source_vocabulary_size", source_vocabulary_size, optional=True)
     check_layer_args(intermediate_dim, num_heads, dropout, attention_dropout, key_dim, value_dim, attention_window)
     if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
         raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
@@ -123,7 +124,8 @@ class TransformerModel(keras.Model):
     d_k = `key_dim`, d_v = `value_dim`, P_drop = `dropout`.
 
     As in the paper: one embedding matrix is shared by the encoder input,
-    the decoder input and the pre-softmax projection (section 3.4);
+    the decoder input and the pre-softmax projection (section 3.4; with
+    `source_vocabulary_size`, the encoder has its own table);
     embeddings are multiplied by sqrt(d_model); dropout is applied to the
     sums of embeddings and positions and to every sub-layer output;
     post-layer-normalisation unless `normalize_first=True`. Masks are derived
@@ -136,7 +138,9 @@ class TransformerModel(keras.Model):
     lives in the loss), (E) `position_encoding="learned"`.
 
     Args:
-        vocabulary_size: int, size of the shared source/target vocabulary.
+        vocabulary_size: int, size of the shared source/target vocabulary
+            (with `source_vocabulary_size`: of the target vocabulary, the
+            decoder's embedding and the output projection).
         num_layers: int, encoder and decoder layers (N).
         num_heads: int, attention heads (h).
         hidden_dim: int, model size (d_model).
@@ -182,6 +186,14 @@ class TransformerModel(keras.Model):
             token's embedding row, and would otherwise count it twice in the
             softmax's sum. Training (`call`) is unchanged. Defaults to False
             (the paper's start token is an ordinary row).
+        source_vocabulary_size: optional int. None (the paper, the default):
+            one matrix for both embeddings and the pre-softmax projection. An
+            int: the encoder embeds its input with a table of its own
+            `[source_vocabulary_size, D]`, and the `[vocabulary_size, D]`
+            table is the decoder's and the output projection's (tied): Marian
+            checkpoints with separate source and target vocabularies
+            (`share_encoder_decoder_embeddings: false`). The special ids are
+            the same in both vocabularies.
 
     Example:
     >>> model = TransformerModel.from_preset("tiny")
@@ -223,6 +235,7 @@ class TransformerModel(keras.Model):
         activation="relu",
         logits_bias=False,
         exclude_start_logit=False,
+        source_vocabulary_size=None,
         **kwargs,
     ):
         special_ids = {"pad_id": pad_id, "unk_id": unk_id, "start_id": start_id, "end_id": end_id}
@@ -231,6 +244,7 @@ class TransformerModel(keras.Model):
             attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
             layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
             activation=activation, logits_bias=logits_bias, exclude_start_logit=exclude_start_logit,
+            source_vocabulary_size=source_vocabulary_size,
         )
         super().__init__(**kwargs)
 
@@ -255,6 +269,7 @@ class TransformerModel(keras.Model):
         self.activation = activation
         self.logits_bias = bool(logits_bias)
         self.exclude_start_logit = bool(exclude_start_logit)
+        self.source_vocabulary_size = None if source_vocabulary_size is None else int(source_vocabulary_size)
         self.head_key_dim, self.head_value_dim = key_dim_resolved, value_dim_resolved
         self.tokenizer = None
         # Set by `enable_lora`; not in the config: a preset is always the merged model.
@@ -280,6 +295,16 @@ class TransformerModel(keras.Model):
             dtype=self.dtype_policy,
             name="token_embedding",
         )
+        # Not in the paper: the encoder's own table, for checkpoints with a separate source vocabulary.
+        self.source_token_embedding = None
+        if self.source_vocabulary_size is not None:
+            self.source_token_embedding = keras.layers.Embedding(
+                self.source_vocabulary_size,
+                self.hidden_dim,
+                embeddings_initializer=keras.initializers.RandomNormal(stddev=self.hidden_dim**-0.5),
+                dtype=self.dtype_policy,
+                name="source_token_embedding",
+            )
         if self.position_encoding in SINUSOID_LAYOUT:
             layout = SINUSOID_LAYOUT[self.position_encoding]
             position_layer = lambda name: SinusoidalPositionEncoding(  # noqa: E731
@@ -333,7 +358,8 @@ class TransformerModel(keras.Model):
             for name, value in ids.items():
                 if isinstance(value, (np.ndarray, list, tuple)):
                     ids[name] = np.asarray(value)
-                    check_token_ids(ids[name], name, self.vocabulary_size)
+                    size = self.encoder_vocabulary_size if name == "encoder_token_ids" else self.vocabulary_size
+                    check_token_ids(ids[name], name, size)
             check_batch_sizes(**ids)
         return super().__call__(*args, **kwargs)
 
@@ -351,6 +377,8 @@ class TransformerModel(keras.Model):
             return
         sequence = (None, None, self.hidden_dim)
         self.token_embedding.build((None, None))
+        if self.source_token_embedding is not None:
+            self.source_token_embedding.build((None, None))
         self.encoder_position.build(sequence)
         self.decoder_position.build(sequence)
         # Dropout has no weights; built so that `summary` shows its shape.
@@ -415,17 +443,23 @@ class TransformerModel(keras.Model):
     # ------------------------------------------------------------------ #
     # Forward pass
     # ------------------------------------------------------------------ #
-    def _embed(self, token_ids, position_layer, dropout_layer, start_index=0, training=None):
-        x = self.token_embedding(token_ids)  # [B, T, D]
+    @property
+    def encoder_vocabulary_size(self):
+        """The ids the encoder takes: `source_vocabulary_size`, or the shared `vocabulary_size`."""
+        return self.source_vocabulary_size or self.vocabulary_size
+
+    def _embed(self, token_ids, position_layer, dropout_layer, start_index=0, training=None, embedding=None):
+        x = (self.token_embedding if embedding is None else embedding)(token_ids)  # [B, T, D]
         x = x * ops.cast(math.sqrt(self.hidden_dim), x.dtype)
         x = x + position_layer(x, start_index=start_index)
         return dropout_layer(x, training=training)
 
     def encode(self, encoder_token_ids, training=False):
         """Encoder outputs `[B, S, D]` for source ids `[B, S]` (pad id 0)."""
-        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.encoder_vocabulary_size)
         padding_mask = ops.not_equal(encoder_token_ids, self.pad_id)  # [B, S]
-        x = self._embed(encoder_token_ids, self.encoder_position, self.encoder_embedding_dropout, training=training)
+        x = self._embed(encoder_token_ids, self.encoder_position, self.encoder_embedding_dropout, training=training,
+                        embedding=self.source_token_embedding)
         for layer in self.encoder_layers:
             x = layer(x, padding_mask=padding_mask, training=training)
         if self.normalize_first:
@@ -462,7 +496,7 @@ class TransformerModel(keras.Model):
             encoder_token_ids: `[B, S]` source ids (for the padding mask).
         """
         decoder_token_ids = check_token_ids(decoder_token_ids, "decoder_token_ids", self.vocabulary_size)
-        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.encoder_vocabulary_size)
         check_batch_sizes(
             encoder_token_ids=encoder_token_ids, encoder_outputs=encoder_outputs, decoder_token_ids=decoder_token_ids
         )
@@ -549,7 +583,7 @@ class TransformerModel(keras.Model):
             [B, L, N, S, Vh]` and `encoder_padding_mask [B, S]` (bool); heads
             before positions (see `layers.MultiHeadAttention`).
         """
-        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.encoder_vocabulary_size)
         check_batch_sizes(encoder_token_ids=encoder_token_ids, encoder_outputs=encoder_outputs)
         batch = ops.shape(encoder_outputs)[0]
         layers = len(self.decoder_layers)
@@ -767,13 +801,14 @@ class TransformerModel(keras.Model):
         >>> scores["cross_attention"][0].shape
         (1, 4, 2, 3)
         """
-        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.vocabulary_size)
+        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.encoder_vocabulary_size)
         decoder_token_ids = check_token_ids(decoder_token_ids, "decoder_token_ids", self.vocabulary_size)
         check_batch_sizes(encoder_token_ids=encoder_token_ids, decoder_token_ids=decoder_token_ids)
         encoder_padding_mask = ops.not_equal(encoder_token_ids, self.pad_id)  # [B, S]
         decoder_padding_mask = ops.not_equal(decoder_token_ids, self.pad_id)  # [B, T]
         scores = {"encoder_self_attention": [], "decoder_self_attention": [], "cross_attention": []}
-        x = self._embed(encoder_token_ids, self.encoder_position, self.encoder_embedding_dropout, training=False)
+        x = self._embed(encoder_token_ids, self.encoder_position, self.encoder_embedding_dropout, training=False,
+                        embedding=self.source_token_embedding)
         for layer in self.encoder_layers:
             x, weights = layer.call_with_scores(x, padding_mask=encoder_padding_mask, training=False)
             scores["encoder_self_attention"].append(weights)  # [B, N, S, S]
@@ -953,6 +988,8 @@ class TransformerModel(keras.Model):
         )
         if self.exclude_start_logit:  # only when set: the presets and exports of every other model are unchanged
             config["exclude_start_logit"] = True
+        if self.source_vocabulary_size is not None:  # likewise
+            config["source_vocabulary_size"] = self.source_vocabulary_size
         return config
 
     @classmethod

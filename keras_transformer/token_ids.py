@@ -39,3 +39,8 @@ def check_id_range(values, name, vocabulary_size):
             f"vocabulary_size={vocabulary_size}. Check that the tokenizer and the model "
             "use the same vocabulary."
         )
+
+
+def encoder_vocabulary_size(model):
+    """The source ids a model takes: `encoder_vocabulary_size` (a source table of its own), else `vocabulary_size`."""
+    return int(getattr(model, "encoder_vocabulary_size", None) or model.vocabulary_size)

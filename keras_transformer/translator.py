@@ -192,6 +192,13 @@ class Translator:
                 f"The tokenizer has {tokenizer.vocabulary_size} pieces but the model's "
                 f"vocabulary_size is {model.vocabulary_size}; use the tokenizer the model was trained with"
             )
+        source_size = getattr(tokenizer, "source_vocabulary_size", None) or tokenizer.vocabulary_size
+        model_source_size = getattr(model, "encoder_vocabulary_size", None) or model.vocabulary_size
+        if source_size != model_source_size:
+            raise ValueError(
+                f"The tokenizer has {source_size} source pieces but the model's encoder takes {model_source_size} "
+                "ids (source_vocabulary_size); use the tokenizer the model was trained with"
+            )
         for name in ("pad_id", "start_id", "end_id"):
             if getattr(tokenizer, name) != getattr(model, name):
                 raise ValueError(

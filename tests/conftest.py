@@ -163,6 +163,7 @@ BACKEND_INDEPENDENT = {
         "test_tokenizer_*", "test_language_codes_*", "test_hf_handle_*", "test_configs_*", "test_a_pickle_*",
         "test_separate_*", "test_tensors_*", "test_stored_position_*",
     ],
+    "test_convert_marian_separate.py": ["test_tokenizer_*", "test_inconsistent_*"],
     "test_convert_m2m100.py": [
         "test_tokenizer_*", "test_legacy_*", "test_configs_*", "test_missing_*", "test_languages_are_*",
         "test_exporters_*", "test_train_cli_*", "test_translate_cli_*",
@@ -234,6 +235,11 @@ def pytest_collection_modifyitems(config, items):
 MARIAN_STANDINS = {
     "random": dict(train_steps=0),      # random init (random logits bias and <pad> row)
     "trained": dict(train_steps=400),   # trained on the bundled corpus: outputs end with </s>
+    # Separate source and target vocabularies (transformers PR #15831): the source's larger, so the two <pad>s differ.
+    "separate-random": dict(train_steps=0, separate_vocabs=True, source_vocabulary_size=400,
+                            target_vocabulary_size=300),
+    "separate-trained": dict(train_steps=400, separate_vocabs=True, source_vocabulary_size=400,
+                             target_vocabulary_size=300),
 }
 
 
@@ -304,6 +310,18 @@ def marian_random(request):
 def marian_trained(request):
     """A Marian checkpoint trained for a few hundred steps on the bundled corpus (read only)."""
     return _marian_standin(request, "trained")
+
+
+@pytest.fixture(scope="session")
+def marian_separate_random(request):
+    """A random-init Marian checkpoint with separate source and target vocabularies (read only)."""
+    return _marian_standin(request, "separate-random")
+
+
+@pytest.fixture(scope="session")
+def marian_separate_trained(request):
+    """`marian_separate_random`'s layout, trained for a few hundred steps (read only)."""
+    return _marian_standin(request, "separate-trained")
 
 
 # NLLB-200-style (M2M-100 architecture) stand-ins, built the same way.

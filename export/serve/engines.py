@@ -106,7 +106,10 @@ class CTranslate2Engine:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before ctranslate2 loads OpenMP
         import ctranslate2
 
-        from export.ctranslate2 import VOCABULARY_FILE, max_decoding_length, read_metadata, translation_options
+        from export.ctranslate2 import (
+            SOURCE_VOCABULARY_FILE, TARGET_VOCABULARY_FILE, VOCABULARY_FILE, max_decoding_length, read_metadata,
+            translation_options,
+        )
         from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
 
         self.directory = pathlib.Path(directory)
@@ -118,7 +121,12 @@ class CTranslate2Engine:
                 f"{directory} has no {TOKENIZER_FILENAME} (nor an imported checkpoint's Marian tokenizer); "
                 "export a preset directory that holds its tokenizer"
             )
-        self.tokens = json.loads((self.directory / VOCABULARY_FILE).read_text(encoding="utf-8"))
+        # One shared vocabulary, or (a model with a source table of its own) CTranslate2's source and target files.
+        separate = (self.directory / TARGET_VOCABULARY_FILE).is_file()
+        self.tokens = json.loads((self.directory / (TARGET_VOCABULARY_FILE if separate else VOCABULARY_FILE))
+                                 .read_text(encoding="utf-8"))
+        self.source_tokens = json.loads((self.directory / SOURCE_VOCABULARY_FILE).read_text(encoding="utf-8")) \
+            if separate else self.tokens
         self.index = {token: i for i, token in enumerate(self.tokens)}
         self.max_sequence_length = int(metadata["max_sequence_length"])
         self._max_decoding_length = max_decoding_length
@@ -144,7 +152,7 @@ class CTranslate2Engine:
         if not todo:
             return results
         limit = self.max_sequence_length - 1  # room for the end piece CTranslate2 appends
-        pieces = [[self.tokens[t] for t in rows[i][:limit]] for i in todo]
+        pieces = [[self.source_tokens[t] for t in rows[i][:limit]] for i in todo]
         prefix_pieces = [None if prefixes[i] is None else [self.tokens[t] for t in prefixes[i]] for i in todo]
         outputs = self.translator.translate_batch(
             pieces,

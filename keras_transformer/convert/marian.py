@@ -13,6 +13,8 @@ projection. What they carry that the paper does not is expressed exactly by
 | `final_logits_bias`                 | `logits_bias=True`                         |
 | pad = last id, `</s>` = 0, start = pad | ids renumbered by `MarianTokenizer`     |
 | LayerNorm epsilon 1e-5 (PyTorch's)  | `layer_norm_epsilon=1e-5`                  |
+| `share_encoder_decoder_embeddings` false, `decoder_vocab_size` | `source_vocabulary_size` (the encoder's table; the decoder's is tied to the output) |
+| `separate_vocabs` (`target_vocab.json`) | `MarianTokenizer(target_vocab=...)`    |
 
 Three steps, as keras-hub's converters: `convert_config` (config.json ->
 constructor arguments, refusing in one line what the model cannot express),
@@ -31,7 +33,7 @@ from keras_transformer.convert import HF_CONFIG_FILE, CheckpointError, read_hf_c
 from keras_transformer.convert.weights import (
     WeightWalk, check_all_used, check_overrides, config_field, port_layers, read_json, read_safetensors, same_as,
 )
-from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, VOCAB_FILE, MarianTokenizer
+from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, TARGET_VOCAB_FILE, VOCAB_FILE, MarianTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +53,18 @@ def convert_config(config, path="config.json"):
     def refuse(field, why):
         raise CheckpointError(f"{path}: {field}={config.get(field)!r} {why}")
 
-    if not config_field(config, "share_encoder_decoder_embeddings", True):
-        refuse("share_encoder_decoder_embeddings", "(separate source and target vocabularies) is not supported: "
-               "TransformerModel shares one embedding matrix (section 3.4)")
+    shared = config_field(config, "share_encoder_decoder_embeddings", True)
     vocabulary_size = config.get("vocab_size")
-    if config_field(config, "decoder_vocab_size", vocabulary_size) != vocabulary_size:
-        refuse("decoder_vocab_size", f"differs from vocab_size={vocabulary_size}: separate vocabularies are not supported")
+    decoder_vocabulary_size = config_field(config, "decoder_vocab_size", vocabulary_size)
+    if shared and decoder_vocabulary_size != vocabulary_size:
+        refuse("decoder_vocab_size", f"differs from vocab_size={vocabulary_size} with one shared embedding matrix "
+               "(share_encoder_decoder_embeddings=true)")
+    for field, value in (("vocab_size", vocabulary_size), ("decoder_vocab_size", decoder_vocabulary_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            refuse(field, "must be a positive integer")
     if not config_field(config, "tie_word_embeddings", True):
-        refuse("tie_word_embeddings", "is not supported: the output projection must share the embedding matrix")
+        refuse("tie_word_embeddings",
+               "is not supported: the output projection must share the (decoder's) embedding matrix")
     if not config_field(config, "scale_embedding", False):
         refuse("scale_embedding", "is not supported: TransformerModel multiplies embeddings by sqrt(d_model)")
     activation = config_field(config, "activation_function", "gelu")
@@ -80,7 +86,9 @@ def convert_config(config, path="config.json"):
     if not isinstance(hidden_dim, int) or not isinstance(num_heads, int) or num_heads < 1 or hidden_dim % num_heads:
         refuse("d_model", f"must be an integer multiple of encoder_attention_heads={num_heads!r}")
     return {
-        "vocabulary_size": vocabulary_size,
+        # Separate tables: the decoder's (tied to the output projection) is `vocabulary_size`, the encoder's its own.
+        "vocabulary_size": decoder_vocabulary_size,
+        **({} if shared else {"source_vocabulary_size": vocabulary_size}),
         "num_layers": config.get("encoder_layers"),
         "num_encoder_layers": config.get("encoder_layers"),
         "num_decoder_layers": config.get("decoder_layers"),
@@ -105,27 +113,39 @@ def convert_tokenizer(directory, config):
         tokenizer_config = read_json(directory / TOKENIZER_CONFIG)
         if not isinstance(tokenizer_config, dict):
             raise CheckpointError(f"{directory / TOKENIZER_CONFIG} must hold a JSON object")
-    if tokenizer_config.get("separate_vocabs"):
+    separate = bool(tokenizer_config.get("separate_vocabs"))
+    if separate and config_field(config, "share_encoder_decoder_embeddings", True):
         raise CheckpointError(f"{directory / TOKENIZER_CONFIG}: separate_vocabs=true (separate source and target "
-                              "vocabularies) is not supported")
-    for name in (SOURCE_SPM, TARGET_SPM, VOCAB_FILE):
+                              "vocabularies) needs share_encoder_decoder_embeddings=false in config.json: one shared "
+                              "embedding matrix cannot number two vocabularies")
+    names = (SOURCE_SPM, TARGET_SPM, VOCAB_FILE) + ((TARGET_VOCAB_FILE,) if separate else ())
+    for name in names:
         if not (directory / name).is_file():
-            raise CheckpointError(f"{directory} has no {name}: a Marian checkpoint's tokenizer is source.spm, "
-                                  "target.spm and vocab.json")
-    vocab = read_json(directory / VOCAB_FILE)
-    if not isinstance(vocab, dict):
-        raise CheckpointError(f"{directory / VOCAB_FILE} must be a JSON object of piece -> id")
-    by_id = {i: piece for piece, i in vocab.items()}
-    if len(vocab) != config.get("vocab_size"):
-        raise CheckpointError(f"{directory / HF_CONFIG_FILE}: vocab_size={config.get('vocab_size')!r} but "
-                              f"{VOCAB_FILE} has {len(vocab)} pieces")
+            raise CheckpointError(f"{directory} has no {name}: a Marian checkpoint's tokenizer is "
+                                  f"{', '.join(names[:-1])} and {names[-1]}")
+
+    def read_vocab(name, field, default=None):
+        vocab = read_json(directory / name)
+        if not isinstance(vocab, dict):
+            raise CheckpointError(f"{directory / name} must be a JSON object of piece -> id")
+        size = config_field(config, field, default)
+        if len(vocab) != size:
+            raise CheckpointError(f"{directory / HF_CONFIG_FILE}: {field}={size!r} but {name} has {len(vocab)} pieces")
+        return vocab
+
+    vocab = read_vocab(VOCAB_FILE, "vocab_size")
+    target_vocab = read_vocab(TARGET_VOCAB_FILE, "decoder_vocab_size") if separate else None
+    # The config's special ids are the decoder's: the target vocabulary's when it has its own.
+    decoder_vocab_name = TARGET_VOCAB_FILE if separate else VOCAB_FILE
+    by_id = {i: piece for piece, i in (target_vocab if separate else vocab).items()}
 
     def special(field):
         value = config.get(field)
         if isinstance(value, list) and len(value) == 1:
             value = value[0]
         if not isinstance(value, int) or value not in by_id:
-            raise CheckpointError(f"{directory / HF_CONFIG_FILE}: {field}={value!r} must be one id of {VOCAB_FILE}")
+            raise CheckpointError(
+                f"{directory / HF_CONFIG_FILE}: {field}={value!r} must be one id of {decoder_vocab_name}")
         return by_id[value]
 
     pad_token, end_token = special("pad_token_id"), special("eos_token_id")
@@ -136,7 +156,7 @@ def convert_tokenizer(directory, config):
     source_proto, target_proto = ((directory / name).read_bytes() for name in (SOURCE_SPM, TARGET_SPM))
     try:
         return MarianTokenizer(source_proto, target_proto, vocab, pad_token=pad_token, unk_token=unk_token,
-                               end_token=end_token, start_token=start_token)
+                               end_token=end_token, start_token=start_token, target_vocab=target_vocab)
     except ValueError as error:
         raise CheckpointError(f"{directory}: {error}") from None
 
@@ -144,12 +164,23 @@ def convert_tokenizer(directory, config):
 def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
     """Ports a Marian checkpoint's tensors into `model` (built by `convert_config`), every tensor accounted for."""
     walk = WeightWalk(tensors, source)
-    embeddings_key = next((key for key in ("model.shared.weight", "model.encoder.embed_tokens.weight") if key in tensors),
-                          "model.shared.weight")
-    shared = walk.take(embeddings_key)
     rows = tokenizer.marian_ids  # our id -> Marian row (the added start id takes <pad>'s)
+    if model.source_token_embedding is None:
+        embeddings_key = next(
+            (key for key in ("model.shared.weight", "model.encoder.embed_tokens.weight") if key in tensors),
+            "model.shared.weight")
+        tied = ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight")
+    else:  # separate tables: the encoder's, and the decoder's tied to the output projection
+        source_rows = tokenizer.source_marian_ids
+        walk.port_weight(model.source_token_embedding.embeddings, "model.encoder.embed_tokens.weight",
+                         lambda table: table[source_rows])
+        embeddings_key = next(
+            (key for key in ("model.decoder.embed_tokens.weight", "lm_head.weight") if key in tensors),
+            "model.decoder.embed_tokens.weight")
+        tied = ("model.decoder.embed_tokens.weight", "lm_head.weight")
+    shared = walk.take(embeddings_key)
     walk.port_weight(model.token_embedding.embeddings, embeddings_key, lambda table: table[rows])
-    for key in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
+    for key in tied:
         same_as(walk, key, shared, embeddings_key + " (they are tied in Marian)")
     walk.port_weight(model.logits_bias_weight, "final_logits_bias", lambda bias: bias.reshape(-1)[rows])
     from keras_transformer.layers.position import sinusoidal_table
@@ -177,6 +208,8 @@ def load(cls, directory, overrides):
     tensors = read_safetensors(directory)
     # One more row than Marian's vocabulary when the decoder starts from <pad> (see MarianTokenizer).
     arguments["vocabulary_size"] = tokenizer.vocabulary_size
+    if "source_vocabulary_size" in arguments:  # separate tables (and one vocabulary, or two)
+        arguments["source_vocabulary_size"] = tokenizer.source_vocabulary_size or tokenizer.vocabulary_size
     model = cls(**{**arguments, **overrides})
     convert_weights(model, tensors, tokenizer, source=str(directory / "model.safetensors"))
     model.tokenizer = tokenizer

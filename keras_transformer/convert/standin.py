@@ -52,6 +52,8 @@ def _train_spm(lines, vocabulary_size, model_type="unigram"):
 def _marian_vocab(source_proto, target_proto, language_codes=(), vocabulary_size=None):
     """Marian's layout: `</s>` 0, `<unk>` 1, the pieces of both models (and codes), `<pad>` last.
 
+    A model may be None: `_marian_vocab(source_proto, None)` is a separate source vocabulary.
+
     With `vocabulary_size`, unused pieces fill the vocabulary up to that many
     entries (`<pad>` included), as large as the Hub's (58,101 in opus-mt-en-de).
     """
@@ -61,6 +63,8 @@ def _marian_vocab(source_proto, target_proto, language_codes=(), vocabulary_size
     for code in language_codes:
         vocab.setdefault(code, len(vocab))
     for proto in (source_proto, target_proto):
+        if proto is None:
+            continue
         processor = spm.SentencePieceProcessor(model_proto=proto)
         for i in range(processor.get_piece_size()):
             if not (processor.is_control(i) or processor.is_unknown(i)):
@@ -76,7 +80,8 @@ def _marian_vocab(source_proto, target_proto, language_codes=(), vocabulary_size
 
 def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400, target_vocabulary_size=400,
                             activation_function="swish", language_codes=(), seed=0, max_sentences=4000,
-                            batch_size=32, max_tokens=40, vocabulary_size=None, random_extras=True, **sizes):
+                            batch_size=32, max_tokens=40, vocabulary_size=None, random_extras=True,
+                            separate_vocabs=False, **sizes):
     """Writes a Marian checkpoint in the Hugging Face layout; returns the directory.
 
     Args:
@@ -93,6 +98,12 @@ def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400
         random_extras: with `train_steps=0`, give `final_logits_bias` and the
             `<pad>` row random values (large ones: a converter that drops or
             misplaces them is caught); False keeps transformers' init.
+        separate_vocabs: bool, the Tatoeba-Challenge layout (transformers PR
+            #15831): `vocab.json` of the source pieces (and codes),
+            `target_vocab.json` of the target's, each `</s>` 0, `<unk>` 1,
+            `<pad>` last (so the two pads differ), and separate encoder and
+            decoder embedding tables (`share_encoder_decoder_embeddings:
+            false`, `decoder_vocab_size`).
         seed: torch's and NumPy's seed.
         max_sentences, batch_size, max_tokens: the training data: the first
             `max_sentences` pairs of at most `max_tokens` pieces.
@@ -110,24 +121,32 @@ def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400
     english, german = english[:max_sentences], german[:max_sentences]
     source_proto = _train_spm(english, source_vocabulary_size)
     target_proto = _train_spm(german, target_vocabulary_size)
-    vocab = _marian_vocab(source_proto, target_proto, language_codes, vocabulary_size)
-    pad = vocab["<pad>"]
+    if separate_vocabs:
+        vocab = _marian_vocab(source_proto, None, language_codes, vocabulary_size)
+        target_vocab = _marian_vocab(None, target_proto)
+    else:
+        vocab = target_vocab = _marian_vocab(source_proto, target_proto, language_codes, vocabulary_size)
+    pad = target_vocab["<pad>"]  # the config's ids are the decoder's
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         scratch = pathlib.Path(scratch)
         (scratch / "source.spm").write_bytes(source_proto)
         (scratch / "target.spm").write_bytes(target_proto)
         (scratch / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+        separate = {}
+        if separate_vocabs:
+            (scratch / "target_vocab.json").write_text(json.dumps(target_vocab, ensure_ascii=False), encoding="utf-8")
+            separate = dict(target_vocab_file=str(scratch / "target_vocab.json"), separate_vocabs=True)
         tokenizer = transformers.MarianTokenizer(
             str(scratch / "source.spm"), str(scratch / "target.spm"), str(scratch / "vocab.json"),
-            source_lang="en", target_lang="de",
+            source_lang="en", target_lang="de", **separate,
         )
         tokenizer.save_pretrained(str(directory))
 
     config = transformers.MarianConfig(
-        vocab_size=len(vocab), decoder_vocab_size=len(vocab), max_position_embeddings=256,
+        vocab_size=len(vocab), decoder_vocab_size=len(target_vocab), max_position_embeddings=256,
         activation_function=activation_function, scale_embedding=True, pad_token_id=pad, eos_token_id=0,
-        decoder_start_token_id=pad, forced_eos_token_id=0, share_encoder_decoder_embeddings=True,
+        decoder_start_token_id=pad, forced_eos_token_id=0, share_encoder_decoder_embeddings=not separate_vocabs,
         dropout=0.1, attention_dropout=0.0, activation_dropout=0.0, **{**DEFAULT_SIZES, **sizes},
     )
     model = transformers.MarianMTModel(config)
@@ -136,7 +155,11 @@ def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400
     elif random_extras:
         with torch.no_grad():
             model.final_logits_bias.copy_(torch.randn_like(model.final_logits_bias) * 0.5)
-            model.model.shared.weight[pad].copy_(torch.randn_like(model.model.shared.weight[pad]))
+            decoder_table = model.model.decoder.embed_tokens.weight if separate_vocabs else model.model.shared.weight
+            decoder_table[pad].copy_(torch.randn_like(decoder_table[pad]))
+            if separate_vocabs:
+                encoder_table = model.model.encoder.embed_tokens.weight
+                encoder_table[vocab["<pad>"]].copy_(torch.randn_like(encoder_table[vocab["<pad>"]]))
     model.eval()
     # As the Hub's OPUS-MT generation configs: never generate <pad>.
     model.generation_config = transformers.GenerationConfig(
@@ -144,7 +167,8 @@ def build_marian_checkpoint(directory, train_steps=0, source_vocabulary_size=400
         pad_token_id=pad, max_length=256, num_beams=4,
     )
     model.save_pretrained(str(directory))
-    logger.info("Wrote a Marian stand-in checkpoint (%d pieces, %d steps) to %s", len(vocab), train_steps, directory)
+    logger.info("Wrote a Marian stand-in checkpoint (%d pieces, %d steps) to %s", len(target_vocab), train_steps,
+                directory)
     return directory
 
 
@@ -237,7 +261,7 @@ def _train(model, tokenizer, english, german, steps, batch_size, max_tokens, rng
     sources = tokenizer(english, truncation=False)["input_ids"]
     targets = tokenizer(text_target=german, truncation=False)["input_ids"]
     pairs = [(s, t) for s, t in zip(sources, targets) if len(s) <= max_tokens and len(t) <= max_tokens]
-    pad = model.config.pad_token_id
+    pad = tokenizer.pad_token_id  # the source's (the config's is the target's, another with separate vocabularies)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     model.train()
     for step in range(steps):

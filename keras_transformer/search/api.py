@@ -59,6 +59,7 @@ import numpy as np
 from keras import ops
 
 from keras_transformer.checks import check_token_ids
+from keras_transformer.token_ids import encoder_vocabulary_size
 from keras_transformer.decoding import (
     check_search_args,
     collect_hypotheses,
@@ -182,7 +183,7 @@ def generate(
         best = generate_hypotheses(model, encoder_token_ids, compile=compile, options=options)
         sequences = finish_rows(best.sequences[:, 0], model.end_id, model.pad_id)
         return (sequences, best.scores[:, 0]) if return_scores else sequences
-    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
+    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", encoder_vocabulary_size(model))
     if model.pad_id != 0:
         raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
     source = np.asarray(ops.convert_to_numpy(encoder_token_ids)).astype("int32")
@@ -293,7 +294,7 @@ def generate_hypotheses(
     """
     check_protocol(model)
     options = resolve(options, **search_keywords(locals()))
-    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
+    encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", encoder_vocabulary_size(model))
     if model.pad_id != 0:
         raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")
     source = np.asarray(ops.convert_to_numpy(encoder_token_ids)).astype("int32")

@@ -21,7 +21,7 @@ import numpy as np
 
 from keras_transformer.decoding import LENGTH_BUCKET
 from keras_transformer.search.log_probs import token_log_probs_numpy
-from keras_transformer.token_ids import check_id_range
+from keras_transformer.token_ids import check_id_range, encoder_vocabulary_size
 
 
 def score_targets(model, encoder_token_ids, decoder_token_ids):
@@ -64,7 +64,7 @@ def score_targets(model, encoder_token_ids, decoder_token_ids):
     >>> np.allclose(log_probs, ids[1], atol=1e-5)
     True
     """
-    source = _int_ids(encoder_token_ids, "encoder_token_ids", model.vocabulary_size)
+    source = _int_ids(encoder_token_ids, "encoder_token_ids", encoder_vocabulary_size(model))
     target = _int_ids(decoder_token_ids, "decoder_token_ids", model.vocabulary_size)
     if source.shape[0] != target.shape[0]:
         raise ValueError(
