@@ -459,7 +459,8 @@ def export_huggingface(model, directory, overwrite=False, metadata=None, validat
             f"MarianMTModel's encoder table needs pad_token_id={ids.pad} (the target's) below its "
             f"{source_ids.size} rows")
     tensors = hf_tensors(model, ids, source_ids)
-    languages = _languages(metadata)
+    # The training data's languages, else those an imported Marian checkpoint named (its tokenizer keeps them).
+    languages = _languages(metadata) or list(getattr(model.tokenizer, "languages", None) or [])
     try:
         from safetensors.numpy import save_file
     except ModuleNotFoundError:

@@ -128,8 +128,12 @@ class MarianTokenizer:
     FILES = FILES  # `save` writes them; the last is the one `load_tokenizer` recognises
 
     def __init__(self, source_proto, target_proto, vocab, pad_token="<pad>", unk_token="<unk>", end_token="</s>",
-                 start_token=None, target_vocab=None):
+                 start_token=None, target_vocab=None, languages=None):
         _check_vocab(vocab, VOCAB_FILE)
+        if languages is not None and not (
+                isinstance(languages, (list, tuple)) and len(languages) == 2
+                and all(isinstance(code, str) and code.strip() for code in languages)):
+            raise ValueError(f"languages={languages!r} must be None or two non-empty codes (source, target)")
         if target_vocab is not None:
             _check_vocab(target_vocab, TARGET_VOCAB_FILE)
         start_token = None if start_token == pad_token else start_token
@@ -172,6 +176,8 @@ class MarianTokenizer:
                 vocab, pad_token, unk_token, end_token, start_piece, vocab[pad_token])
         self._ids = {piece: i for i, piece in enumerate(self._source_pieces)}
         self.language_codes = sorted(piece for piece in vocab if piece.startswith(">>") and piece.endswith("<<"))
+        # The checkpoint's `source_lang` / `target_lang` (tokenizer_config.json), for the model card of an export.
+        self.languages = None if languages is None else tuple(languages)
 
     # The special ids, as `keras_transformer.tokenizer.Tokenizer` has them.
     pad_id, unk_id, start_id, end_id = PAD_ID, UNK_ID, START_ID, END_ID
@@ -315,6 +321,8 @@ class MarianTokenizer:
         }
         if self.separate_vocabs:  # only then: the files of a shared vocabulary are unchanged
             specials["separate_vocabs"] = True
+        if self.languages is not None:  # likewise
+            specials["languages"] = list(self.languages)
         return specials
 
     def save(self, directory):
@@ -344,7 +352,7 @@ class MarianTokenizer:
         Args:
             directory: str or path.
             specials: optional dict with pad_token, unk_token, end_token,
-                start_token and separate_vocabs; read from
+                start_token, separate_vocabs and languages; read from
                 marian_tokenizer.json when None.
 
         Raises:
@@ -377,7 +385,7 @@ class MarianTokenizer:
                 *protos, vocab,
                 pad_token=specials.get("pad_token", "<pad>"), unk_token=specials.get("unk_token", "<unk>"),
                 end_token=specials.get("end_token", "</s>"), start_token=specials.get("start_token"),
-                target_vocab=target_vocab,
+                target_vocab=target_vocab, languages=specials.get("languages"),
             )
         except ValueError as error:
             raise ValueError(f"Cannot load the Marian tokenizer in {directory}: {error}") from None

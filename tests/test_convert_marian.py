@@ -175,6 +175,9 @@ def test_tokenizer_special_ids_and_renumbering(marian_random):
     # An unknown piece is <unk>; the ends of decoding as Tokenizer's.
     assert tokenizer.id_of("no-such-piece") == tokenizer.unk_id
     assert tokenizer.decode([[2, 3, 7]]) == [""]
+    for languages in (["en"], ["en", ""], "ende", ["en", 3]):
+        with pytest.raises(ValueError, match=r"languages=.* must be None or two non-empty codes"):
+            MarianTokenizer(tokenizer._source_proto, tokenizer._target_proto, vocab, languages=languages)
 
 
 def test_language_codes_are_one_piece_and_required_when_the_model_has_them(tmp_path):
@@ -204,6 +207,8 @@ def test_save_to_preset_loads_back_identically(imported_trained, tmp_path):
     assert isinstance(loaded.tokenizer, MarianTokenizer)
     assert loaded.tokenizer.pieces() == model.tokenizer.pieces()
     assert (loaded.tokenizer.marian_ids == model.tokenizer.marian_ids).all()
+    # The checkpoint's source_lang / target_lang (its tokenizer_config.json) are kept, for an export's model card.
+    assert model.tokenizer.languages == loaded.tokenizer.languages == ("en", "de")
     assert (loaded.activation, loaded.position_encoding, loaded.logits_bias) == ("silu", "sinusoidal_halves", True)
     source = np.array(model.tokenizer.encode(SENTENCES[:2])[0:1], "int32")
     target = np.array([[2, 5, 9, 11]], "int32")

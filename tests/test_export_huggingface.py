@@ -166,6 +166,10 @@ def test_an_imported_marian_checkpoint_round_trips(kind, request, tmp_path):
         assert ours[key] == theirs[key], key
     generation = json.loads((directory / "generation_config.json").read_text())
     assert generation["bad_words_ids"] == [[theirs["pad_token_id"]]]
+    # The checkpoint's languages go back out, in tokenizer_config.json and the model card.
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    assert (tokenizer_config["source_lang"], tokenizer_config["target_lang"]) == ("en", "de")
+    assert "language:\n- en\n- de\n" in (directory / "README.md").read_text()
     if kind == "trained":  # the export's greedy comparison was of whole translations
         from export.ctranslate2 import _keras_outputs, _validation_sources
 

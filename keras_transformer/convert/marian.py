@@ -154,9 +154,13 @@ def convert_tokenizer(directory, config):
     if isinstance(unk_token, dict):  # an AddedToken as serialized by transformers
         unk_token = unk_token.get("content")
     source_proto, target_proto = ((directory / name).read_bytes() for name in (SOURCE_SPM, TARGET_SPM))
+    # Kept for an export's model card; a checkpoint without both codes (or with odd values) has none.
+    languages = [tokenizer_config.get(key) for key in ("source_lang", "target_lang")]
+    languages = languages if all(isinstance(code, str) and code.strip() for code in languages) else None
     try:
         return MarianTokenizer(source_proto, target_proto, vocab, pad_token=pad_token, unk_token=unk_token,
-                               end_token=end_token, start_token=start_token, target_vocab=target_vocab)
+                               end_token=end_token, start_token=start_token, target_vocab=target_vocab,
+                               languages=languages)
     except ValueError as error:
         raise CheckpointError(f"{directory}: {error}") from None
 
