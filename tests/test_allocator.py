@@ -16,7 +16,7 @@ pytestmark = [
 
 # A compiled function whose temporaries (5,000 x 5,000 float32 products, 100 MB each) are
 # allocated and freed by XLA's CPU runtime at each call; the minor page faults (MB of 4 KiB
-# pages) of each of its last 4 calls out of 16. Kept, glibc's heap grows over the first few
+# pages) of each of its last 4 calls out of 24. Kept, glibc's heap grows over the first few
 # calls (a call's buffers are allocated before the last call's are freed) and then reuses them.
 _PROBE = """
 import json, resource, sys
@@ -31,7 +31,7 @@ def f(x):
 
 x = jnp.linspace(0.0, 1.0, 5000)
 faulted = []
-for _ in range(16):
+for _ in range(24):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x).block_until_ready()
     faulted.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * 4096 / 2**20)
