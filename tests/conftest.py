@@ -290,6 +290,37 @@ def source_key(*paths, packages=()):
     return digest.hexdigest()[:16]
 
 
+# Sentences of the bundled corpus's domain that the imported-checkpoint tests translate and compare.
+SENTENCES = [
+    "Open the Styles deck.",
+    "Select the cells that you want to delete.",
+    "Click OK.",
+    "The document contains hidden paragraphs; choose View - Formatting Marks to show them.",
+]
+
+
+def padded(rows, pad):
+    """Ragged id rows as one int64 `[B, T]` batch filled with `pad`."""
+    batch = np.full((len(rows), max(map(len, rows))), pad, dtype="int64")
+    for i, row in enumerate(rows):
+        batch[i, : len(row)] = row
+    return batch
+
+
+def hf_marian_model(directory):
+    """`transformers.MarianMTModel` of a checkpoint directory, in eval mode (the reference)."""
+    import transformers
+
+    return transformers.MarianMTModel.from_pretrained(str(directory)).eval()
+
+
+def hf_marian_tokenizer(directory):
+    """`transformers.MarianTokenizer` of a checkpoint directory (the reference)."""
+    import transformers
+
+    return transformers.MarianTokenizer.from_pretrained(str(directory))
+
+
 def _marian_standin(request, kind):
     pytest.importorskip("transformers")
     from keras_transformer.convert import standin

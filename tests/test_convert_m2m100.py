@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import to_numpy
+from conftest import SENTENCES, padded, to_numpy
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -27,12 +27,6 @@ from keras_transformer.convert import CheckpointError  # noqa: E402
 from keras_transformer.datasets import load_bundled  # noqa: E402
 from keras_transformer.nllb_tokenizer import NllbTokenizer  # noqa: E402
 
-SENTENCES = [
-    "Open the Styles deck.",
-    "Select the cells that you want to delete.",
-    "Click OK.",
-    "The document contains hidden paragraphs; choose View - Formatting Marks to show them.",
-]
 SOURCE, TARGET = "eng_Latn", "deu_Latn"
 
 
@@ -42,13 +36,6 @@ def hf_model(directory):
 
 def hf_tokenizer(directory, **kwargs):
     return transformers.AutoTokenizer.from_pretrained(str(directory), src_lang=SOURCE, tgt_lang=TARGET, **kwargs)
-
-
-def padded(rows, pad):
-    batch = np.full((len(rows), max(map(len, rows))), pad, dtype="int64")
-    for i, row in enumerate(rows):
-        batch[i, : len(row)] = row
-    return batch
 
 
 def hf_logits(model, source, target):

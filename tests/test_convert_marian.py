@@ -15,7 +15,8 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import BACKEND, populate_hub_cache, to_numpy
+from conftest import BACKEND, SENTENCES, padded, populate_hub_cache, to_numpy
+from conftest import hf_marian_model as hf_model, hf_marian_tokenizer as hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -24,28 +25,6 @@ import keras_transformer as kt  # noqa: E402
 from keras_transformer.convert import CheckpointError  # noqa: E402
 from keras_transformer.datasets import load_bundled  # noqa: E402
 from keras_transformer.marian_tokenizer import MarianTokenizer  # noqa: E402
-
-SENTENCES = [
-    "Open the Styles deck.",
-    "Select the cells that you want to delete.",
-    "Click OK.",
-    "The document contains hidden paragraphs; choose View - Formatting Marks to show them.",
-]
-
-
-def hf_model(directory):
-    return transformers.MarianMTModel.from_pretrained(str(directory)).eval()
-
-
-def hf_tokenizer(directory):
-    return transformers.MarianTokenizer.from_pretrained(str(directory))
-
-
-def padded(rows, pad):
-    batch = np.full((len(rows), max(map(len, rows))), pad, dtype="int64")
-    for i, row in enumerate(rows):
-        batch[i, : len(row)] = row
-    return batch
 
 
 def hf_logits(model, source, target):
