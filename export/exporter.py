@@ -47,6 +47,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from keras_transformer import cli
+from keras_transformer.token_ids import encoder_vocabulary_size
 from keras_transformer.utils import atomic_directory, check_output_directory, is_integer
 
 # What `--preset` of every exporter takes.
@@ -247,7 +248,7 @@ def validation_sources(model, count, seed=0):
         return texts, ids
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, min(24, limit) + 1, size=count)
-    size = getattr(model, "encoder_vocabulary_size", model.vocabulary_size)  # a source table of its own, or the shared
+    size = encoder_vocabulary_size(model)
     return None, [rng.integers(FIRST_ORDINARY_ID, size, size=n).tolist() for n in lengths]
 
 

@@ -18,6 +18,7 @@ from keras_transformer.decoding import LENGTH_BUCKET, check_prefix_length
 from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
 from keras_transformer.search.scoring import score_targets
 from keras_transformer.textio import check_output_path, check_text_file, count_lines, iter_lines, write_lines
+from keras_transformer.token_ids import encoder_vocabulary_size
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class Translator:
                 f"vocabulary_size is {model.vocabulary_size}; use the tokenizer the model was trained with"
             )
         source_size = getattr(tokenizer, "source_vocabulary_size", None) or tokenizer.vocabulary_size
-        model_source_size = getattr(model, "encoder_vocabulary_size", None) or model.vocabulary_size
+        model_source_size = encoder_vocabulary_size(model)
         if source_size != model_source_size:
             raise ValueError(
                 f"The tokenizer has {source_size} source pieces but the model's encoder takes {model_source_size} "

@@ -14,6 +14,7 @@ from export.serve.batching import Batcher, QueueFull
 from export.serve.engines import FEATURES
 from export.serve.metrics import Metrics
 from export.serve.settings import SearchOptions, ServerSettings
+from keras_transformer.utils import is_integer
 
 # One logger for the whole server, so that `python -m export.serve` logs under one name.
 logger = logging.getLogger("export.serve")
@@ -132,7 +133,7 @@ def request_from_payload(payload, settings, engine_name=None, features=FEATURES)
             f"received {beam_size if number else _json_type(beam_size)}", "bad_request",
         )
     max_extra_length = payload.get("max_extra_length", settings.max_extra_length)
-    if not _is_integer(max_extra_length) or not 0 <= max_extra_length <= settings.max_extra_length:
+    if not is_integer(max_extra_length) or not 0 <= max_extra_length <= settings.max_extra_length:
         raise RequestError(
             400, f"max_extra_length must be an integer in [0, {settings.max_extra_length}] (--max-extra-length), "
             f"received {_number_or_type(max_extra_length)}", "bad_request",
@@ -157,10 +158,6 @@ def request_from_payload(payload, settings, engine_name=None, features=FEATURES)
     return texts, options, target_prefix
 
 
-def _is_integer(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _number_or_type(value):
     """A received value as a message quotes it: a number itself, anything else its JSON type."""
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else _json_type(value)
@@ -172,7 +169,7 @@ def timeout_option(payload, settings):
     if value is None:
         return None
     cap = int(settings.request_timeout * 1000)
-    if not _is_integer(value) or not 1 <= value <= cap:
+    if not is_integer(value) or not 1 <= value <= cap:
         raise RequestError(
             400, f"timeout_ms must be an integer in [1, {cap}] (--request-timeout), received {_number_or_type(value)}",
             "bad_request",
