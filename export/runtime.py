@@ -413,9 +413,11 @@ class OnnxSeq2Seq(OptimizedGraphCache):
                 plan, options.length_penalty, options.max_extra_length, cancelled
             )
             sequences, scores = sequences[:, 0], scores[:, 0]
-            left = ~np.isfinite(scores)  # cancelled rows: no tokens
-            sequences[left] = self.pad_id
-            sequences[left, :2] = self.start_id, self.end_id
+            if cancelled is not None:
+                # Cancelled rows were never written (all 0s; a searched row starts with the start id): no tokens.
+                # Not read from the scores: a searched row's score may be -inf too (a random int8 model's greedy).
+                left = ~sequences.any(axis=1)
+                sequences[left, :2] = self.start_id, self.end_id
         else:
             values = {"encoder_token_ids": np.ascontiguousarray(ids), "alpha": options.length_penalty,
                       "max_extra_length": options.max_extra_length}

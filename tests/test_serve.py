@@ -970,6 +970,28 @@ def test_the_step_driver_takes_cancelled_rows_out_and_keeps_the_other_rows_token
         translator.translate(texts, split_sentences=True, cancelled=lambda: None)
 
 
+def test_a_searched_row_with_a_score_of_minus_infinity_keeps_its_tokens(exported, monkeypatch):
+    """Only rows the driver never wrote are the cancelled ones: a row whose score is -inf (a random int8 model's
+    greedy search) keeps its tokens, with or without `cancelled`."""
+    import numpy as np
+
+    from export.runtime import OnnxSeq2Seq
+
+    model = OnnxSeq2Seq(exported, providers=["CPUExecutionProvider"])
+    ids = np.array([[5, 6, 7, model.end_id], [8, 9, model.end_id, 0]], "int32")
+    searched = model.generate(ids, beam_size=1, max_extra_length=5)
+    step_search = model._step_search
+
+    def minus_infinity(*args, **kwargs):
+        sequences, scores, log_probs = step_search(*args, **kwargs)
+        return sequences, np.full_like(scores, -np.inf), log_probs
+
+    monkeypatch.setattr(model, "_step_search", minus_infinity)
+    for cancelled in (None, lambda: None):
+        np.testing.assert_array_equal(model.generate(ids, beam_size=1, max_extra_length=5, cancelled=cancelled),
+                                      searched)
+
+
 class HeldEngine:
     """The ONNX Runtime engine; while `hold` is set, a search stops after its first step until `release` is set.
 
