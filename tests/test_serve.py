@@ -973,6 +973,36 @@ def test_the_step_driver_takes_cancelled_rows_out_and_keeps_the_other_rows_token
         translator.translate(texts, split_sentences=True, cancelled=lambda: None)
 
 
+@pytest.mark.parametrize(
+    "search",
+    [dict(beam_size=1), dict(beam_size=3), dict(beam_size=3, patience=1), dict(beam_size=3, num_hypotheses=2),
+     dict(beam_size=1, sampling_topk=0, seed=3, num_hypotheses=2)],
+    ids=["greedy", "beam", "patience", "hypotheses", "samples"],
+)
+def test_the_step_driver_tells_each_text_as_its_rows_leave(exported, search, monkeypatch):
+    """`finished=`: each text once, with its final result, while longer texts are still searched."""
+    from export import steps
+
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    rows, step = [], steps.FusedDecoder.step
+    monkeypatch.setattr(steps.FusedDecoder, "step", lambda decoder, ids, index: rows.append(len(ids)) or step(
+        decoder, ids, index))
+    texts = ["a dog.", "", "my bird eats the big fish and the old cat sees a red ball.", "the cat sees a dog."]
+    hypotheses = "num_hypotheses" in search
+    translate = translator.translate_hypotheses if hypotheses else translator.translate
+    if hypotheses:
+        texts = [text for text in texts if text]
+    told = []
+    found = translate(texts, max_extra_length=20, finished=lambda i, result: told.append((i, result, len(rows))),
+                      **search)
+    assert sorted(i for i, _, _ in told) == list(range(len(texts)))
+    assert all(result is found[i] or result == found[i] for i, result, _ in told)
+    assert found == translate(texts, max_extra_length=20, **search)
+    # The shortest source's row (every row runs to its length limit: a random model) left first, steps before the end.
+    first = next(i for i, _, _ in told if texts[i])
+    assert texts[first] == "a dog." and told[-1][2] > [steps for i, _, steps in told if i == first][0]
+
+
 def test_a_searched_row_with_a_score_of_minus_infinity_keeps_its_tokens(exported, monkeypatch):
     """Only rows the driver never wrote are the cancelled ones: a row whose score is -inf (a random int8 model's
     greedy search) keeps its tokens, with or without `cancelled`."""
