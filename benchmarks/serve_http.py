@@ -359,17 +359,9 @@ def run_paragraphs(args):
         "paragraphs": ([{"text": [p], "split_sentences": True, **search} for p in paragraphs], units, False),
         "paragraphs_streamed": ([{"text": [p], "split_sentences": True, **search} for p in paragraphs], units, True),
     }
-    common = ["--beam-size", str(args.beam_size), "--max-extra-length", str(args.max_extra_length),
-              "--max-queue", str(max(256, 4 * args.paragraph_sentences * max(args.clients)))]
-    if args.threads:
-        common += ["--threads", str(args.threads)]
-    label = pathlib.Path(args.model).name if args.model else f"{args.preset} (random weights)"
-    results = {"model": str(model), "label": label, "settings": {
-        "duration_seconds": args.duration, "warmup_seconds": args.warmup, "beam_size": args.beam_size,
-        "max_extra_length": args.max_extra_length, "threads": args.threads, "paragraphs": len(paragraphs),
-        "paragraph_sentences": args.paragraph_sentences, "sentences": sum(map(len, units)),
-        "server_options": common + args.batching,
-    }}
+    common = server_options(args, 4 * args.paragraph_sentences * max(args.clients)) + args.batching
+    results = run_record(args, model, common, paragraphs=len(paragraphs), paragraph_sentences=args.paragraph_sentences,
+                         sentences=sum(map(len, units)))
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     uptime_before = _uptime()
@@ -385,13 +377,7 @@ def run_paragraphs(args):
                 print(_paragraph_row(mode, row), flush=True)
     finally:
         results["exit_status"] = server.stop()
-    results["environment"] = {
-        "machine": platform.machine(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-        "uptime_before": uptime_before, "uptime_after": _uptime(),
-        "busy": max(_load(uptime_before), _load(_uptime())) > 0.5 * (os.cpu_count() or 1),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "wall_seconds": time.time() - started,
-        "clients_on_the_same_machine": True,
-    }
+    results["environment"] = environment(started, uptime_before)
     return results
 
 
@@ -457,16 +443,8 @@ def run_benchmark(args):
     started = time.time()
     model = prepare_model(args)
     texts = benchmark_texts(args.max_text_chars)
-    common = ["--beam-size", str(args.beam_size), "--max-extra-length", str(args.max_extra_length),
-              "--max-queue", str(max(256, 4 * max(args.clients + args.baseline_clients)))]
-    if args.threads:
-        common += ["--threads", str(args.threads)]
-    label = pathlib.Path(args.model).name if args.model else f"{args.preset} (random weights)"
-    results = {"model": str(model), "label": label, "settings": {
-        "duration_seconds": args.duration, "warmup_seconds": args.warmup, "beam_size": args.beam_size,
-        "max_extra_length": args.max_extra_length, "threads": args.threads, "sentences": len(texts),
-        "batching": args.batching, "server_options": common,
-    }}
+    common = server_options(args, 4 * max(args.clients + args.baseline_clients))
+    results = run_record(args, model, common, sentences=len(texts), batching=args.batching)
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     uptime_before = _uptime()
@@ -484,14 +462,36 @@ def run_benchmark(args):
         finally:
             results.setdefault("exit_status", {})[name] = server.stop()
     results["goals"] = goals(results["batching"], results["batching_off"])
-    results["environment"] = {
+    results["environment"] = environment(started, uptime_before)
+    return results
+
+
+def server_options(args, queue):
+    """The options of every server of a run: the search's, `--max-queue` (at least `queue`), `--threads`."""
+    common = ["--beam-size", str(args.beam_size), "--max-extra-length", str(args.max_extra_length),
+              "--max-queue", str(max(256, queue))]
+    return common + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def run_record(args, model, common, **settings):
+    """The start of a run's JSON: the model, its label and the settings (`settings` added to the shared ones)."""
+    label = pathlib.Path(args.model).name if args.model else f"{args.preset} (random weights)"
+    return {"model": str(model), "label": label, "settings": {
+        "duration_seconds": args.duration, "warmup_seconds": args.warmup, "beam_size": args.beam_size,
+        "max_extra_length": args.max_extra_length, "threads": args.threads, **settings, "server_options": common,
+    }}
+
+
+def environment(started, uptime_before):
+    """The machine and its load around a run (`busy`: a load average above half the CPUs, before or after)."""
+    uptime_after = _uptime()
+    return {
         "machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
-        "python": platform.python_version(), "uptime_before": uptime_before, "uptime_after": _uptime(),
-        "busy": max(_load(uptime_before), _load(_uptime())) > 0.5 * (os.cpu_count() or 1),
+        "python": platform.python_version(), "uptime_before": uptime_before, "uptime_after": uptime_after,
+        "busy": max(_load(uptime_before), _load(uptime_after)) > 0.5 * (os.cpu_count() or 1),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "wall_seconds": time.time() - started,
         "clients_on_the_same_machine": True,
     }
-    return results
 
 
 def _uptime():

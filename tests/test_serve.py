@@ -884,6 +884,10 @@ def test_the_load_benchmark_reads_percentiles_and_batch_sizes():
     ]
     assert serve_http.mean_batch(before, after) == pytest.approx((1 + 5 + 5 + 600) / 4)
     assert serve_http.mean_batch(after, after) is None
+    # --paragraphs: consecutive sentences joined, and the sentences the server's splitting makes of each.
+    assert serve_http.paragraphs_of(["Open it. Close it!", " Done.", "Next.", "Last."], 2) == (
+        ["Open it. Close it! Done.", "Next. Last."], [["Open it.", "Close it!", "Done."], ["Next.", "Last."]]
+    )
 
 
 # --------------------------------------------------------------------------- #
