@@ -48,7 +48,7 @@ python -m benchmarks.serve_http --paragraphs         # documents: split, streame
 
 Writes `serve_http.json` and `serve_http.png` (`serve_http_quick.*` with
 `--quick`, `serve_http_beam1.*` with `--beam-size 1`;
-`serve_http_paragraphs.json` with `--paragraphs`, no plot) into `--results`
+`serve_http_paragraphs*.json` with `--paragraphs`, no plot) into `--results`
 (default `benchmarks/results`) and prints a markdown table.
 """
 
@@ -643,7 +643,8 @@ def main(argv=None):
         print(PARAGRAPH_HEADER, flush=True)
         results = run_paragraphs(args)
         output.mkdir(parents=True, exist_ok=True)
-        stem = "serve_http_paragraphs" + ("_quick" if args.quick else "")
+        stem = "serve_http_paragraphs" + ("_quick" if args.quick else "") + (
+            f"_beam{args.beam_size}" if args.beam_size != 4 else "")
         (output / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
         print(f"{results['environment']['uptime_before']}  (before)\n{results['environment']['uptime_after']}  (after)")
         print(f"Wrote {output / (stem + '.json')}")
