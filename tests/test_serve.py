@@ -857,6 +857,11 @@ def test_the_ctranslate2_engine_gives_the_greedy_translations_of_onnx_runtime(ex
             assert response.status_code == 400
             assert re.search(rf"{next(iter(field))} is not served by the ctranslate2 engine; the onnxruntime engine "
                              "serves it", response.json()["error"]), response.text
+        # Streamed: the batch's sentences when it ends (CTranslate2 does not report rows), the same answer.
+        payload = {"text": ["The cat sees a dog. A dog likes my bird!", "", "a red ball."], "beam_size": 1,
+                   "split_sentences": True}
+        response, events = stream(running.url, payload)
+        assert events[-1] == "[DONE]" and rebuilt(events[:-1], 3) == post(running.url, payload).json()
     finally:
         running.close()
 
