@@ -265,6 +265,30 @@ def test_optimum_onnx_exports_our_checkpoints_and_translates_as_we_do(paper_expo
     assert any(len(ids) < len(source) + extra + 1 for ids, source in zip(answers[1]["ids"], sources))  # ended early
 
 
+@pytest.mark.slow
+def test_what_the_training_command_wrote_exports_and_transformers_translates_it_as_we_do(tiny_trained, tmp_path):
+    """`python -m keras_transformer.train`'s preset (the Quick start's kind of artifact, at `tiny` size) exports,
+    and `MarianMTModel.generate` + `MarianTokenizer` translate the validation sentences to our greedy strings."""
+    from conftest import TINY_TRAINED_PARTS
+
+    preset = tiny_trained / TINY_TRAINED_PARTS["preset"]
+    directory = export_huggingface(preset, tmp_path / "hf", validation_sentences=3)
+    sentences = (tiny_trained / TINY_TRAINED_PARTS["valid"][0]).read_text(encoding="utf-8").splitlines()
+    ours = kt.Translator.from_preset(preset).translate(sentences, beam_size=1, max_extra_length=20)
+    model, tokenizer = transformers.MarianMTModel.from_pretrained(str(directory)).eval(), \
+        transformers.MarianTokenizer.from_pretrained(str(directory))
+    theirs = []
+    for sentence in sentences:  # one at a time: no padding, each its own maximum length
+        source = tokenizer(sentence)["input_ids"]
+        with torch.no_grad():
+            output = model.generate(input_ids=torch.tensor([source]), num_beams=1, do_sample=False,
+                                    max_length=len(source) + 21)
+        theirs += tokenizer.batch_decode(output, skip_special_tokens=True)
+    assert theirs == ours
+    assert len(set(ours)) > 1 and all(ours)  # a trained model's translations, not one repeated string
+    assert "training data" in (directory / "README.md").read_text().lower()
+
+
 # ---------------------------------------------------------------------- #
 # Refusals, bad input, validation skipped
 # ---------------------------------------------------------------------- #
