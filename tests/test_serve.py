@@ -620,8 +620,14 @@ def test_settings_are_checked_with_their_values():
         serve.ServerSettings(beam_size=9)
     with pytest.raises(ValueError, match=r"max_texts=65 must be at most max_queue=64"):
         serve.ServerSettings(max_texts=65, max_queue=64)
-    with pytest.raises(ValueError, match=r"patience=0 must be a finite number > 0 \(or None: the exact search\)"):
+    with pytest.raises(ValueError, match=r"patience=0 must be None \(stop when no live beam can win"):
         serve.ServerSettings(patience=0)
+    with pytest.raises(ValueError, match=r"length_penalty=-1 must be a finite number >= 0"):
+        serve.ServerSettings(length_penalty=-1)
+    with pytest.raises(ValueError, match=r"max_extra_length=True must be an integer >= 0"):
+        serve.ServerSettings(max_extra_length=True)
+    assert [getattr(serve.ServerSettings(), name) for name in ("beam_size", "length_penalty", "max_extra_length")] \
+        == [serve.SearchOptions().beam_size, serve.SearchOptions().length_penalty, serve.SearchOptions().max_extra_length]
     with pytest.raises(ValueError, match=r"engine='marian' must be one of"):
         serve.load_engine("anywhere", "marian")
 
