@@ -19,6 +19,7 @@ import re
 
 import sentencepiece as spm
 
+from keras_transformer.fsmt_tokenizer import FsmtTokenizer
 from keras_transformer.marian_tokenizer import MarianTokenizer
 from keras_transformer.nllb_tokenizer import NllbTokenizer
 from keras_transformer.textio import iter_lines
@@ -452,11 +453,13 @@ def load_tokenizer(directory):
     `marian_tokenizer.json` with `source.spm`, `target.spm` and `vocab.json`
     is a `MarianTokenizer` (an imported OPUS-MT checkpoint's);
     `nllb_tokenizer.json` with `sentencepiece.bpe.model` an `NllbTokenizer`
-    (an imported NLLB-200 checkpoint's). Each class names its files
+    (an imported NLLB-200 checkpoint's); `fsmt_tokenizer.json` with
+    `vocab-src.json`, `vocab-tgt.json` and `merges.txt` an `FsmtTokenizer`
+    (an imported FSMT checkpoint's). Each class names its files
     (`FILES`), the last the one it is recognised by.
     """
     directory = os.fspath(directory)
-    for cls in (Tokenizer, MarianTokenizer, NllbTokenizer):
+    for cls in (Tokenizer, MarianTokenizer, NllbTokenizer, FsmtTokenizer):
         if os.path.isfile(os.path.join(directory, cls.FILES[-1])):
             return cls.load(directory)
     return None
