@@ -1,9 +1,8 @@
 """FSMT checkpoints (fairseq's WMT19 models, `"model_type": "fsmt"`) -> `TransformerModel` + `FsmtTokenizer`.
 
 facebook/wmt19-{en-de,de-en,en-ru,ru-en} are fairseq's ports of the WMT19
-news-translation winners: the paper's big architecture (post-LN, 6 + 6
-layers of d_model 1024, 16 heads, d_ff 8192) with a vocabulary for each
-side. What they carry that the paper does not is expressed exactly by
+news-translation systems: the paper's post-LN architecture at big sizes,
+with a vocabulary for each side. What they carry that the paper does not is expressed exactly by
 `TransformerModel` options, never approximated:
 
 | FSMT (`config.json`)                           | `TransformerModel`                          |
