@@ -41,8 +41,8 @@ import unicodedata
 
 import numpy as np
 
-from keras_transformer.token_ids import END_ID, PAD_ID, START_ID, UNK_ID, id_sequences
-from keras_transformer.utils import write_bytes_atomically
+from keras_transformer.token_ids import END_ID, PAD_ID, START_ID, UNK_ID, id_sequences, text_list
+from keras_transformer.utils import read_json_file, write_bytes_atomically
 
 SOURCE_VOCAB_FILE = "vocab-src.json"
 TARGET_VOCAB_FILE = "vocab-tgt.json"
@@ -236,14 +236,10 @@ class FsmtTokenizer:
         Returns:
             list of lists of int, one per text, unpadded.
         """
-        if isinstance(texts, (str, bytes)):
-            texts = [texts]
-        texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in texts]
+        texts = text_list(texts)
         numbers = self._target_ids if target else self._ids
         encoded = []
         for text in texts:
-            if not isinstance(text, str):
-                raise TypeError(f"Expected str, received {text!r} of type {type(text).__name__}")
             ids = [numbers.get(piece, UNK_ID) for piece in self.source_pieces(text, target=target)]
             encoded.append(([START_ID] if add_start else []) + ids + ([END_ID] if add_end else []))
         return encoded
@@ -305,10 +301,10 @@ class FsmtTokenizer:
             if not os.path.isfile(os.path.join(directory, name)):
                 raise FileNotFoundError(f"No FSMT tokenizer in {directory!r}: {name} is missing")
         if specials is None:
-            specials = read_json(os.path.join(directory, SPECIALS_FILE))
+            specials = read_json_file(os.path.join(directory, SPECIALS_FILE))
             if not isinstance(specials, dict) or specials.get("format") != "fsmt":
                 raise ValueError(f"{os.path.join(directory, SPECIALS_FILE)} is not an FSMT tokenizer description")
-        vocabs = [read_json(os.path.join(directory, name)) for name in (SOURCE_VOCAB_FILE, TARGET_VOCAB_FILE)]
+        vocabs = [read_json_file(os.path.join(directory, name)) for name in (SOURCE_VOCAB_FILE, TARGET_VOCAB_FILE)]
         merges = read_merges(os.path.join(directory, MERGES_FILE))
         names = ("pad_token", "unk_token", "end_token", "bos_token")
         try:
@@ -323,11 +319,3 @@ def read_merges(path):
     with open(path, "rb") as f:
         lines = f.read().decode("utf-8").split("\n")[:-1]
     return [tuple(line.split()[:2]) for line in lines]
-
-
-def read_json(path):
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not valid UTF-8 JSON: {error}") from None

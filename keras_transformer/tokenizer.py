@@ -30,6 +30,7 @@ from keras_transformer.token_ids import (  # noqa: F401 (re-exported: the specia
     START_ID,
     UNK_ID,
     id_sequences,
+    text_list,
 )
 from keras_transformer.utils import write_bytes_atomically
 
@@ -336,12 +337,7 @@ class Tokenizer:
         Returns:
             list of lists of int, one per text, unpadded.
         """
-        if isinstance(texts, (str, bytes)):
-            texts = [texts]
-        texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in texts]
-        for text in texts:
-            if not isinstance(text, str):
-                raise TypeError(f"Expected str, received {text!r} of type {type(text).__name__}")
+        texts = text_list(texts)
         return self._processor.encode(
             texts, out_type=int, add_bos=add_start, add_eos=add_end
         )

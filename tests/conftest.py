@@ -302,6 +302,17 @@ SENTENCES = [
 ]
 
 
+def copy_with_config(source, destination, **changes):
+    """A copy of the checkpoint directory `source` at `destination`, its config.json updated with `changes`."""
+    import json
+    import shutil
+
+    shutil.copytree(source, destination)
+    path = destination / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return destination
+
+
 def padded(rows, pad):
     """Ragged id rows as one int64 `[B, T]` batch filled with `pad`."""
     batch = np.full((len(rows), max(map(len, rows))), pad, dtype="int64")

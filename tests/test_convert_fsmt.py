@@ -21,7 +21,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import SENTENCES, padded, to_numpy
+from conftest import SENTENCES, copy_with_config, padded, to_numpy
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -199,13 +199,6 @@ def test_tokenizer_special_ids_and_renumbering(fsmt_random):
 # ---------------------------------------------------------------------- #
 # What is refused, in one line naming the field
 # ---------------------------------------------------------------------- #
-def _copy_with_config(source, destination, **changes):
-    shutil.copytree(source, destination)
-    path = destination / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
-    return destination
-
-
 @pytest.mark.parametrize("changes, message", [
     ({"scale_embedding": False}, "scale_embedding=False is not supported"),
     ({"pad_token_id": 0}, "pad_token_id=0 is not supported: fairseq's dictionary has 1 there"),
@@ -215,7 +208,7 @@ def _copy_with_config(source, destination, **changes):
     ({"tgt_vocab_size": 99}, "tgt_vocab_size=99 but vocab-tgt.json has"),
 ])
 def test_configs_the_model_cannot_express_are_refused(fsmt_random, tmp_path, changes, message):
-    directory = _copy_with_config(fsmt_random, tmp_path / "checkpoint", **changes)
+    directory = copy_with_config(fsmt_random, tmp_path / "checkpoint", **changes)
     with pytest.raises(CheckpointError, match=message):
         kt.TransformerModel.from_preset(directory)
 
