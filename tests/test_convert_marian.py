@@ -255,7 +255,7 @@ def test_a_directory_named_as_a_pretrained_preset_is_loaded_as_one_named_as_an_a
     ({"activation_function": "tanh"}, "activation_function='tanh' is not supported"),
     ({"scale_embedding": False}, "scale_embedding=False is not supported"),
     ({"decoder_ffn_dim": 96}, "decoder_ffn_dim=96 differs from encoder_ffn_dim"),
-    ({"model_type": "t5"}, "model_type='t5' is not supported; supported: m2m_100, marian"),
+    ({"model_type": "t5"}, "model_type='t5' is not supported; supported: fsmt, m2m_100, marian"),
     ({"vocab_size": 10, "decoder_vocab_size": 10}, "vocab_size=10 but vocab.json has"),
 ])
 def test_configs_the_model_cannot_express_are_refused(marian_random, tmp_path, changes, message):
