@@ -63,8 +63,7 @@ UNICODE_PUNCTUATION = {
 
 
 def replace_unicode_punctuation(text):
-    """moses' replace-unicode-punctuation.perl (in FSMTTokenizer's order: the full stops first)."""
-    text = text.replace("，", ",")
+    """moses' replace-unicode-punctuation.perl: the two full stops (with the spaces after them), then one by one."""
     text = re.sub(r"。\s*", ". ", text)
     text = re.sub(r"．\s*", ". ", text)
     return "".join(UNICODE_PUNCTUATION.get(char, char) for char in text)
@@ -204,8 +203,12 @@ class FsmtTokenizer:
             self._moses[kind, language] = getattr(sacremoses, kind)(lang=language)
         return self._moses[kind, language]
 
-    def source_pieces(self, text, target=False):
-        """The BPE pieces of one text (str), as `encode` cuts them: Moses in the text's language, then BPE."""
+    def source_pieces(self, text):
+        """The BPE pieces of one source text (str), without the end piece, as `encode` cuts them."""
+        return self.pieces_of(text)
+
+    def pieces_of(self, text, target=False):
+        """The BPE pieces of one text (str): Moses in the source (or `target`) language, then BPE."""
         language = self.languages[1 if target else 0]
         if self.do_lower_case:
             text = text.lower()
@@ -240,7 +243,7 @@ class FsmtTokenizer:
         numbers = self._target_ids if target else self._ids
         encoded = []
         for text in texts:
-            ids = [numbers.get(piece, UNK_ID) for piece in self.source_pieces(text, target=target)]
+            ids = [numbers.get(piece, UNK_ID) for piece in self.pieces_of(text, target=target)]
             encoded.append(([START_ID] if add_start else []) + ids + ([END_ID] if add_end else []))
         return encoded
 
