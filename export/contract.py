@@ -42,13 +42,19 @@ class UnsupportedModelError(ValueError):
 
 
 def check_exportable(model, target):
-    """Raises `UnsupportedModelError` for a model no exporter carries yet: an imported NLLB-200 / M2M-100 one.
+    """Raises `UnsupportedModelError` for a model no exporter carries yet: an imported NLLB-200 / M2M-100 or FSMT one.
 
     Its fairseq sinusoids, language codes and forced target-language token
     are not in the exported graphs, the runtime or the CTranslate2 and
     Marian layouts; an export would translate wrongly, so it is refused.
     """
     tokenizer = getattr(model, "tokenizer", None)
+    if getattr(tokenizer, "format", None) == "fsmt":
+        raise UnsupportedModelError(
+            f"{target} export of an FSMT model (fairseq's WMT19) is not supported: its Moses tokenizer and BPE "
+            "have no SentencePiece or text-graph form, and its fairseq positions and excluded start logit are not "
+            "in the exported graphs; translate it with keras_transformer.Translator"
+        )
     if (model.position_encoding == "sinusoidal_fairseq" or getattr(tokenizer, "format", None) == "nllb"
             or getattr(model, "exclude_start_logit", False)):
         raise UnsupportedModelError(
