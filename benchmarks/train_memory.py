@@ -53,6 +53,21 @@ def _status():
     return {key: int(re.search(rf"{key}:\s+(\d+)", text).group(1)) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
+def _mappings():
+    """Resident MB by kind of mapping: glibc's `[heap]`, other anonymous memory, files (libraries, mmapped weights)."""
+    kinds = {"heap": 0, "anonymous": 0, "file": 0}
+    kind = None
+    with open("/proc/self/smaps") as handle:
+        for line in handle:
+            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                fields = line.split()
+                name = fields[5] if len(fields) > 5 else ""
+                kind = "heap" if name == "[heap]" else "file" if name.startswith("/") else "anonymous"
+            elif line.startswith("Rss:"):
+                kinds[kind] += int(line.split()[1]) / 1024
+    return kinds
+
+
 def reset_peak():
     """Starts a new `VmHWM` window (Linux's clear_refs 5)."""
     with open("/proc/self/clear_refs", "w") as handle:
@@ -68,6 +83,7 @@ class Recorder:
     def __call__(self, stage, **extra):
         status = _status()
         row = {"stage": stage, "rss_mb": status["VmRSS"], "peak_mb": status["VmHWM"]}
+        row.update({f"rss_{kind}_mb": mb for kind, mb in _mappings().items()})
         heap = _mallinfo()
         if heap is not None:
             row.update(heap_in_use_mb=heap[0], heap_free_kept_mb=heap[1], heap_mmapped_mb=heap[2])
@@ -91,8 +107,14 @@ def main(argv=None):
     parser.add_argument("--shape", default="base")
     parser.add_argument("--budget", type=int, default=2000)
     parser.add_argument("--passes", type=int, default=2, help="passes over the benchmark's batches")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc keeps freed memory (`allocator.keep_freed_memory`) on any backend, set first")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
+    if args.keep_freed_memory:
+        from keras_transformer import allocator
+
+        allocator.keep_freed_memory()
     import numpy as np
 
     record = Recorder()
@@ -109,14 +131,17 @@ def main(argv=None):
     else:
         import keras
 
+        import keras_transformer.model  # noqa: F401  (on JAX: the allocator setting, before the runtime starts)
+
         keras.ops.convert_to_numpy(keras.ops.matmul(keras.ops.ones((2, 2)), keras.ops.ones((2, 2))))
         if backend == "jax":
             record.live_bytes = _jax_live_bytes
-        import keras_transformer.model  # noqa: F401  (on JAX: the allocator setting)
     record("framework")
     if args.contender == "ours":
         finetune.set_random_seed(0)  # what `Ours` does first
-        record("seeded", tensorflow_imported="tensorflow" in sys.modules)
+        from keras_transformer import allocator
+
+        record("seeded", tensorflow_imported="tensorflow" in sys.modules, allocator_kept=allocator._state["applied"])
     directory = finetune.checkpoint_dir(args.shape)
     contender = finetune._contender(args.contender, directory, tables, finetune.DROPOUT)
     if args.contender == "huggingface":
