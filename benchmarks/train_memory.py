@@ -146,15 +146,16 @@ def main(argv=None):
     contender = finetune._contender(args.contender, directory, tables, finetune.DROPOUT)
     if args.contender == "huggingface":
         parameters = sum(p.numel() for p in contender.model.parameters())
-        record("model loaded", weights_mb=parameters * 4 / MB)
-        contender.optimizer.step()  # no gradients yet: builds nothing; state appears at the first step
+        record("model loaded", weights_mb=parameters * 4 / MB)  # AdamW's state is made at its first step
     else:
         model = contender.model
-        weights = sum(int(np.prod(v.shape)) * v.dtype_size if hasattr(v, "dtype_size") else
-                      int(np.prod(v.shape)) * 4 for v in model.weights)
-        record("model loaded", weights_mb=weights / MB)
+
+        def size(variables):
+            return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+        record("model loaded", weights_mb=size(model.weights) / MB)
         model.optimizer.build(model.trainable_variables)
-        state = sum(int(np.prod(v.shape)) * 4 for v in model.optimizer.variables)
+        state = size(model.optimizer.variables)
         record("optimizer built", optimizer_mb=state / MB)
     prepared = [contender.batch(*b) for b in batches]
     for index in range(args.passes * len(prepared)):
