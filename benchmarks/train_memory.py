@@ -109,6 +109,8 @@ def main(argv=None):
     parser.add_argument("--passes", type=int, default=2, help="passes over the benchmark's batches")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc keeps freed memory (`allocator.keep_freed_memory`) on any backend, set first")
+    parser.add_argument("--import-tensorflow", action="store_true",
+                        help="seed with keras.utils.set_random_seed, which imports TensorFlow where installed")
     parser.add_argument("--output")
     args = parser.parse_args(argv)
     if args.keep_freed_memory:
@@ -138,7 +140,10 @@ def main(argv=None):
             record.live_bytes = _jax_live_bytes
     record("framework")
     if args.contender == "ours":
-        finetune.set_random_seed(0)  # what `Ours` does first
+        if args.import_tensorflow:
+            keras.utils.set_random_seed(0)
+        else:
+            finetune.set_random_seed(0)  # what `Ours` does first
         from keras_transformer import allocator
 
         record("seeded", tensorflow_imported="tensorflow" in sys.modules, allocator_kept=allocator._state["applied"])
