@@ -239,7 +239,7 @@ class Ours:
         from keras_transformer.model import TransformerModel
 
         self.framework = keras.backend.backend()
-        keras.utils.set_random_seed(0)
+        set_random_seed(0)
         dtype = {"float32": "float32", "bfloat16": "mixed_bfloat16"}[precision]
         self.model = TransformerModel.from_preset(str(directory), dropout=dropout, dtype=dtype)
         if constant_rate is None:
@@ -262,6 +262,29 @@ class Ours:
     def step(self, batch):
         loss = self.model.train_on_batch(*batch)
         return float(np.asarray(loss[0] if isinstance(loss, (list, tuple)) else loss))
+
+
+def set_random_seed(seed):
+    """`keras.utils.set_random_seed`, without importing TensorFlow on JAX and PyTorch unless it is loaded.
+
+    Keras' function imports TensorFlow wherever it is installed, to seed `tf.data`: about 470 MB
+    resident in a JAX or PyTorch process (measured 2026-12-06), which Hugging Face's process does not
+    hold. These workers feed NumPy batches, not `tf.data`; the trainer's pipeline
+    (`keras_transformer.data`) still imports it.
+    """
+    import keras
+    from keras.src.utils import module_utils
+
+    lazy = module_utils.tensorflow
+    if keras.backend.backend() == "tensorflow" or lazy.module is not None or "tensorflow" in sys.modules:
+        keras.utils.set_random_seed(seed)
+        return
+    available = lazy._available
+    lazy._available = False  # read by set_random_seed: skip tf.random.set_seed
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        lazy._available = available
 
 
 def _contender(name, directory, tables, dropout, constant_rate=None, precision="float32"):

@@ -42,3 +42,22 @@ def test_table_gives_ratio_mfu_and_the_loss_difference():
     lines = finetune.table(results).splitlines()
     assert lines[2] == "| base | 2000 | float32 | huggingface | 1,000 | 1.00x | 2.000 | 50% | 2,048 | reference |"
     assert lines[3] == "| base | 2000 | float32 | torch | 1,500 | 1.50x | 2.000 | 50% | 2,048 | 1.9e-04 |"
+
+
+def test_set_random_seed_seeds_as_keras_does_without_importing_tensorflow_on_jax_and_torch():
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, random, numpy as np, keras\n"
+        "from benchmarks import finetune\n"
+        "finetune.set_random_seed(7); ours = (random.random(), np.random.random())\n"
+        "loaded = 'tensorflow' in sys.modules\n"
+        "keras.utils.set_random_seed(7); theirs = (random.random(), np.random.random())\n"
+        "print(loaded, ours == theirs)"
+    )
+    for backend in ("jax", "torch"):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, KERAS_BACKEND=backend))
+        assert result.stdout.split() == ["False", "True"], (backend, result.stderr[-2000:])
