@@ -36,6 +36,7 @@ best = model.generate_hypotheses(src_ids, beam_size=4, num_hypotheses=3)   # as 
 translator = OnnxTranslator("exported/onnx")
 translator.translate(["A sentence."])
 translator.translate_hypotheses(["A sentence."], num_hypotheses=2)    # [[Hypothesis(text, ...), ...]]
+translator.translate_hypotheses(["A sentence."], return_alignment=True)  # .alignment, .word_alignment as on Keras
 translator.translate(["A sentence."], target_prefix=["Ein"])
 translator.translate(["A sentence."], beam_size=1, sampling_topk=10, seed=1)
 translator.score(["A sentence."], ["Ein Satz."])   # teacher-forced log-probabilities, as on Keras

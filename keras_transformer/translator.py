@@ -184,6 +184,8 @@ class Translator:
     ['Ein Satz.']
     >>> translator.translate_hypotheses(["A sentence."], beam_size=4, num_hypotheses=2)[0][0].text
     'Ein Satz.'
+    >>> translator.translate_hypotheses(["A sentence."], return_alignment=True)[0][0].word_alignment
+    [WordAlignment(target=(0, 3), source=((0, 1),)), WordAlignment(target=(4, 9), source=((2, 11),))]
     >>> translator.translate(["A sentence."], target_prefix=["Einen"])
     ['Einen Satz.']
     >>> translator.translate(["A sentence."], beam_size=1, sampling_topk=10, seed=1)
