@@ -5,6 +5,7 @@ No training framework is imported here: the ONNX Runtime server
 """
 
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -795,6 +796,11 @@ class Translator:
         if callable(check):
             check()
 
+    @functools.cached_property
+    def _target_pieces(self):
+        """The tokenizer's piece of each target id (`pieces()`), read once."""
+        return self.tokenizer.pieces()
+
     def _aligned(self, hypotheses, texts, sources):
         """`hypotheses` (a list of `Hypothesis` lists, one per text) with `alignment` and `word_alignment` set.
 
@@ -805,7 +811,7 @@ class Translator:
         rows = [(i, hypothesis) for i, found in enumerate(hypotheses) for hypothesis in found]
         if not rows:
             return hypotheses
-        end_id, pieces = self.tokenizer.end_id, self.tokenizer.pieces()
+        end_id, pieces = self.tokenizer.end_id, self._target_pieces
         attention = self.model.alignment_attention(
             _padded([sources[i] for i, _ in rows]),
             _padded([[self.tokenizer.start_id, *hypothesis.token_ids] for _, hypothesis in rows]),
