@@ -83,7 +83,10 @@ def test_onnx_runtime_alignments_equal_keras(tiny_onnx_export, keras_translator)
     onnx_translator = OnnxTranslator(tiny_onnx_export)
     texts = TINY_CORPUS[:4]
     keywords = dict(beam_size=4, num_hypotheses=2, max_extra_length=6, return_alignment=True)
+    told = {}  # finished=: with alignments, each text's hypotheses are told aligned, with its batch
     ours, theirs = (t.translate_hypotheses(texts, **keywords) for t in (keras_translator, onnx_translator))
+    assert onnx_translator.translate_hypotheses(texts, finished=told.__setitem__, **keywords) == theirs
+    assert told == dict(enumerate(theirs))
     compared = 0
     for text, keras_hypotheses, onnx_hypotheses in zip(texts, ours, theirs):
         for a, b in zip(keras_hypotheses, onnx_hypotheses):
