@@ -28,6 +28,8 @@ import numpy as np
 ALIGNMENT_LAYER = -1
 # SentencePiece's word-start mark: a piece that begins with it begins a word.
 WORD_START = "\u2581"
+# subword-nmt's word-end mark (FSMT's BPE): a piece that ends with it ends a word.
+WORD_END = "</w>"
 
 
 class WordAlignment(NamedTuple):
@@ -64,10 +66,11 @@ def hard_alignment(attention, source_length, target_length):
 def word_spans(pieces, text):
     """The words of `pieces` as character spans of `text`, and the word of each piece.
 
-    A piece that starts with "▁" (or the first piece) starts a word. Each
-    piece is found in `text` after the previous one (leading whitespace and
-    "▁" skipped); a piece not found there (a special piece, or text the
-    tokenizer normalized) spans no characters, at the place it was looked for.
+    A piece that starts with "▁" (SentencePiece), the first piece, and a
+    piece after one that ends with "</w>" (subword-nmt's BPE) start a word.
+    Each piece is found in `text` after the previous one (leading whitespace
+    and the marks skipped); a piece not found there (a special piece, or text
+    the tokenizer normalized) spans no characters, at the place it was looked for.
 
     Returns:
         `(spans, word_of_piece)`: a list of `(start, end)` per word, and a
@@ -77,15 +80,16 @@ def word_spans(pieces, text):
     >>> word_spans(["▁The", "▁c", "ats"], "The cats")
     ([(0, 3), (4, 8)], [0, 1, 1])
     """
-    spans, word_of_piece, cursor = [], [], 0
-    for i, piece in enumerate(pieces):
-        surface = piece.replace(WORD_START, " ").strip()
+    spans, word_of_piece, cursor, word_ended = [], [], 0, True
+    for piece in pieces:
+        starts_word, word_ended = word_ended or piece.startswith(WORD_START), piece.endswith(WORD_END)
+        surface = piece.removesuffix(WORD_END).replace(WORD_START, " ").strip()
         while cursor < len(text) and text[cursor].isspace() and surface:
             cursor += 1
         found = text.find(surface, cursor) if surface else -1
         start = found if found >= 0 and not text[cursor:found].strip() else cursor
         end = start + len(surface) if start == found else start
-        if i == 0 or piece.startswith(WORD_START):
+        if starts_word:
             spans.append((start, end))
         else:  # a word that spans nothing yet (a lone "▁") starts at its first found piece
             first, last = spans[-1]

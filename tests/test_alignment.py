@@ -24,6 +24,9 @@ def test_word_spans_follow_the_word_start_mark():
     assert word_of_piece == [0, 1, 1, 2, 2, 2]
     # A piece that is not in the text (a special piece) spans nothing, where it was looked for.
     assert word_spans(["▁a", "▁<unk>", "▁b"], "a b") == ([(0, 1), (2, 2), (2, 3)], [0, 1, 2])
+    # subword-nmt's BPE (FSMT): "</w>" ends a word.
+    assert word_spans(["The</w>", "c", "ats</w>", "sat</w>"], "The cats sat") == ([(0, 3), (4, 8), (9, 12)],
+                                                                                [0, 1, 1, 2])
 
 
 def test_word_alignment_gives_each_target_word_its_source_words_in_source_order():
