@@ -44,6 +44,11 @@ What the export maps, and how:
   (ours over all, before excluding them), a difference of
   log(1 - P(pad) - P(start)) per token: negligible for a trained model,
   which gives those ids almost no probability.
+- Alignments: the decoder spec's `alignment_layer` and `alignment_heads`
+  are our alignment rule's (`keras_transformer.alignment`: the last layer,
+  every head averaged; CTranslate2's default is the first head), so
+  `translate_batch(..., return_attention=True)` gives the weights whose
+  argmax is `translate_hypotheses(return_alignment=True)`'s alignment.
 
 Not expressible, refused with a message: `attention_window` (restricted
 self-attention; CTranslate2's `sliding_window` is a causal cache window, and

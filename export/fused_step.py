@@ -342,6 +342,77 @@ def build_fused_step(weights, quantize=None, opset=17):
     return model
 
 
+# The output `with_alignment_output` adds: `[B*K, S]`, the aligning layer's cross-attention averaged over its heads.
+ALIGNMENT_OUTPUT = "alignment_attention"
+
+
+def with_alignment_output(step, layer=-1):
+    """A copy of the fused step `step` (an `onnx.ModelProto`) that also outputs `ALIGNMENT_OUTPUT`.
+
+    The output is decoder layer `layer`'s cross-attention weights averaged
+    over its heads, float32 `[B*K, S]` (`keras_transformer.alignment`):
+    `softmax(q k^T * scale)` over the real source positions, from the query
+    and keys that layer's `MultiHeadAttention` reads (the contrib op gives
+    no weights), then the mean over the heads. Made when alignments are
+    asked for (`OnnxSeq2Seq.alignment_attention`), from the graph an export
+    holds: the exported step and its runs stay as they are, and an export
+    made before this output existed gets it too.
+
+    Raises:
+        ValueError: the graph has no cross-attention node reading that
+            layer's `cross_key_<i>` (not a fused step this function knows).
+    """
+    from onnx import TensorProto, helper
+
+    step = _copy(step)
+    graph = step.graph
+    layers = sum(1 for value in graph.input if value.name.startswith("cross_key_"))
+    index = layer % max(layers, 1)
+    found = [node for node in graph.node
+             if node.op_type == "MultiHeadAttention" and list(node.input[1:2]) == [f"cross_key_{index}"]]
+    if len(found) != 1:
+        raise ValueError(f"the fused decoder step has no cross-attention node reading cross_key_{index}; "
+                         "export the model again with this version (python -m export.onnx)")
+    query, keys = found[0].input[0], found[0].input[1]  # [B, K, D], [B, N, S, H]
+    attributes = {a.name: helper.get_attribute_value(a) for a in found[0].attribute}
+    opset = next(o.version for o in step.opset_import if o.domain in ("", "ai.onnx"))
+
+    def const(name, dtype, values):
+        graph.initializer.append(helper.make_tensor(f"{ALIGNMENT_OUTPUT}_{name}", dtype, [len(values)], values))
+        return f"{ALIGNMENT_OUTPUT}_{name}"
+
+    def node(op, inputs, name, **kwargs):
+        output = name if name == ALIGNMENT_OUTPUT else f"{ALIGNMENT_OUTPUT}_{name}"
+        graph.node.append(helper.make_node(op, inputs, [output], name=output, **kwargs))
+        return output
+
+    heads = node("Reshape", [query, const("heads_shape", TensorProto.INT64, [0, 0, attributes["num_heads"], -1])],
+                 "query_heads")  # [B, K, N, H]
+    scores = node("MatMul", [node("Transpose", [heads], "query", perm=[0, 2, 1, 3]),
+                             node("Transpose", [keys], "keys", perm=[0, 1, 3, 2])], "products")  # [B, N, K, S]
+    scores = node("Mul", [scores, const("scale", TensorProto.FLOAT, [attributes["scale"]])], "scores")
+    real = node("Cast", ["encoder_padding_mask"], "real", to=TensorProto.BOOL)
+    if opset >= 13:
+        real = node("Unsqueeze", [real, const("mask_axes", TensorProto.INT64, [1, 2])], "real_positions")
+    else:
+        real = node("Unsqueeze", [real], "real_positions", axes=[1, 2])  # [B, 1, 1, S]
+    scores = node("Where", [real, scores, const("masked", TensorProto.FLOAT, [-1e30])], "masked_scores")
+    weights = node("Softmax", [scores], "weights", axis=-1)
+    if opset >= 18:
+        mean = node("ReduceMean", [weights, const("head_axis", TensorProto.INT64, [1])], "mean", keepdims=0)
+    else:
+        mean = node("ReduceMean", [weights], "mean", axes=[1], keepdims=0)  # [B, K, S]
+    node("Flatten", [mean], ALIGNMENT_OUTPUT, axis=2)  # [B*K, S]
+    graph.output.append(helper.make_tensor_value_info(ALIGNMENT_OUTPUT, TensorProto.FLOAT, ["beam_rows", "source_length"]))
+    return step
+
+
+def _copy(step):
+    copy = type(step)()
+    copy.CopyFrom(step)
+    return copy
+
+
 def update_indirection(indirection, parents, index):
     """The beams' cache indirection after a beam search step that picked `parents`.
 

@@ -36,6 +36,7 @@ best = model.generate_hypotheses(src_ids, beam_size=4, num_hypotheses=3)   # as 
 translator = OnnxTranslator("exported/onnx")
 translator.translate(["A sentence."])
 translator.translate_hypotheses(["A sentence."], num_hypotheses=2)    # [[Hypothesis(text, ...), ...]]
+translator.translate_hypotheses(["A sentence."], return_alignment=True)  # .alignment, .word_alignment as on Keras
 translator.translate(["A sentence."], target_prefix=["Ein"])
 translator.translate(["A sentence."], beam_size=1, sampling_topk=10, seed=1)
 translator.score(["A sentence."], ["Ein Satz."])   # teacher-forced log-probabilities, as on Keras
@@ -371,6 +372,62 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         )
         updated = {name: outputs[f"updated_{name}"] for name in ("self_key", "self_value")}
         return outputs["logits"], dict(cache, **updated)
+
+    def alignment_attention(self, encoder_token_ids, decoder_token_ids):
+        """The cross-attention that aligns, teacher forced (as `TransformerModel.alignment_attention`).
+
+        Runs the fused decoder step with its attention output
+        (`fused_step.with_alignment_output`: a second session of the
+        export's step graph, made on the first call; the `onnx` package
+        builds it) over the target rows, with the source's cross-attention
+        cache from the `encoder` and `init_cache` graphs.
+
+        Returns:
+            float32 `[B, T, S]`: row t, decoder position t's weights over the source.
+
+        Raises:
+            ValueError: one line naming the fix: an export without the fused
+                decoder step, or without the `onnx` package.
+        """
+        from export.steps import FusedDecoder
+
+        source = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.encoder_vocabulary_size)
+        target = _check_ids(decoder_token_ids, "decoder_token_ids", 2, self.vocabulary_size)
+        self._check_length(target.shape[1], "decoder_token_ids")
+        session = self._alignment_session()
+        cache = self.init_cache(self.encode(source), source, 1)  # the cross-attention keys and values
+        start = dict(cache, buffer_length=max(target.shape[1], 1))
+        decoder = FusedDecoder(session, start, 1, initial_length=target.shape[1])
+        attention = np.zeros((*target.shape, source.shape[1]), np.float32)  # [B, T, S]
+        for index in range(target.shape[1]):
+            decoder.step(np.ascontiguousarray(target[:, index]), index)
+            attention[:, index] = decoder.attention
+        return attention
+
+    def check_alignment(self):
+        """Raises `alignment_attention`'s one-line ValueError here, before a search, where it cannot run."""
+        self._alignment_session()
+
+    def _alignment_session(self):
+        """The session of the fused step with `ALIGNMENT_OUTPUT` (`alignment_attention`), made once."""
+        if "alignment_step" not in self._sessions:
+            if "fused_decoder_step" not in self.config.get("graphs", {}):
+                raise ValueError(
+                    f"return_alignment: {self.directory} has no fused decoder step (its model is not one the fused "
+                    "step covers: export/fused_step.py); align with the Keras model (Translator.from_preset)"
+                )
+            try:
+                import onnx
+            except ImportError:
+                raise ValueError("return_alignment on ONNX Runtime builds the step's attention output with the "
+                                 "onnx package: pip install onnx") from None
+            from export.fused_step import with_alignment_output
+            from keras_transformer.alignment import ALIGNMENT_LAYER
+
+            step = with_alignment_output(onnx.load(str(self._graph_path("fused_decoder_step"))), ALIGNMENT_LAYER)
+            self._sessions["alignment_step"] = new_session(step.SerializeToString(), self._session_options,
+                                                           self._requested)
+        return self._sessions["alignment_step"]
 
     def generate(
         self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False,

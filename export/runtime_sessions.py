@@ -215,10 +215,10 @@ DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 
 
 def new_session(path, options, providers):
-    """`onnxruntime.InferenceSession` of the graph at `path` without the `DISABLED_OPTIMIZERS`."""
+    """`onnxruntime.InferenceSession` of the graph at `path` (or serialized, bytes) without the `DISABLED_OPTIMIZERS`."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), options, providers=providers, disabled_optimizers=list(DISABLED_OPTIMIZERS))
+    return ort.InferenceSession(path if isinstance(path, bytes) else str(path), options, providers=providers, disabled_optimizers=list(DISABLED_OPTIMIZERS))
 
 
 class OptimizedGraphCache:

@@ -31,7 +31,7 @@ import operator
 import numpy as np
 
 from export import contract
-from export.fused_step import update_indirection
+from export.fused_step import ALIGNMENT_OUTPUT, update_indirection
 from keras_transformer.decoding import LENGTH_BUCKET
 
 # The self-attention cache's first length: as many positions as fit in
@@ -55,6 +55,9 @@ _HYPOTHESES = ("sequences", "scores", "log_probs")
 
 class FusedDecoder:
     """Runs the fused decoder step over its own buffers, bound once (ONNX Runtime I/O binding).
+
+    A step graph that also outputs `ALIGNMENT_OUTPUT` (`fused_step.with_alignment_output`)
+    writes it into `attention` `[B*K, S]` at each step.
 
     Args:
         session: an `onnxruntime.InferenceSession` of `fused_decoder_step`.
@@ -88,6 +91,8 @@ class FusedDecoder:
         self.filled = 0  # positions of the cache written so far
         self._logits_buffer = None  # [B*K, V], made by the first `_bind`; rows only leave
         self.logits = None  # its first rows, the step's logits
+        self.attention = None
+        self._with_attention = ALIGNMENT_OUTPUT in {output.name for output in session.get_outputs()}
         self._bind()
 
     def _bind(self):
@@ -113,6 +118,10 @@ class FusedDecoder:
             self.logits = self._logits_buffer[:rows]  # rows only leave: a prefix of the first buffer
         self._values["logits"] = value = ort.OrtValue.ortvalue_from_numpy(self.logits)
         self.binding.bind_ortvalue_output("logits", value)
+        if self._with_attention:
+            self.attention = np.zeros((rows, self.source["encoder_padding_mask"].shape[1]), np.float32)
+            self._values[ALIGNMENT_OUTPUT] = value = ort.OrtValue.ortvalue_from_numpy(self.attention)
+            self.binding.bind_ortvalue_output(ALIGNMENT_OUTPUT, value)
 
     def _bind_cache(self):
         """Binds the self-attention cache (input and in-place output) and the cache indirection."""

@@ -5,6 +5,7 @@ No training framework is imported here: the ONNX Runtime server
 """
 
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -14,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from keras_transformer import documents
+from keras_transformer.alignment import hard_alignment, word_alignment
 from keras_transformer.decoding import LENGTH_BUCKET, check_prefix_length
 from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
 from keras_transformer.search.scoring import score_targets
@@ -54,12 +56,21 @@ class Hypothesis(NamedTuple):
             rule: what `Translator.score` gives the same ids.
         score: float, the search's score: `log_prob` divided by the GNMT
             length penalty `length_penalty_factor(len(token_ids), alpha)`.
+        alignment: None, or with `return_alignment=True` a list with, for
+            each token of `token_ids` but the end id, the position of its
+            source token in the source's ids (`keras_transformer.alignment`).
+        word_alignment: None, or with `return_alignment=True` a list of
+            `alignment.WordAlignment(target, source)`, one per word of `text`:
+            its `(start, end)` characters in `text` and those of the source
+            words it aligns to in the source text.
     """
 
     text: str
     token_ids: list
     log_prob: float
     score: float
+    alignment: list = None
+    word_alignment: list = None
 
 
 class _NoBar:
@@ -174,6 +185,8 @@ class Translator:
     ['Ein Satz.']
     >>> translator.translate_hypotheses(["A sentence."], beam_size=4, num_hypotheses=2)[0][0].text
     'Ein Satz.'
+    >>> translator.translate_hypotheses(["A sentence."], return_alignment=True)[0][0].word_alignment
+    [WordAlignment(target=(0, 3), source=((0, 1),)), WordAlignment(target=(4, 9), source=((2, 11),))]
     >>> translator.translate(["A sentence."], target_prefix=["Einen"])
     ['Einen Satz.']
     >>> translator.translate(["A sentence."], beam_size=1, sampling_topk=10, seed=1)
@@ -456,13 +469,24 @@ class Translator:
         target_language=None,
         cancelled=None,
         finished=None,
+        return_alignment=False,
     ):
-        """The `num_hypotheses` best translations of each sentence, with their scores.
+        """The `num_hypotheses` best translations of each sentence, with their scores (and alignments).
 
         Beam search's `num_hypotheses` best finished hypotheses (distinct,
         best first; the first is `translate`'s translation), or with
         sampling `num_hypotheses` samples sorted by score (they may repeat).
         Greedy search (`beam_size=1`) has one.
+
+        With `return_alignment=True`, each hypothesis also gets its word
+        alignment: for each target token, the source token of largest
+        weight in the last decoder layer's cross-attention averaged over its
+        heads, the source's end token left out (fairseq's and CTranslate2's
+        rule; `keras_transformer.alignment`), and per target word the
+        aligned source words as character spans. The weights are those the
+        decoder gives the finished hypothesis (decoded once more, teacher
+        forced: the same as along its beam history), so the search itself
+        runs as without alignments.
 
         Args:
             texts: list of non-empty str (a single str is a list of one).
@@ -476,7 +500,12 @@ class Translator:
                 language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
                 required there, refused elsewhere.
             cancelled: as `translate`; a cancelled text gets no hypotheses.
-            finished: as `translate`, told each text's hypotheses.
+            finished: as `translate`, told each text's hypotheses (with `return_alignment`, its batch's
+                once aligned).
+            return_alignment: bool, fill each hypothesis' `alignment` and
+                `word_alignment`. The model must give its cross-attention
+                (`alignment_attention`: a `TransformerModel`, or an ONNX
+                export with the fused decoder step).
 
         Returns:
             list (one per text, in order) of lists of `Hypothesis(text,
@@ -486,12 +515,14 @@ class Translator:
 
         Raises:
             ValueError: naming the argument (an empty text,
-                `num_hypotheses > beam_size`, a prefix too long, ...), before
+                `num_hypotheses > beam_size`, a prefix too long, alignments
+                from a model without attention weights, ...), before
                 anything is translated.
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         texts = _texts(texts, "texts")
         options = _search_options(options, search_keywords(locals()), batch_size, max_batch_tokens)
+        self._check_alignment(return_alignment)
         for i, text in enumerate(texts):
             if not text.strip():
                 raise ValueError(f"texts[{i}] is empty; translate_hypotheses needs a non-empty text")
@@ -499,7 +530,7 @@ class Translator:
         with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(
                 texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, num_hypotheses=options.count,
-                cancelled=cancelled, finished=finished,
+                cancelled=cancelled, finished=finished, align=return_alignment,
             )
 
     def translate_iterable(
@@ -657,13 +688,13 @@ class Translator:
 
     def _translate(
         self, texts, options, batch_size, max_batch_tokens, bar, first_index=0, prefixes=None, num_hypotheses=None,
-        cancelled=None, finished=None,
+        cancelled=None, finished=None, align=False,
     ):
         """Translations of `texts` (a list), batched by `length_batches`; `bar` counts sentences.
 
-        With `num_hypotheses`, lists of `Hypothesis` instead of str;
-        `prefixes`: None or per text None or its prefix's token ids;
-        `cancelled`, `finished`: as `translate`'s.
+        With `num_hypotheses`, lists of `Hypothesis` instead of str (with
+        `align`, aligned: `_aligned`); `prefixes`: None or per text None or
+        its prefix's token ids; `cancelled`, `finished`: as `translate`'s.
         """
         for i, text in enumerate(texts):
             if not isinstance(text, str):
@@ -714,12 +745,17 @@ class Translator:
                         results[i] = self._text_or_hypotheses(found, row, num_hypotheses)
                         tell(i)
 
-                rows_ended = None if finished is None else ended
+                rows_ended = None if finished is None or align else ended  # aligned: told with its batch
                 prefix = None if prefixes is None else [prefixes[i] for i in batch]
                 found = self._generate_hypotheses(ids, options, prefix, rows_cancelled, rows_ended)
                 for row, i in enumerate(batch):
                     results[i] = self._text_or_hypotheses(found, row, num_hypotheses)
-            for i in batch:  # a model that does not report rows as they end: the batch's texts now
+                if align:
+                    aligned = self._aligned([results[i] for i in batch], [texts[i] for i in batch],
+                                            [sources[i] for i in batch])
+                    for i, found_hypotheses in zip(batch, aligned):
+                        results[i] = found_hypotheses
+            for i in batch:  # a model that does not report rows as they end (or alignments): the batch's texts now
                 tell(i)
             bar.update(len(batch))
         return results
@@ -743,6 +779,53 @@ class Translator:
             token_ids = sequence[1: int(ends[0]) + 2].tolist() if len(ends) else sequence[1:].tolist()
             results.append(Hypothesis(text, token_ids, float(log_prob), float(score)))
         return results
+
+    def _check_alignment(self, return_alignment):
+        """Refuses a `return_alignment` other than a bool, or True for a model that gives no attention weights."""
+        if not isinstance(return_alignment, bool):
+            raise ValueError(f"return_alignment={return_alignment!r} must be True or False")
+        if not return_alignment:
+            return
+        if not callable(getattr(self.model, "alignment_attention", None)):
+            raise ValueError(
+                f"return_alignment=True needs the model's cross-attention weights (alignment_attention), which "
+                f"{type(self.model).__name__} does not give; use a TransformerModel or an ONNX export "
+                "(OnnxTranslator), or leave return_alignment out"
+            )
+        check = getattr(self.model, "check_alignment", None)  # optional: a model that can refuse before searching
+        if callable(check):
+            check()
+
+    @functools.cached_property
+    def _target_pieces(self):
+        """The tokenizer's piece of each target id (`pieces()`), read once."""
+        return self.tokenizer.pieces()
+
+    def _aligned(self, hypotheses, texts, sources):
+        """`hypotheses` (a list of `Hypothesis` lists, one per text) with `alignment` and `word_alignment` set.
+
+        Every hypothesis of the batch is decoded once more, teacher forced,
+        in one call of the model's `alignment_attention`; `sources` are the
+        texts' source ids.
+        """
+        rows = [(i, hypothesis) for i, found in enumerate(hypotheses) for hypothesis in found]
+        if not rows:
+            return hypotheses
+        end_id, pieces = self.tokenizer.end_id, self._target_pieces
+        attention = self.model.alignment_attention(
+            _padded([sources[i] for i, _ in rows]),
+            _padded([[self.tokenizer.start_id, *hypothesis.token_ids] for _, hypothesis in rows]),
+        )  # [R, T, S]
+        aligned = [[] for _ in hypotheses]
+        source_pieces = [self.tokenizer.source_pieces(text) for text in texts]
+        for row, (i, hypothesis) in enumerate(rows):
+            tokens = hypothesis.token_ids[:-1] if hypothesis.token_ids[-1:] == [end_id] else hypothesis.token_ids
+            alignment = hard_alignment(attention[row], len(sources[i]), len(tokens))
+            words = word_alignment(alignment, source_pieces[i], texts[i], [pieces[t] for t in tokens],
+                                   hypothesis.text)
+            words = [word for word in words if word.target[0] < word.target[1]]  # pieces with no text (a language code)
+            aligned[i].append(hypothesis._replace(alignment=alignment, word_alignment=words))
+        return aligned
 
     def _generate(self, ids, options, cancelled=None, finished=None):
         generate = getattr(self.model, "generate", None)

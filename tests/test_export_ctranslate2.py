@@ -205,6 +205,43 @@ def test_beam_search_with_length_penalty_zero(model, translator):
             assert scores[row] >= log_prob - 1e-4, (row, scores[row], log_prob)
 
 
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_return_attention_argmax_is_our_alignment(model, translator, beam_size):
+    """CTranslate2's `return_attention` on our export: its argmax is `translate_hypotheses`' alignment.
+
+    The export sets CTranslate2's alignment layer and heads to our rule's
+    (the last layer, every head averaged), so on every hypothesis both give
+    the same tokens for, the weights over the source's pieces agree (it leaves
+    out the end piece it appends, as our rule's argmax does) and so does their
+    argmax; with beam 4, CTranslate2's along its beam history, ours decoded
+    again, teacher forced.
+    """
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model.tokenizer.proto)
+    texts, _ = ct2_export._validation_sources(model, SENTENCES)
+    texts = [text for text in texts if len(model.tokenizer.encode([text])[0]) <= MAX_SEQUENCE_LENGTH]
+    ours = kt.Translator(model, model.tokenizer).translate_hypotheses(
+        texts, beam_size=beam_size, length_penalty=0.0, return_alignment=True
+    )
+    index = {token: i for i, token in enumerate(ct2_export.vocabulary(model))}
+    compared = 0
+    for text, [hypothesis] in zip(texts, ours):
+        pieces = processor.encode(text, out_type=str)
+        options = dict(ct2_export.translation_options(beam_size=beam_size, length_penalty=0.0),
+                       max_decoding_length=ct2_export.max_decoding_length(len(pieces), MAX_SEQUENCE_LENGTH))
+        result = translator.translate_batch([pieces], return_attention=True, **options)[0]
+        tokens = hypothesis.token_ids[:-1]
+        if [index[token] for token in result.hypotheses[0]] != tokens:
+            continue  # the searches differ (`test_beam_search_with_length_penalty_zero`)
+        attention = np.asarray(result.attention[0])  # [T, S]: over the source's pieces (not the end piece it adds)
+        assert attention.shape == (len(tokens), len(pieces))
+        ids = np.array(model.tokenizer.encode([text]))
+        weights = model.alignment_attention(ids, np.array([[model.start_id, *tokens]]))[0, :-1, :-1]
+        np.testing.assert_allclose(attention, weights, atol=1e-5)
+        assert hypothesis.alignment == np.argmax(attention, axis=-1).tolist()
+        compared += 1
+    assert compared >= len(texts) // 4, compared
+
+
 def _full_log_probs(model, ids, outputs):
     """log P(outputs + end | source) under the Keras model, normalised over every id (our search's score)."""
     sources = np.zeros((len(ids), max(map(len, ids)) + 1), np.int32)

@@ -30,6 +30,11 @@ The decoding protocol (duck typing; nothing else of the model is used):
   feeds the token at position `index` (0 for the start id) and returns the
   logits of position `index + 1`. `index` is a Python int, except inside
   the compiled loop used for Keras models (a scalar int32 tensor there).
+- optionally `alignment_attention(encoder_token_ids [B, S], decoder_token_ids
+  [B, T]) -> float32 [B, T, S]`: the aligning layer's cross-attention,
+  averaged over its heads, teacher forced (`keras_transformer.alignment`;
+  `Translator.translate_hypotheses(return_alignment=True)` needs it), and
+  `check_alignment()`, which refuses before a search where it cannot run;
 - optionally `run_search(encoder_token_ids, max_lengths, alpha, beam_size,
   length) -> (sequences, scores)`: a model that runs the search loop
   itself, from the pieces of `search/loop.py` (`initial_search_state`,
