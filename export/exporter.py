@@ -77,6 +77,8 @@ class Exporter:
             inference, kept out of traced graphs), or None to keep the
             preset's (a checkpoint that records it for fine-tuning).
         cli_errors: the exceptions `main` reports in one line (exit 1).
+        languages: whether the format carries a multilingual model's
+            language codes (an imported NLLB-200 one; `contract.check_exportable`).
     """
 
     target: str
@@ -87,6 +89,7 @@ class Exporter:
     int8_instead: Optional[str] = None
     dropout: Optional[float] = 0.0
     cli_errors: tuple = (FileNotFoundError, ValueError, ImportError)
+    languages: bool = False
 
     @property
     def logger(self):
@@ -168,7 +171,7 @@ class Exporter:
                 f"{argument} must be a preset name, a preset directory or a TransformerModel, "
                 f"received {type(preset).__name__}"
             )
-        contract.check_exportable(model, self.target)
+        contract.check_exportable(model, self.target, self.languages)
         refuse_quantized(model, self.command, self.int8_instead)
         return model
 

@@ -167,7 +167,15 @@ def check_tokenizer(tokenizer):
     Our shared `Tokenizer` always works. A `MarianTokenizer` does, but for a
     multilingual vocabulary (`>>xx<<` target-language codes): the graph
     cannot refuse a text without its code as `MarianTokenizer.encode` does.
+    A tokenizer whose languages are named per call (`with_languages`: an
+    imported NLLB-200 checkpoint's) does not: the graph has no language inputs.
     """
+    if hasattr(tokenizer, "with_languages"):
+        raise ValueError(
+            f"translate.onnx does not support this multilingual model ({len(tokenizer.language_codes)} language "
+            "codes named per call; the graph has no source_language / target_language inputs); translate with "
+            "export.runtime.OnnxTranslator(directory).translate(texts, source_language=..., target_language=...)"
+        )
     if tokenizer.format != "marian":
         return
     if tokenizer.language_codes:

@@ -5,6 +5,7 @@ No training framework is imported here: the ONNX Runtime server
 """
 
 import contextlib
+import copy
 import inspect
 import itertools
 import logging
@@ -270,7 +271,9 @@ class Translator:
         if tokenizer.source_language == self.tokenizer.source_language and \
                 tokenizer.target_language == self.tokenizer.target_language:
             return self
-        return type(self)(self.model, tokenizer)
+        bound = copy.copy(self)  # the same model (and, for a subclass such as OnnxTranslator, its other state)
+        bound.tokenizer = tokenizer
+        return bound
 
     def _forced_prefix(self):
         """The ids every translation starts with (a multilingual model's target-language code), or None."""

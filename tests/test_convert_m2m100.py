@@ -14,6 +14,7 @@ translations.
 import json
 import shutil
 
+import keras
 import numpy as np
 import pytest
 
@@ -384,12 +385,55 @@ def test_missing_or_other_tokenizers_are_refused(nllb_random, tmp_path):
         kt.TransformerModel.from_preset(directory)
 
 
-def test_exporters_refuse_an_nllb_model_in_one_line(imported_random):
+def test_the_saved_model_exporter_refuses_an_nllb_model_in_one_line(imported_random):
     from export.contract import UnsupportedModelError, check_exportable
+    from export.text_graph import check_text_graph_support
 
-    with pytest.raises(UnsupportedModelError, match="ONNX export of an NLLB-200 / M2M-100 model .* not supported"):
-        check_exportable(imported_random, "ONNX")
-    from export import ctranslate2
+    with pytest.raises(UnsupportedModelError, match=r"SavedModel export of an NLLB-200 .* not supported; export it "
+                                                    r"with python -m export.onnx or python -m export.ctranslate2"):
+        check_exportable(imported_random, "SavedModel")
+    check_exportable(imported_random, "ONNX", languages=True)
+    with pytest.raises(ValueError, match=r"translate.onnx does not support this multilingual model \(202 language "
+                                         r"codes named per call.*OnnxTranslator\(directory\)") as error:
+        check_text_graph_support(imported_random.tokenizer, "nllb", validate=False)
+    assert "\n" not in str(error.value)
 
-    with pytest.raises(UnsupportedModelError, match="CTranslate2 export of an NLLB-200"):
-        ctranslate2._load_model(imported_random)
+
+# ---------------------------------------------------------------------- #
+# Exports (TensorFlow lane): ONNX and CTranslate2 give Keras' tokens
+# ---------------------------------------------------------------------- #
+PAIRS = [(SOURCE, TARGET), (TARGET, "fra_Latn")]
+tensorflow_lane = pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="the exports trace TensorFlow graphs")
+
+
+@pytest.fixture(scope="module")
+def nllb_onnx(request, nllb_trained):
+    """`nllb_trained` exported by `export.onnx` (validated at export), built once per machine and code."""
+    pytest.importorskip("tf2onnx")
+    from conftest import build_once, source_key
+    from export.onnx import export_onnx
+
+    key = source_key("export/*.py", "keras_transformer/**/*.py", "keras_transformer/convert/standin.py",
+                     packages=("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "transformers", "torch"))
+    return build_once(request, "nllb-onnx", key, lambda directory: export_onnx(nllb_trained, directory))
+
+
+@pytest.mark.tensorflow_only
+@tensorflow_lane
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_onnx_export_gives_keras_tokens_for_two_language_pairs(nllb_onnx, imported_trained, beam_size):
+    """The fused step (pre-LN, final norm, the start id's -inf logit) is in the export; the step driver's tokens
+    are Keras' for each pair: the source prefixed with its code, the search forced to the target code."""
+    from export.runtime import OnnxTranslator
+
+    assert "fused_decoder_step" in json.loads((nllb_onnx / "config.json").read_text())["graphs"]
+    onnx_translator = OnnxTranslator(nllb_onnx, providers=["CPUExecutionProvider"], intra_op_threads=1)
+    assert onnx_translator.model.driver == "steps"
+    keras_translator = kt.Translator(imported_trained, imported_trained.tokenizer)
+    for source, target in PAIRS:
+        languages = dict(source_language=source, target_language=target)
+        theirs = onnx_translator.translate_hypotheses(SENTENCES, beam_size=beam_size, **languages)
+        ours = keras_translator.translate_hypotheses(SENTENCES, beam_size=beam_size, **languages)
+        assert [h[0].token_ids for h in theirs] == [h[0].token_ids for h in ours]
+        assert all(h[0].token_ids[0] == imported_trained.tokenizer.id_of(target) for h in theirs)
+        assert onnx_translator.translate(SENTENCES, beam_size=beam_size, **languages) == [h[0].text for h in ours]
