@@ -126,6 +126,20 @@ pieces = [[tokenizer.pieces()[i] for i in ids] for ids in tokenizer.encode(["A s
 results = translator.translate_batch(pieces, ...)   # the same options as above
 print(tokenizer.decode([[index[piece] for piece in results[0].hypotheses[0]]]))
 ```
+
+An imported NLLB-200 checkpoint's source starts with its language code and
+every translation with the target's (CTranslate2's `target_prefix`, as
+Hugging Face's `forced_bos_token_id`); validation translates the bundled
+sentences from eng_Latn to deu_Latn (`export.exporter.VALIDATION_LANGUAGES`):
+
+```python
+from keras_transformer.nllb_tokenizer import NllbTokenizer
+
+tokenizer = NllbTokenizer.load("exported/ct2").with_languages("eng_Latn", "fra_Latn")
+pieces = [tokenizer.source_pieces("A sentence.")]     # ["eng_Latn", ...]: CTranslate2 appends </s>
+results = translator.translate_batch(pieces, target_prefix=[["fra_Latn"]], ...)
+print(tokenizer.decode([[tokenizer.id_of(piece) for piece in results[0].hypotheses[0]]]))
+```
 """
 
 import logging
@@ -177,6 +191,8 @@ def _metadata(model, tokens, quantization, validation=None):
         "source_input": (
             "SentencePiece pieces without the end piece (CTranslate2 appends it: add_source_eos)"
             + (": source.spm's, after a leading >>xx<< piece" if _is_marian(model.tokenizer) else "")
+            + (": the source language code first; target_prefix: the target language code"
+               if hasattr(model.tokenizer, "with_languages") else "")
         ),
         "suppressed_ids": {"ids": [model.pad_id, model.start_id], "projection_bias": SUPPRESSED_LOGIT},
         "logits_bias": "added to the projection bias" if model.logits_bias else None,
@@ -211,7 +227,7 @@ def _load_model(preset):
 
 EXPORTER = Exporter(
     "CTranslate2", "python -m export.ctranslate2", "a CTranslate2 model", is_ctranslate2_export,
-    int8_instead="--quantization int8 (CTranslate2's int8)",
+    int8_instead="--quantization int8 (CTranslate2's int8)", languages=True,
 )
 
 

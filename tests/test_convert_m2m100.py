@@ -437,3 +437,47 @@ def test_onnx_export_gives_keras_tokens_for_two_language_pairs(nllb_onnx, import
         assert [h[0].token_ids for h in theirs] == [h[0].token_ids for h in ours]
         assert all(h[0].token_ids[0] == imported_trained.tokenizer.id_of(target) for h in theirs)
         assert onnx_translator.translate(SENTENCES, beam_size=beam_size, **languages) == [h[0].text for h in ours]
+
+
+@pytest.fixture(scope="module")
+def nllb_ct2(request, nllb_trained):
+    """`nllb_trained` exported by `export.ctranslate2` (validated at export), built once per machine and code."""
+    pytest.importorskip("ctranslate2")
+    from conftest import build_once, source_key
+    from export.ctranslate2 import export_ctranslate2
+
+    key = source_key("export/*.py", "keras_transformer/**/*.py", "keras_transformer/convert/standin.py",
+                     packages=("keras", "ctranslate2", "transformers", "torch"))
+    return build_once(request, "nllb-ct2", key, lambda directory: export_ctranslate2(nllb_trained, directory))
+
+
+@pytest.mark.tensorflow_only
+@tensorflow_lane
+@pytest.mark.parametrize("beam_size, length_penalty", [(1, 0.6), (4, 0.0)])
+def test_ctranslate2_export_gives_keras_tokens_for_two_language_pairs(nllb_ct2, imported_trained, beam_size,
+                                                                       length_penalty):
+    """CTranslate2 given `[source code] pieces` (it appends </s>) and the target code as its target prefix gives
+    Keras' tokens, greedy and beam (length penalty 0: CTranslate2's penalty is not GNMT's)."""
+    import ctranslate2
+
+    from export.ctranslate2 import max_decoding_length, translation_options
+
+    metadata = json.loads((nllb_ct2 / "keras_transformer.json").read_text())
+    assert metadata["validation"]["identical"] == metadata["validation"]["sentences"] == 32
+    assert "target_prefix: the target language code" in metadata["source_input"]
+    translator = ctranslate2.Translator(str(nllb_ct2), device="cpu", intra_threads=1, inter_threads=1)
+    tokenizer = NllbTokenizer.load(nllb_ct2)
+    keras_translator = kt.Translator(imported_trained, imported_trained.tokenizer)
+    for source, target in PAIRS:
+        bound = tokenizer.with_languages(source, target)
+        pieces = [bound.source_pieces(text) for text in SENTENCES]
+        assert [[bound.id_of(piece) for piece in row] for row in pieces] == bound.encode(SENTENCES, add_end=False)
+        results = translator.translate_batch(
+            pieces, target_prefix=[[target]] * len(pieces),
+            max_decoding_length=max_decoding_length(max(map(len, pieces)), imported_trained.max_sequence_length),
+            **translation_options(beam_size, length_penalty, imported_trained.max_sequence_length),
+        )
+        theirs = [[bound.id_of(token) for token in result.hypotheses[0]] for result in results]
+        ours = keras_translator.translate_hypotheses(SENTENCES, beam_size=beam_size, length_penalty=length_penalty,
+                                                     source_language=source, target_language=target)
+        assert theirs == [h[0].token_ids[:-1] for h in ours]  # CTranslate2 leaves out the end token
