@@ -12,6 +12,7 @@ translations.
 """
 
 import json
+import re
 import shutil
 
 import keras
@@ -481,3 +482,88 @@ def test_ctranslate2_export_gives_keras_tokens_for_two_language_pairs(nllb_ct2, 
         ours = keras_translator.translate_hypotheses(SENTENCES, beam_size=beam_size, length_penalty=length_penalty,
                                                      source_language=source, target_language=target)
         assert theirs == [h[0].token_ids[:-1] for h in ours]  # CTranslate2 leaves out the end token
+
+
+class _Recording:
+    """An engine that records each search's language pair and texts (its bound copies record into the same list)."""
+
+    def __init__(self, engine, languages=None, searches=None):
+        self.engine, self.languages, self.searches = engine, languages, [] if searches is None else searches
+
+    def with_languages(self, source_language=None, target_language=None):
+        bound = self.engine.with_languages(source_language, target_language)
+        return _Recording(bound, (source_language, target_language), self.searches)
+
+    def translate(self, texts, options, **kwargs):
+        self.searches.append((self.languages, list(texts)))
+        return self.engine.translate(texts, options, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.tensorflow_only
+@tensorflow_lane
+@pytest.mark.parametrize("engine_name", ["onnxruntime", "ctranslate2"])
+def test_the_server_answers_for_two_language_pairs_and_searches_each_pair_apart(nllb_onnx, nllb_ct2, engine_name):
+    """Requests of two pairs arrive together: each search holds one pair, each answer is OnnxTranslator's (greedy:
+    CTranslate2 gives the same tokens); missing or unknown codes are one-line 400s naming them."""
+    import concurrent.futures
+
+    pytest.importorskip("uvicorn")
+    from test_serve import InProcessServer, post
+
+    from export import serve
+    from export.runtime import OnnxTranslator
+
+    directory = nllb_onnx if engine_name == "onnxruntime" else nllb_ct2
+    engine = _Recording(serve.load_engine(directory, engine_name))
+    running = InProcessServer(engine, max_extra_length=20, max_delay_ms=1000, beam_size=1)
+    try:
+        del engine.searches[:]  # the warm-up's
+        requests = [{"text": SENTENCES[i % 2: i % 2 + 2], "source_language": source, "target_language": target}
+                    for i, (source, target) in enumerate(PAIRS * 2)]
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            responses = list(pool.map(lambda payload: post(running.url, payload), requests))
+        reference = OnnxTranslator(nllb_onnx, providers=["CPUExecutionProvider"], intra_op_threads=1)
+        for payload, response in zip(requests, responses):
+            assert response.status_code == 200, response.text
+            languages = {name: payload[name] for name in ("source_language", "target_language")}
+            assert response.json()["translations"] == reference.translate(
+                payload["text"], beam_size=1, max_extra_length=20, **languages)
+        by_pair = {}
+        for languages, texts in engine.searches:
+            by_pair.setdefault(languages, []).extend(texts)
+        assert {pair: sorted(texts) for pair, texts in by_pair.items()} == {
+            pair: sorted(t for p in requests if (p["source_language"], p["target_language"]) == pair for t in p["text"])
+            for pair in PAIRS}
+        assert len(engine.searches) < len(requests)  # requests of a pair shared a search
+        refusals = [({}, r"this model translates between 202 languages: name the source_language .*zul_Latn$"),
+                    ({"source_language": SOURCE}, "name the target_language"),
+                    ({"source_language": SOURCE, "target_language": "xx_Latn"},
+                     r"^target_language='xx_Latn' is not one of this model's 202 language codes: ace_Arab"),
+                    ({"source_language": 3, "target_language": TARGET}, "source_language must be a language code")]
+        for fields, message in refusals:
+            response = post(running.url, {"text": ["Hello."], **fields})
+            assert response.status_code == 400 and re.search(message, response.json()["error"]), response.text
+            assert "\n" not in response.json()["error"]
+    finally:
+        running.close()
+
+
+@pytest.mark.tensorflow_only
+@tensorflow_lane
+def test_the_runtime_command_takes_the_language_pair(nllb_onnx):
+    from conftest import run_command
+    from export.runtime import OnnxTranslator
+
+    text = "\n".join(SENTENCES[:2]) + "\n"
+    result = run_command("export.runtime", "--model", str(nllb_onnx), "--beam-size", "1", "--source-language", TARGET,
+                         "--target-language", "fra_Latn", input=text)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == OnnxTranslator(nllb_onnx).translate(
+        SENTENCES[:2], beam_size=1, source_language=TARGET, target_language="fra_Latn")
+    refused = run_command("export.runtime", "--model", str(nllb_onnx), "--source-language", SOURCE, input=text)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        "python -m export.runtime: error: this model translates between 202 languages: name the target_language")

@@ -1217,3 +1217,15 @@ def test_the_queue_wait_histogram_counts_each_searched_sentence(server):
         assert re.search(rf"^{gauge} 0$", after, re.M), gauge  # idle
     assert "# TYPE kt_serve_queue_wait_seconds histogram" in after
     assert "# TYPE kt_serve_dropped_sentences_total counter" in after
+
+
+def test_language_fields_are_refused_in_one_line_for_a_model_without_language_codes(server):
+    """A model of one language pair (the ONNX engine: `Translator.with_languages`' rule; an engine without
+    `with_languages`: the app's) answers 400 naming the field."""
+    response = post(server.url, {"text": ["the cat sees a dog."], "target_language": "deu_Latn"})
+    assert response.status_code == 400
+    assert response.json() == {"error": "target_language='deu_Latn': this model translates one language pair and has "
+                                        "no language codes; leave source_language and target_language out"}
+    with pytest.raises(serve.app.RequestError, match="this model translates one language pair"):
+        serve.app.bound_engine(GatedEngine(), ("eng_Latn", None))
+    assert serve.app.bound_engine(GatedEngine(), None).name == "gated"
