@@ -152,7 +152,7 @@ from export.contract import UnsupportedModelError, ValidationError  # noqa: F401
 from export.ctranslate2_spec import (  # noqa: F401
     ACTIVATIONS, CT2_CONFIG_FILE, FORMAT_VERSION, HEAD_DIM_CTRANSLATE2, METADATA_FILE, MIN_CTRANSLATE2, MODEL_FILE,
     SOURCE_VOCABULARY_FILE, SUPPRESSED_LOGIT, TARGET_VOCABULARY_FILE, VOCABULARY_FILE, _import_ctranslate2,
-    _is_marian, _set_cross_attention, _set_feedforward, _set_fused_linear, _set_layer_norm, _set_linear,
+    _set_cross_attention, _set_feedforward, _set_fused_linear, _set_layer_norm, _set_linear,
     _set_self_attention, _version_tuple, _what_it_is, activation, check_exportable, is_ctranslate2_export,
     max_decoding_length, model_spec, position_table, projection_bias, read_metadata, source_pieces, source_vocabulary,
     translation_options, vocabulary, vocabulary_files,
@@ -190,9 +190,7 @@ def _metadata(model, tokens, quantization, validation=None):
         "tokenizer_files": list(contract.tokenizer_files(model.tokenizer)) if model.tokenizer is not None else [],
         "source_input": (
             "SentencePiece pieces without the end piece (CTranslate2 appends it: add_source_eos)"
-            + (": source.spm's, after a leading >>xx<< piece" if _is_marian(model.tokenizer) else "")
-            + (": the source language code first; target_prefix: the target language code"
-               if hasattr(model.tokenizer, "with_languages") else "")
+            + (model.tokenizer.source_input if model.tokenizer is not None else "")
         ),
         "suppressed_ids": {"ids": [model.pad_id, model.start_id], "projection_bias": SUPPRESSED_LOGIT},
         "logits_bias": "added to the projection bias" if model.logits_bias else None,

@@ -351,10 +351,6 @@ def _what_it_is(directory):
     return "export the model with python -m export.ctranslate2"
 
 
-def _is_marian(tokenizer):
-    return tokenizer is not None and tokenizer.format == "marian"
-
-
 def is_ctranslate2_export(directory):
     """Whether a directory is a CTranslate2 model: ours (`METADATA_FILE`) or another converter's (model and config)."""
     directory = pathlib.Path(directory)

@@ -82,7 +82,8 @@ class NllbTokenizer:
 
     format = "nllb"
     FILES = FILES
-    marian_ids = None  # no Marian vocabulary (see `checkpoint_ids`)
+    sentencepiece_ids = False  # fairseq's ids, renumbered (`checkpoint_ids`)
+    source_input = ": the source language code first; target_prefix: the target language code"
 
     def __init__(self, proto, added_tokens, language_codes, vocabulary_size, legacy_behaviour=False, start_id=2):
         try:
