@@ -50,9 +50,9 @@ def check_exportable(model, target, languages=False):
     carry all of these (`languages=True`); a format that does not would
     translate wrongly, so it is refused.
     """
-    tokenizer = getattr(model, "tokenizer", None)
     if languages:
         return
+    tokenizer = getattr(model, "tokenizer", None)
     if (model.position_encoding == "sinusoidal_fairseq" or hasattr(tokenizer, "with_languages")
             or getattr(model, "exclude_start_logit", False)):
         raise UnsupportedModelError(

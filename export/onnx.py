@@ -25,7 +25,7 @@ are listed), traced by `export/graphs.py`, which `export/runtime.py` serves:
   `update_graph`, the same searches one update per call, for
   `export/steps.py`'s driver (rows that are done leave the batch; the cache
   grows with the output). Only for the models the fused step covers
-  (post-LN, float32; others keep the whole-search graphs, with a warning).
+  (float32, post-LN or pre-LN at opset 17; others keep the whole-search graphs, with a warning).
 
 tf2onnx converts each graph with the handlers of `export/tf2onnx_support.py`;
 then it is made leaner (`_convert`, with `export/graph_passes.py`): values the Loop
