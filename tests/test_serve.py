@@ -535,17 +535,19 @@ def test_a_request_without_an_answer_in_time_gets_504_and_leaves_the_queue(gated
 
 
 def test_a_batch_grows_from_the_oldest_towards_the_nearest_lengths_within_its_limits():
-    """`Batcher._take` on waiting sentences of given token counts (negative: other search options)."""
+    """`Batcher._take` on waiting sentences of given token counts (negative: other search options; `pairs`: each
+    sentence's language pair)."""
     from export.serve.batching import Batcher, _Item
 
-    def batches(lengths, **settings):
+    def batches(lengths, pairs=None, **settings):
         batcher = Batcher(None, serve.ServerSettings(**settings), None, None)
         for i, n in enumerate(lengths):
-            job = types.SimpleNamespace(options=serve.SearchOptions(1 if n < 0 else 4, 0.6, 0))
+            options = serve.SearchOptions(1 if n < 0 else 4, 0.6, 0)
+            job = types.SimpleNamespace(options=options, group=(options, None if pairs is None else pairs[i]))
             batcher.pending.append(_Item(job, i, abs(n)))
         taken = []
         while batcher.pending:
-            batch, padded = batcher._take(batcher.pending[0].job.options)
+            batch, padded = batcher._take(batcher.pending[0].job.group)
             assert padded == len(batch) * max(item.tokens for item in batch)
             taken.append([item.index for item in batch])
         return taken
@@ -558,6 +560,9 @@ def test_a_batch_grows_from_the_oldest_towards_the_nearest_lengths_within_its_li
     # Other options never join; a sentence over the budget goes alone.
     assert batches([5, -5, 5, -5]) == [[0, 2], [1, 3]]
     assert batches([300, 5], max_batch_tokens=100, max_padding=10) == [[0], [1]]
+    # Nor do other language pairs (a multilingual model's sources and forced target code differ).
+    pairs = [("eng_Latn", "deu_Latn"), ("eng_Latn", "fra_Latn"), ("eng_Latn", "deu_Latn"), ("deu_Latn", "fra_Latn")]
+    assert batches([5, 5, 5, 5], pairs) == [[0, 2], [1], [3]]
 
 
 def test_a_model_that_fails_its_warm_up_is_never_ready():
