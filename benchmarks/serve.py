@@ -1321,6 +1321,61 @@ def profile_in_worker(directories, sources, batch_sizes, max_extra_length, work)
         worker.close()
 
 
+def start_workers(args, engines, directories, skipped, work):
+    """`{"engine@threads": Worker}` of the run; an engine that fails to start goes into `skipped`."""
+    workers = {}
+    for threads in [1] if args.natural_only else args.threads:
+        for engine in engines:
+            if engine not in directories or (args.natural_only and engine not in NATURAL_ENGINES):
+                continue
+            name = f"{engine}@{threads}"
+            logger.info("Starting %s", name)
+            try:
+                workers[name] = Worker(
+                    name, engine, directories[engine], threads, args.max_extra_length, work / f"worker-{name}.log"
+                )
+            except RuntimeError as error:
+                logger.error("%s", error)
+                skipped[name] = str(error)
+    return workers
+
+
+def natural_section(args, preset_dir, natural_measured, natural_rows, workers):
+    """The results' `natural` entry: the natural-length table, its scaling and settings."""
+    natural_table, scaling = summarize_natural(natural_measured, workers, NATURAL_BEAM_SIZE)
+    return {
+        "weights": _weights_label(args.preset, preset_dir),
+        "settings": {
+            "sentences": len(natural_rows), "source": "bundled test split, first sentences, in order",
+            "source_ids_per_sentence": [len(row) + 1 for row in natural_rows],
+            "beam_size": NATURAL_BEAM_SIZE, "length_penalty": LENGTH_PENALTY,
+            "max_extra_length": NATURAL_MAX_EXTRA_LENGTH, "batch_sizes": list(args.natural_batch_sizes),
+            "rounds": args.natural_rounds, "threads": 1,
+        },
+        "rows": natural_table, "scaling": scaling,
+    }
+
+
+def add_rooflines(rows, natural, source_length, sizes):
+    """Adds each row's roofline (one BLAS thread's rate on the decoder step's products, same run); returns the rates."""
+    row_counts = [r["batch"] * r["beam_size"] for r in rows + (natural["rows"] if natural else [])]
+    rates = {}
+    if row_counts:
+        logger.info("Measuring NumPy's one-thread float32 rate on the decoder step's products")
+        try:
+            rates = measure_gemm_rates(sizes, row_counts)
+        except RuntimeError as error:
+            logger.error("%s", error)
+    for row in rows:
+        add_roofline(row, [(source_length + 1, n) for n in row["token_counts"]], sizes, rates)
+    if natural:
+        lengths = natural["settings"]["source_ids_per_sentence"]
+        for row in natural["rows"]:
+            add_roofline(row, list(zip(lengths, row["token_counts"])), sizes, rates)
+        add_scaling_ceilings(natural)
+    return rates
+
+
 def run_benchmark(args):
     """Prepares the model and exports, measures everything; returns the results dict."""
     started = time.time()
@@ -1337,20 +1392,7 @@ def run_benchmark(args):
         preset_dir, config["vocabulary_size"], max(args.batch_sizes), args.source_length, args.seed
     )
 
-    workers = {}
-    for threads in [1] if args.natural_only else args.threads:
-        for engine in engines:
-            if engine not in directories or (args.natural_only and engine not in NATURAL_ENGINES):
-                continue
-            name = f"{engine}@{threads}"
-            logger.info("Starting %s", name)
-            try:
-                workers[name] = Worker(
-                    name, engine, directories[engine], threads, args.max_extra_length, work / f"worker-{name}.log"
-                )
-            except RuntimeError as error:
-                logger.error("%s", error)
-                skipped[name] = str(error)
+    workers = start_workers(args, engines, directories, skipped, work)
     measured, calls, natural_measured, natural = {}, {}, {}, None
     try:
         if not args.natural_only:
@@ -1372,35 +1414,9 @@ def run_benchmark(args):
     rows = summarize(measured, calls, workers)
     same = agreement(measured, workers)
     if natural_measured:
-        natural_table, scaling = summarize_natural(natural_measured, workers, NATURAL_BEAM_SIZE)
-        natural = {
-            "weights": _weights_label(args.preset, preset_dir),
-            "settings": {
-                "sentences": len(natural_rows), "source": "bundled test split, first sentences, in order",
-                "source_ids_per_sentence": [len(row) + 1 for row in natural_rows],
-                "beam_size": NATURAL_BEAM_SIZE, "length_penalty": LENGTH_PENALTY,
-                "max_extra_length": NATURAL_MAX_EXTRA_LENGTH, "batch_sizes": list(args.natural_batch_sizes),
-                "rounds": args.natural_rounds, "threads": 1,
-            },
-            "rows": natural_table, "scaling": scaling,
-        }
-    # The roofline: one BLAS thread's rate on the decoder step's products, same run.
+        natural = natural_section(args, preset_dir, natural_measured, natural_rows, workers)
     sizes = model_sizes(config)
-    row_counts = [r["batch"] * r["beam_size"] for r in rows + (natural["rows"] if natural else [])]
-    rates = {}
-    if row_counts:
-        logger.info("Measuring NumPy's one-thread float32 rate on the decoder step's products")
-        try:
-            rates = measure_gemm_rates(sizes, row_counts)
-        except RuntimeError as error:
-            logger.error("%s", error)
-    for row in rows:
-        add_roofline(row, [(args.source_length + 1, n) for n in row["token_counts"]], sizes, rates)
-    if natural:
-        lengths = natural["settings"]["source_ids_per_sentence"]
-        for row in natural["rows"]:
-            add_roofline(row, list(zip(lengths, row["token_counts"])), sizes, rates)
-        add_scaling_ceilings(natural)
+    rates = add_rooflines(rows, natural, args.source_length, sizes)
     cold = []
     if args.cold_repeats > 0 and not args.natural_only:
         from keras_transformer.datasets import load_bundled

@@ -30,14 +30,25 @@ The goal (issue 23): at 32 clients, >= 3x the sentences/s of one client
 with batching off, at p99 <= 2x its latency (both baselines reported), and
 no errors below the queue limit.
 
+`--paragraphs` (issue 48) measures documents instead, against one server
+with batching on: paragraphs of `--paragraph-sentences` consecutive test
+sentences joined by spaces, sent one per request with `"split_sentences":
+true`, plain and streamed (`"stream": true`), against the same sentences
+(the server's split of those paragraphs) sent one per request; closed-loop
+clients at each `--clients` level (default 1 and 8). Per mode: sentences/s,
+request latency, and for the streamed paragraphs the time to the first
+event (the first sentence done).
+
 ```
 python -m benchmarks.serve_http                      # small preset, 20 s per level (~4 minutes once exported)
 python -m benchmarks.serve_http --duration 8 --warmup 2
 python -m benchmarks.serve_http --quick              # tiny preset, 3 s per level: a smoke run
+python -m benchmarks.serve_http --paragraphs         # documents: split, streamed, against one per request
 ```
 
 Writes `serve_http.json` and `serve_http.png` (`serve_http_quick.*` with
-`--quick`, `serve_http_beam1.*` with `--beam-size 1`) into `--results`
+`--quick`, `serve_http_beam1.*` with `--beam-size 1`;
+`serve_http_paragraphs*.json` with `--paragraphs`, no plot) into `--results`
 (default `benchmarks/results`) and prints a markdown table.
 """
 
@@ -250,6 +261,141 @@ def measure(server, clients, texts, beam_size, warmup, duration):
     }
 
 
+async def _document_clients(url, count, payloads, sentences, warmup, duration, stream=False):
+    """Closed-loop clients that send `payloads` in turn (`sentences[k]`: payload k's sentences).
+
+    Returns `(answers, errors)`: per request answered inside the window,
+    `(sentences, seconds to the answer's end, seconds to its first event or
+    None)`; streamed requests must end with `[DONE]` after one event per
+    sentence, plain ones hold a translation per text.
+    """
+    import httpx
+
+    start = time.perf_counter()
+    window = (start + warmup, start + warmup + duration)
+    answers, errors = [], {}
+    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+
+    async def send(session, payload, count_wanted, sent):
+        if not stream:
+            response = await session.post(url + "/v1/translate", json=payload)
+            good = response.status_code == 200 and len(response.json()["translations"]) == len(payload["text"])
+            return response.status_code if response.status_code != 200 or good else "wrong answer", None
+        first, events, ended = None, 0, False
+        async with session.stream("POST", url + "/v1/translate", json={**payload, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                first = first if first is not None else time.perf_counter() - sent
+                ended = line == "data: [DONE]"
+                events += not ended
+        if response.status_code != 200:
+            return response.status_code, first
+        return (200 if ended and events == count_wanted else "wrong stream"), first
+
+    async def client(i, session):
+        k = i * max(len(payloads) // max(count, 1), 1)
+        while time.perf_counter() < window[1]:
+            payload, wanted = payloads[k % len(payloads)], sentences[k % len(payloads)]
+            k += 1
+            sent = time.perf_counter()
+            try:
+                outcome, first = await send(session, payload, wanted, sent)
+            except httpx.HTTPError as error:
+                outcome, first = type(error).__name__, None
+            done = time.perf_counter()
+            if window[0] <= done <= window[1]:
+                if outcome == 200:
+                    answers.append((wanted, done - sent, first))
+                else:
+                    errors[str(outcome)] = errors.get(str(outcome), 0) + 1
+
+    async with httpx.AsyncClient(timeout=120, limits=limits) as session:
+        await asyncio.gather(*(client(i, session) for i in range(count)))
+    return answers, errors
+
+
+def measure_documents(server, clients, payloads, sentences, warmup, duration, stream=False):
+    """One level of `--paragraphs` (one kind of request) against a running server."""
+    load_before = os.getloadavg()
+    metrics_before = server.metrics()
+    answers, errors = asyncio.run(_document_clients(server.url, clients, payloads, sentences, warmup, duration, stream))
+    metrics_after = server.metrics()
+    latencies = [answer[1] for answer in answers]
+    firsts = [answer[2] for answer in answers if answer[2] is not None]
+    return {
+        "clients": clients,
+        "requests": len(answers),
+        "sentences": sum(answer[0] for answer in answers),
+        "sentences_per_second": sum(answer[0] for answer in answers) / duration,
+        "latency_ms": {f"p{q}": (percentile(latencies, q) or math.nan) * 1000 for q in (50, 95, 99)},
+        "first_event_ms": {f"p{q}": (percentile(firsts, q) or math.nan) * 1000 for q in (50, 95, 99)} if stream else None,
+        "errors": errors,
+        "mean_batch_sentences": mean_batch(metrics_before, metrics_after),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
+
+
+def paragraphs_of(texts, size):
+    """Paragraphs of `size` consecutive `texts` joined by spaces, and per paragraph its sentences as the server
+    splits them (`documents.split_texts` with `"split_sentences": true`'s generic rules)."""
+    from keras_transformer import documents
+
+    paragraphs = [" ".join(text.strip() for text in texts[i: i + size]) for i in range(0, len(texts) - size + 1, size)]
+    split = documents.split_texts(paragraphs)
+    return paragraphs, [[split.units[piece] for piece in pieces if isinstance(piece, int)] for pieces in split.pieces]
+
+
+def run_paragraphs(args):
+    """`--paragraphs`: the server's sentences/s on split paragraphs (plain, streamed) against one sentence per
+    request, and the time to the first streamed sentence."""
+    started = time.time()
+    model = prepare_model(args)
+    paragraphs, units = paragraphs_of(benchmark_texts(args.max_text_chars), args.paragraph_sentences)
+    search = {"beam_size": args.beam_size}
+    modes = {
+        "sentences": ([{"text": [unit], **search} for found in units for unit in found], None, False),
+        "paragraphs": ([{"text": [p], "split_sentences": True, **search} for p in paragraphs], units, False),
+        "paragraphs_streamed": ([{"text": [p], "split_sentences": True, **search} for p in paragraphs], units, True),
+    }
+    common = server_options(args, 4 * args.paragraph_sentences * max(args.clients)) + args.batching
+    results = run_record(args, model, common, paragraphs=len(paragraphs), paragraph_sentences=args.paragraph_sentences,
+                         sentences=sum(map(len, units)))
+    work = pathlib.Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    uptime_before = _uptime()
+    server = Server(model, common + args.batching, work / "serve_http_paragraphs.log")
+    results["command"] = server.command
+    try:
+        for clients in args.clients:
+            for mode, (payloads, split, stream) in modes.items():
+                logger.info("%s: %d clients for %g s", mode, clients, args.warmup + args.duration)
+                sentences = [len(found) for found in split] if split else [1] * len(payloads)
+                row = measure_documents(server, clients, payloads, sentences, args.warmup, args.duration, stream)
+                results.setdefault(mode, []).append(row)
+                print(_paragraph_row(mode, row), flush=True)
+    finally:
+        results["exit_status"] = server.stop()
+    results["environment"] = environment(started, uptime_before)
+    return results
+
+
+PARAGRAPH_HEADER = (
+    "| requests | clients | sentences/s | request p50 ms | p95 ms | first sentence p50 ms | p95 ms "
+    "| sentences/search | errors | load |\n|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"
+)
+
+
+def _paragraph_row(mode, r):
+    first = [f"{r['first_event_ms'][q]:.0f}" if r["first_event_ms"] else "-" for q in ("p50", "p95")]
+    mean = f"{r['mean_batch_sentences']:.1f}" if r["mean_batch_sentences"] else "-"
+    errors = ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0"
+    return (f"| {mode.replace('_', ', ')} | {r['clients']} | {r['sentences_per_second']:.2f} "
+            f"| {r['latency_ms']['p50']:.0f} | {r['latency_ms']['p95']:.0f} | {first[0]} | {first[1]} "
+            f"| {mean} | {errors} | {r['load_average_before'][0]:.1f} |")
+
+
 def benchmark_texts(limit):
     """The bundled test split's English sentences (non-empty), at most `limit` characters."""
     from keras_transformer.datasets import load_bundled
@@ -297,16 +443,8 @@ def run_benchmark(args):
     started = time.time()
     model = prepare_model(args)
     texts = benchmark_texts(args.max_text_chars)
-    common = ["--beam-size", str(args.beam_size), "--max-extra-length", str(args.max_extra_length),
-              "--max-queue", str(max(256, 4 * max(args.clients + args.baseline_clients)))]
-    if args.threads:
-        common += ["--threads", str(args.threads)]
-    label = pathlib.Path(args.model).name if args.model else f"{args.preset} (random weights)"
-    results = {"model": str(model), "label": label, "settings": {
-        "duration_seconds": args.duration, "warmup_seconds": args.warmup, "beam_size": args.beam_size,
-        "max_extra_length": args.max_extra_length, "threads": args.threads, "sentences": len(texts),
-        "batching": args.batching, "server_options": common,
-    }}
+    common = server_options(args, 4 * max(args.clients + args.baseline_clients))
+    results = run_record(args, model, common, sentences=len(texts), batching=args.batching)
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     uptime_before = _uptime()
@@ -324,14 +462,36 @@ def run_benchmark(args):
         finally:
             results.setdefault("exit_status", {})[name] = server.stop()
     results["goals"] = goals(results["batching"], results["batching_off"])
-    results["environment"] = {
+    results["environment"] = environment(started, uptime_before)
+    return results
+
+
+def server_options(args, queue):
+    """The options of every server of a run: the search's, `--max-queue` (at least `queue`), `--threads`."""
+    common = ["--beam-size", str(args.beam_size), "--max-extra-length", str(args.max_extra_length),
+              "--max-queue", str(max(256, queue))]
+    return common + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def run_record(args, model, common, **settings):
+    """The start of a run's JSON: the model, its label and the settings (`settings` added to the shared ones)."""
+    label = pathlib.Path(args.model).name if args.model else f"{args.preset} (random weights)"
+    return {"model": str(model), "label": label, "settings": {
+        "duration_seconds": args.duration, "warmup_seconds": args.warmup, "beam_size": args.beam_size,
+        "max_extra_length": args.max_extra_length, "threads": args.threads, **settings, "server_options": common,
+    }}
+
+
+def environment(started, uptime_before):
+    """The machine and its load around a run (`busy`: a load average above half the CPUs, before or after)."""
+    uptime_after = _uptime()
+    return {
         "machine": platform.machine(), "processor": platform.processor() or None, "cpu_count": os.cpu_count(),
-        "python": platform.python_version(), "uptime_before": uptime_before, "uptime_after": _uptime(),
-        "busy": max(_load(uptime_before), _load(_uptime())) > 0.5 * (os.cpu_count() or 1),
+        "python": platform.python_version(), "uptime_before": uptime_before, "uptime_after": uptime_after,
+        "busy": max(_load(uptime_before), _load(uptime_after)) > 0.5 * (os.cpu_count() or 1),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "wall_seconds": time.time() - started,
         "clients_on_the_same_machine": True,
     }
-    return results
 
 
 def _uptime():
@@ -446,7 +606,8 @@ def main(argv=None):
     parser.add_argument("--preset", default=None, help="preset directory or built-in name (default small; tiny quick)")
     parser.add_argument("--work", default=str(DEFAULT_WORK), help="cache of presets, exports and server logs")
     parser.add_argument("--results", default=str(RESULTS), help="directory for serve_http.json and .png")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64], help="batching on (default 1 8 32 64)")
+    parser.add_argument("--clients", type=int, nargs="+", default=None,
+                        help="batching on (default 1 8 32 64; 1 8 with --paragraphs)")
     parser.add_argument("--baseline-clients", type=int, nargs="+", default=[1, 32],
                         help="batching off (default 1 32)")
     parser.add_argument("--duration", type=float, default=None, help="measured seconds per level (default 20; 3 quick)")
@@ -458,9 +619,13 @@ def main(argv=None):
     parser.add_argument("--max-delay-ms", type=float, default=None, help="batching on (default: the server's)")
     parser.add_argument("--max-text-chars", type=int, default=2000)
     parser.add_argument("--quick", action="store_true", help="tiny preset, 3 s per level")
+    parser.add_argument("--paragraphs", action="store_true",
+                        help="split paragraphs (plain, streamed) against one sentence per request (default clients 1 8)")
+    parser.add_argument("--paragraph-sentences", type=int, default=8, help="test sentences per paragraph (default 8)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.preset = args.preset or ("tiny" if args.quick else "small")
+    args.clients = args.clients or ([1, 8] if args.paragraphs else [1, 8, 32, 64])
     args.duration = args.duration or (3.0 if args.quick else 20.0)
     args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 3.0)
     args.max_extra_length = args.max_extra_length if args.max_extra_length is not None else (10 if args.quick else 50)
@@ -473,9 +638,19 @@ def main(argv=None):
         args.batching += ["--max-delay-ms", f"{args.max_delay_ms:g}"]
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
+    output = pathlib.Path(args.results)
+    if args.paragraphs:
+        print(PARAGRAPH_HEADER, flush=True)
+        results = run_paragraphs(args)
+        output.mkdir(parents=True, exist_ok=True)
+        stem = "serve_http_paragraphs" + ("_quick" if args.quick else "") + (
+            f"_beam{args.beam_size}" if args.beam_size != 4 else "")
+        (output / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+        print(f"{results['environment']['uptime_before']}  (before)\n{results['environment']['uptime_after']}  (after)")
+        print(f"Wrote {output / (stem + '.json')}")
+        return 0
     print(TABLE_HEADER, flush=True)
     results = run_benchmark(args)
-    output = pathlib.Path(args.results)
     output.mkdir(parents=True, exist_ok=True)
     stem = "serve_http" + ("_quick" if args.quick else "") + (f"_beam{args.beam_size}" if args.beam_size != 4 else "")
     (output / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -42,7 +42,7 @@ class UnsupportedModelError(ValueError):
 
 
 def check_exportable(model, target, languages=False):
-    """Raises `UnsupportedModelError` for an imported NLLB-200 / M2M-100 model, unless the format carries one.
+    """Raises `UnsupportedModelError` for an imported FSMT model, and an NLLB-200 / M2M-100 one unless the format carries it.
 
     Such a model has fairseq's sinusoids, language codes and a target-language
     code the search is forced to (`Translator.with_languages`), and its search
@@ -50,9 +50,15 @@ def check_exportable(model, target, languages=False):
     carry all of these (`languages=True`); a format that does not would
     translate wrongly, so it is refused.
     """
+    tokenizer = getattr(model, "tokenizer", None)
+    if getattr(tokenizer, "format", None) == "fsmt":
+        raise UnsupportedModelError(
+            f"{target} export of an FSMT model (fairseq's WMT19) is not supported: its Moses tokenizer and BPE "
+            "have no SentencePiece or text-graph form, and its fairseq positions and excluded start logit are not "
+            "in the exported graphs; translate it with keras_transformer.Translator"
+        )
     if languages:
         return
-    tokenizer = getattr(model, "tokenizer", None)
     if (model.position_encoding == "sinusoidal_fairseq" or hasattr(tokenizer, "with_languages")
             or getattr(model, "exclude_start_logit", False)):
         raise UnsupportedModelError(

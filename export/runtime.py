@@ -379,7 +379,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
 
     def generate(
         self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False,
-        patience=None, options=None, cancelled=None,
+        patience=None, options=None, cancelled=None, finished=None,
     ):
         """Greedy (`beam_size=1`) or beam search.
 
@@ -396,6 +396,10 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         returns None or bool `[B]`: the rows marked leave the search at once
         (a server's client left) and get no tokens (start id, end id; score
         -inf); the whole-search graphs run every row to its end.
+        `finished`: None, or a callable the step driver tells, after each
+        step at which rows ended, `finished(rows, sequences)`: their
+        indices (int `[n]`) and final tokens (as returned, `[n, L]`); the
+        whole-search graphs tell nobody.
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s;
@@ -409,13 +413,19 @@ class OnnxSeq2Seq(OptimizedGraphCache):
             empty = np.zeros((0, 0), np.int32)
             return (empty, np.zeros((0,), np.float32)) if return_scores else empty
         if options.patience is not None and options.beam_size > 1:  # the n-best search's, as `generation.generate`
-            best = self.generate_hypotheses(ids, options=options, cancelled=cancelled)
+            told = None if finished is None else (
+                lambda rows, found: finished(rows, finish_rows(found.sequences[:, 0], self.end_id, self.pad_id))
+            )
+            best = self.generate_hypotheses(ids, options=options, cancelled=cancelled, finished=told)
             sequences = finish_rows(best.sequences[:, 0], self.end_id, self.pad_id)
             return (sequences, best.scores[:, 0]) if return_scores else sequences
         if self.driver == "steps":
             plan = options.plan(ids)
+            told = None if finished is None else (
+                lambda rows, found, *_: finished(rows, finish_rows(found[:, 0], self.end_id, self.pad_id))
+            )
             sequences, scores, _ = self._step_search(
-                plan, options.length_penalty, options.max_extra_length, cancelled
+                plan, options.length_penalty, options.max_extra_length, cancelled, told
             )
             sequences, scores = sequences[:, 0], scores[:, 0]
             if cancelled is not None:
@@ -434,10 +444,10 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         sequences = finish_rows(sequences, self.end_id, self.pad_id)
         return (sequences, scores) if return_scores else sequences
 
-    def _step_search(self, plan, length_penalty, max_extra_length, cancelled=None):
+    def _step_search(self, plan, length_penalty, max_extra_length, cancelled=None, finished=None):
         """Runs a `decoding.hypotheses_plan` step by step (`export.steps.step_search`).
 
-        `cancelled`: None or a callable of flags per row of the plan (`generate`).
+        `cancelled`: None or a callable of flags per row of the plan (`generate`); `finished`: `step_search`'s.
         """
 
         def run(graph, values):
@@ -446,7 +456,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         update = self._session(contract.STEP_GRAPHS[plan.search_name][1])
         return step_search(
             run, self._session("fused_decoder_step"), plan, length_penalty, max_extra_length, update_session=update,
-            cancelled=cancelled,
+            cancelled=cancelled, finished=finished,
         )
 
     def generate_hypotheses(
@@ -464,6 +474,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         patience=None,
         options=None,
         cancelled=None,
+        finished=None,
     ):
         """`keras_transformer.generation.generate_hypotheses` on ONNX Runtime.
 
@@ -477,7 +488,10 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         float32 rounding), the same samples for the same seed. `options`: a
         `SearchOptions` instead of the search keywords (one or the other).
         `cancelled`: as `generate`'s (a cancelled row's hypotheses all
-        have score -inf: none).
+        have score -inf: none). `finished`: None, or a callable the step
+        driver tells, after each step at which source rows ended (all their
+        samples), `finished(rows, hypotheses)`: their indices (int `[n]`)
+        and final `Hypotheses` (as returned, `[n, ...]`).
 
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
@@ -493,6 +507,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
             sequences, scores, log_probs = self._step_search(
                 plan, options.length_penalty, options.max_extra_length,
                 _repeated(cancelled, len(plan.source) // len(ids)),  # sampling repeats each row per sample
+                _collected(finished, plan, len(ids), options.count, self),
             )
         else:
             graph, values = contract.hypotheses_feeds(plan, options.length_penalty, options.max_extra_length)
@@ -511,6 +526,30 @@ def _repeated(cancelled, repeats):
         return None if found is None else np.repeat(np.asarray(found, bool), repeats)
 
     return flags
+
+
+def _collected(finished, plan, sources, count, model):
+    """`finished` (None, or a callable of source rows and their `Hypotheses`) as `step_search`'s callable.
+
+    The plan repeats each source row once per sample (rows `i * R ... i * R + R - 1`): a source row
+    ends when all its rows have, and its hypotheses are collected then (`collect_hypotheses`).
+    """
+    if finished is None:
+        return None
+    repeats = len(plan.source) // sources
+    found, left = {}, np.full(sources, repeats)
+
+    def told(rows, sequences, scores, log_probs):
+        for row, *hypotheses in zip(rows, sequences, scores, log_probs):
+            found[int(row)] = hypotheses
+        ended = np.unique(rows // repeats)
+        np.subtract.at(left, rows // repeats, 1)
+        ended = ended[left[ended] == 0]
+        if len(ended):
+            own = [found.pop(int(i) * repeats + r) for i in ended for r in range(repeats)]
+            finished(ended, collect_hypotheses(plan, *(np.stack(x) for x in zip(*own)), count, model))
+
+    return told
 
 
 class OnnxTranslator(Translator):

@@ -271,7 +271,7 @@ def _fill_holes(array, kept, positions=None):
     return array[: len(kept)]
 
 
-def run_steps(update, graph, decoder, values, cancelled=None):
+def run_steps(update, graph, decoder, values, cancelled=None, finished=None):
     """Runs the decoder and the search's update graph until every row is done; done rows leave.
 
     After each step, the rows that `rows_done` marks (all rows once
@@ -298,6 +298,11 @@ def run_steps(update, graph, decoder, values, cancelled=None):
             they leave the batch as done rows do, before the next step,
             without hypotheses (sequences 0, scores and log-probabilities
             -inf); once every row is done or cancelled the search ends.
+        finished: None, or a callable told after each step at which rows
+            ended (not the cancelled ones): `finished(rows, sequences,
+            scores, log_probs)`, `rows` their places in `values` (int `[n]`)
+            and the arrays their hypotheses (`[n, K, L]`, `[n, K]`,
+            `[n, K]`), final: what the returned arrays hold at those places.
 
     Returns:
         `(sequences [B, K, L], scores [B, K], log_probs [B, K])` NumPy arrays,
@@ -334,6 +339,8 @@ def run_steps(update, graph, decoder, values, cancelled=None):
                 results = [np.zeros((batch, *x.shape[1:]), x.dtype) for x in hypotheses]
             for result, x in zip(results, hypotheses):
                 result[places[done]] = x[done]
+            if finished is not None and any_done:
+                finished(places[done], *(x[done] for x in hypotheses))
             if dropped is not None:
                 for result in results[1:]:  # scores and log-probabilities: no hypothesis
                     result[places[dropped]] = -np.inf
@@ -365,7 +372,7 @@ def _cancelled_rows(cancelled, places, done):
 
 def step_search(
     run, decoder_session, plan, length_penalty, max_extra_length, initial_cache_length=None, update_session=None,
-    cancelled=None,
+    cancelled=None, finished=None,
 ):
     """Runs a `decoding.hypotheses_plan` with its search's start and update graphs and the fused step.
 
@@ -382,6 +389,8 @@ def step_search(
             step's update is one call of `run`.
         cancelled: None, or `run_steps`' callable, its flags in the plan's
             row order.
+        finished: None, or `run_steps`' callable, told the rows' places in
+            the plan's order.
 
     The rows are sorted by source length for the start graph's groups
     (`start_groups`, `merge_start_outputs`) and run so; the results are
@@ -410,7 +419,8 @@ def step_search(
     if update_session is not None:
         update_run = BoundUpdate(update_session, update, update_run)
     places = np.argsort(order)  # each row's place in the sorted batch
-    results = run_steps(update_run, update, decoder, values, _reordered(cancelled, order))
+    told = None if finished is None else lambda rows, *found: finished(order[rows], *found)
+    results = run_steps(update_run, update, decoder, values, _reordered(cancelled, order), told)
     return tuple(result[places] for result in results)
 
 

@@ -43,8 +43,8 @@ import os
 import numpy as np
 import sentencepiece as spm
 
-from keras_transformer.token_ids import END_ID, FIRST_ORDINARY_ID, PAD_ID, START_ID, UNK_ID, id_sequences
-from keras_transformer.utils import write_bytes_atomically
+from keras_transformer.token_ids import END_ID, FIRST_ORDINARY_ID, PAD_ID, START_ID, UNK_ID, id_sequences, text_list
+from keras_transformer.utils import read_json_file, write_bytes_atomically
 
 SOURCE_SPM = "source.spm"
 TARGET_SPM = "target.spm"
@@ -263,14 +263,10 @@ class MarianTokenizer:
                 vocabulary has `>>xx<<` codes) and a source text does not
                 start with one.
         """
-        if isinstance(texts, (str, bytes)):
-            texts = [texts]
-        texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in texts]
+        texts = text_list(texts)
         processor = self._target if target else self._source
         encoded = []
         for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"Expected str, received {text!r} of type {type(text).__name__}")
             code, rest = split_language_code(text)
             if not target and self.language_codes and code not in self.language_codes and text.strip():
                 shown = ", ".join(self.language_codes[:5]) + (", ..." if len(self.language_codes) > 5 else "")
@@ -367,17 +363,17 @@ class MarianTokenizer:
             if not os.path.isfile(os.path.join(directory, name)):
                 raise FileNotFoundError(f"No Marian tokenizer in {directory!r}: {name} is missing")
         if specials is None:
-            specials = _read_json(os.path.join(directory, SPECIALS_FILE))
+            specials = read_json_file(os.path.join(directory, SPECIALS_FILE))
             if not isinstance(specials, dict) or specials.get("format") != "marian":
                 raise ValueError(f"{os.path.join(directory, SPECIALS_FILE)} is not a Marian tokenizer description")
-        vocab = _read_json(os.path.join(directory, VOCAB_FILE))
+        vocab = read_json_file(os.path.join(directory, VOCAB_FILE))
         target_vocab = None
         if specials.get("separate_vocabs"):
             path = os.path.join(directory, TARGET_VOCAB_FILE)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"No Marian tokenizer in {directory!r}: {TARGET_VOCAB_FILE} is missing "
                                         "(separate_vocabs is true)")
-            target_vocab = _read_json(path)
+            target_vocab = read_json_file(path)
         protos = []
         for name in (SOURCE_SPM, TARGET_SPM):
             with open(os.path.join(directory, name), "rb") as f:
@@ -391,11 +387,3 @@ class MarianTokenizer:
             )
         except ValueError as error:
             raise ValueError(f"Cannot load the Marian tokenizer in {directory}: {error}") from None
-
-
-def _read_json(path):
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not valid UTF-8 JSON: {error}") from None

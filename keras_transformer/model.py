@@ -1008,7 +1008,7 @@ class TransformerModel(keras.Model):
                 random weights, or a named pretrained checkpoint such as
                 "opus_mt_en_de"), a directory written by `save_to_preset`, a
                 Hugging Face checkpoint directory (`config.json` with
-                `"model_type": "marian"` or `"m2m_100"` (NLLB-200),
+                `"model_type": "marian"`, `"m2m_100"` (NLLB-200) or `"fsmt"`,
                 `model.safetensors`, the tokenizer files), or a handle
                 "hf://org/name" (downloaded once into the Hugging Face cache;
                 see `keras_transformer.convert`).

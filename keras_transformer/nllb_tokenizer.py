@@ -44,8 +44,8 @@ import os
 import numpy as np
 import sentencepiece as spm
 
-from keras_transformer.token_ids import END_ID, PAD_ID, START_ID, UNK_ID, id_sequences
-from keras_transformer.utils import write_bytes_atomically
+from keras_transformer.token_ids import END_ID, PAD_ID, START_ID, UNK_ID, id_sequences, text_list
+from keras_transformer.utils import read_json_file, write_bytes_atomically
 
 SPM_FILE = "sentencepiece.bpe.model"
 # Ours: the checkpoint's added tokens and sizes (Hugging Face keeps them in tokenizer.json and
@@ -220,12 +220,7 @@ class NllbTokenizer:
         Raises:
             ValueError: the side's language is not bound (`with_languages`).
         """
-        if isinstance(texts, (str, bytes)):
-            texts = [texts]
-        texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in texts]
-        for text in texts:
-            if not isinstance(text, str):
-                raise TypeError(f"Expected str, received {text!r} of type {type(text).__name__}")
+        texts = text_list(texts)
         name, code = ("target_language", self.target_language) if target else ("source_language", self.source_language)
         self.check_language(name, code)
         language = int(self._ours_of_checkpoint[self._added[code]])
@@ -295,11 +290,7 @@ class NllbTokenizer:
             if not os.path.isfile(os.path.join(directory, name)):
                 raise FileNotFoundError(f"No NLLB tokenizer in {directory!r}: {name} is missing")
         path = os.path.join(directory, SPECIALS_FILE)
-        try:
-            with open(path, "rb") as f:
-                specials = json.loads(f.read().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{path} is not valid UTF-8 JSON: {error}") from None
+        specials = read_json_file(path)
         if not isinstance(specials, dict) or specials.get("format") != "nllb":
             raise ValueError(f"{path} is not an NLLB tokenizer description")
         with open(os.path.join(directory, SPM_FILE), "rb") as f:

@@ -27,6 +27,21 @@ def id_sequences(ids):
     return ids
 
 
+def text_list(texts):
+    """The texts a tokenizer's `encode` takes, as a list of str: one str (or bytes) is a list of one; bytes are UTF-8.
+
+    Raises:
+        TypeError: an item that is not text, named.
+    """
+    if isinstance(texts, (str, bytes)):
+        texts = [texts]
+    texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in texts]
+    for text in texts:
+        if not isinstance(text, str):
+            raise TypeError(f"Expected str, received {text!r} of type {type(text).__name__}")
+    return texts
+
+
 def check_id_range(values, name, vocabulary_size):
     """Raises `ValueError` if an id of the NumPy integer array `values` is outside [0, vocabulary_size)."""
     if not np.size(values):

@@ -19,6 +19,7 @@ import re
 
 import sentencepiece as spm
 
+from keras_transformer.fsmt_tokenizer import FsmtTokenizer
 from keras_transformer.marian_tokenizer import MarianTokenizer
 from keras_transformer.nllb_tokenizer import NllbTokenizer
 from keras_transformer.textio import iter_lines
@@ -29,6 +30,7 @@ from keras_transformer.token_ids import (  # noqa: F401 (re-exported: the specia
     START_ID,
     UNK_ID,
     id_sequences,
+    text_list,
 )
 from keras_transformer.utils import write_bytes_atomically
 
@@ -337,12 +339,7 @@ class Tokenizer:
         Returns:
             list of lists of int, one per text, unpadded.
         """
-        if isinstance(texts, (str, bytes)):
-            texts = [texts]
-        texts = [t.decode("utf-8") if isinstance(t, bytes) else t for t in texts]
-        for text in texts:
-            if not isinstance(text, str):
-                raise TypeError(f"Expected str, received {text!r} of type {type(text).__name__}")
+        texts = text_list(texts)
         return self._processor.encode(
             texts, out_type=int, add_bos=add_start, add_eos=add_end
         )
@@ -454,11 +451,13 @@ def load_tokenizer(directory):
     `marian_tokenizer.json` with `source.spm`, `target.spm` and `vocab.json`
     is a `MarianTokenizer` (an imported OPUS-MT checkpoint's);
     `nllb_tokenizer.json` with `sentencepiece.bpe.model` an `NllbTokenizer`
-    (an imported NLLB-200 checkpoint's). Each class names its files
+    (an imported NLLB-200 checkpoint's); `fsmt_tokenizer.json` with
+    `vocab-src.json`, `vocab-tgt.json` and `merges.txt` an `FsmtTokenizer`
+    (an imported FSMT checkpoint's). Each class names its files
     (`FILES`), the last the one it is recognised by.
     """
     directory = os.fspath(directory)
-    for cls in (Tokenizer, MarianTokenizer, NllbTokenizer):
+    for cls in (Tokenizer, MarianTokenizer, NllbTokenizer, FsmtTokenizer):
         if os.path.isfile(os.path.join(directory, cls.FILES[-1])):
             return cls.load(directory)
     return None

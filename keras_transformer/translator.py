@@ -309,6 +309,7 @@ class Translator:
         source_language=None,
         target_language=None,
         cancelled=None,
+        finished=None,
     ):
         """Translates a list of sentences (or of documents, with `split_sentences`).
 
@@ -366,6 +367,13 @@ class Translator:
                 stops searching those texts at once; they translate to "".
                 Other models search them to the end. Not with
                 `split_sentences`.
+            finished: None, or a callable told each text's translation as
+                soon as it is final, `finished(index, translation)`, once per
+                text, in the thread that translates: a model whose search
+                reports rows as they end (`OnnxSeq2Seq`'s step driver) tells
+                each text when its row leaves the search, others when its
+                batch is done (an empty text at once). Not with
+                `split_sentences`.
 
         Returns:
             list of str, in the order of `texts`.
@@ -378,15 +386,17 @@ class Translator:
         options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
         if split_sentences is not False:
             _check_split_sentences(split_sentences, target_prefix)
-            if cancelled is not None:
-                raise ValueError("cancelled cannot be used with split_sentences (it flags texts, not sentences)")
+            for name, given in (("cancelled", cancelled), ("finished", finished)):
+                if given is not None:
+                    raise ValueError(f"{name} cannot be used with split_sentences (it is per text, not per sentence)")
             split = self.split_texts(texts, split_sentences)
             with _progress_bar(progress, total=len(split.units), desc="Translating", unit=" sentences") as bar:
                 return split.join(self._translate(split.units, options, batch_size, max_batch_tokens, bar))
         prefixes = self._prefixes(target_prefix, texts)
         with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(
-                texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, cancelled=cancelled
+                texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, cancelled=cancelled,
+                finished=finished,
             )
 
     def split_texts(self, texts, split_sentences=True):
@@ -431,6 +441,7 @@ class Translator:
         source_language=None,
         target_language=None,
         cancelled=None,
+        finished=None,
     ):
         """The `num_hypotheses` best translations of each sentence, with their scores.
 
@@ -451,6 +462,7 @@ class Translator:
                 language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
                 required there, refused elsewhere.
             cancelled: as `translate`; a cancelled text gets no hypotheses.
+            finished: as `translate`, told each text's hypotheses.
 
         Returns:
             list (one per text, in order) of lists of `Hypothesis(text,
@@ -473,7 +485,7 @@ class Translator:
         with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(
                 texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, num_hypotheses=options.count,
-                cancelled=cancelled,
+                cancelled=cancelled, finished=finished,
             )
 
     def translate_iterable(
@@ -631,13 +643,13 @@ class Translator:
 
     def _translate(
         self, texts, options, batch_size, max_batch_tokens, bar, first_index=0, prefixes=None, num_hypotheses=None,
-        cancelled=None,
+        cancelled=None, finished=None,
     ):
         """Translations of `texts` (a list), batched by `length_batches`; `bar` counts sentences.
 
         With `num_hypotheses`, lists of `Hypothesis` instead of str;
         `prefixes`: None or per text None or its prefix's token ids;
-        `cancelled`: as `translate`'s.
+        `cancelled`, `finished`: as `translate`'s.
         """
         for i, text in enumerate(texts):
             if not isinstance(text, str):
@@ -650,6 +662,16 @@ class Translator:
         # Empty strings (nothing but the end id) translate to empty strings.
         todo = [i for i, ids in enumerate(sources) if len(ids) > 1 and texts[i].strip()]
         bar.update(len(texts) - len(todo))
+        told = set(todo)  # the texts `finished` has not been told yet
+
+        def tell(i):
+            if finished is not None and i in told:
+                told.discard(i)
+                finished(i, results[i])
+
+        if finished is not None:
+            for i in sorted(set(range(len(texts))) - told):
+                finished(i, results[i])
         # The plain search (`generate`) unless an option needs generate_hypotheses.
         hypotheses = num_hypotheses is not None or prefixes is not None or options.sampling
         for positions in length_batches([len(sources[i]) for i in todo], batch_size, max_batch_tokens):
@@ -657,17 +679,40 @@ class Translator:
             ids = _padded([sources[i] for i in batch])
             rows_cancelled = _batch_cancelled(cancelled, batch, len(texts))
             if not hypotheses:
-                for i, text in zip(batch, self.tokenizer.decode(self._generate(ids, options, rows_cancelled))):
+
+                def ended(rows, sequences, batch=batch):  # rows that left the search, their final tokens
+                    for row, text in zip(rows, self.tokenizer.decode(sequences)):
+                        results[batch[row]] = text
+                        tell(batch[row])
+
+                rows_ended = None if finished is None else ended
+                for i, text in zip(batch, self.tokenizer.decode(
+                    self._generate(ids, options, rows_cancelled, rows_ended)
+                )):
                     results[i] = text
             else:
+
+                def ended(rows, found, batch=batch):  # rows that left the search, their final hypotheses
+                    for row, i in enumerate(batch[j] for j in rows):
+                        results[i] = self._text_or_hypotheses(found, row, num_hypotheses)
+                        tell(i)
+
+                rows_ended = None if finished is None else ended
                 prefix = None if prefixes is None else [prefixes[i] for i in batch]
-                found = self._generate_hypotheses(ids, options, prefix, rows_cancelled)
+                found = self._generate_hypotheses(ids, options, prefix, rows_cancelled, rows_ended)
                 for row, i in enumerate(batch):
-                    results[i] = self._hypotheses(found, row)
-                    if num_hypotheses is None:  # (a cancelled text has none)
-                        results[i] = results[i][0].text if results[i] else ""
+                    results[i] = self._text_or_hypotheses(found, row, num_hypotheses)
+            for i in batch:  # a model that does not report rows as they end: the batch's texts now
+                tell(i)
             bar.update(len(batch))
         return results
+
+    def _text_or_hypotheses(self, found, row, num_hypotheses):
+        """A row's `Hypothesis` list, or without `num_hypotheses` its translation (a cancelled text has none: "")."""
+        hypotheses = self._hypotheses(found, row)
+        if num_hypotheses is not None:
+            return hypotheses
+        return hypotheses[0].text if hypotheses else ""
 
     def _hypotheses(self, found, row):
         """The `Hypothesis` list of one row of `generate_hypotheses`' output, unfilled slots left out."""
@@ -682,18 +727,18 @@ class Translator:
             results.append(Hypothesis(text, token_ids, float(log_prob), float(score)))
         return results
 
-    def _generate(self, ids, options, cancelled=None):
+    def _generate(self, ids, options, cancelled=None, finished=None):
         generate = getattr(self.model, "generate", None)
         if callable(generate):
-            return generate(ids, **_model_search_args(generate, options, cancelled))
+            return generate(ids, **_model_search_args(generate, options, cancelled, finished))
         from keras_transformer.generation import generate
 
         return generate(self.model, ids, options=options)
 
-    def _generate_hypotheses(self, ids, options, target_prefix, cancelled=None):
+    def _generate_hypotheses(self, ids, options, target_prefix, cancelled=None, finished=None):
         generate_hypotheses = getattr(self.model, "generate_hypotheses", None)
         if callable(generate_hypotheses):
-            args = _model_search_args(generate_hypotheses, options, cancelled)
+            args = _model_search_args(generate_hypotheses, options, cancelled, finished)
             if "options" not in args:
                 args.update(num_hypotheses=options.count)
             return generate_hypotheses(ids, target_prefix=target_prefix, **args)
@@ -881,13 +926,13 @@ def _one_per_text(options):
     return options
 
 
-def _model_search_args(method, options, cancelled=None):
+def _model_search_args(method, options, cancelled=None, finished=None):
     """The search arguments of a model's own `generate` or `generate_hypotheses`.
 
     `options=` when the method takes it (`TransformerModel`,
     `OnnxSeq2Seq`), else its keywords (`SearchOptions.search_args`: a
     decoding-protocol object of its own, which may take only some);
-    `cancelled=` when given and the method takes it (`OnnxSeq2Seq`).
+    `cancelled=` and `finished=` when given and the method takes them (`OnnxSeq2Seq`).
     """
     try:
         parameters = inspect.signature(method).parameters
@@ -898,8 +943,9 @@ def _model_search_args(method, options, cancelled=None):
         return name in parameters and parameters[name].kind != inspect.Parameter.VAR_KEYWORD
 
     args = {"options": options} if takes("options") else options.search_args()
-    if cancelled is not None and takes("cancelled"):
-        args["cancelled"] = cancelled
+    for name, given in (("cancelled", cancelled), ("finished", finished)):
+        if given is not None and takes(name):
+            args[name] = given
     return args
 
 

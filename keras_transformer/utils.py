@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import json
 import math
 import numbers
 import os
@@ -81,6 +82,15 @@ def atomic_path(path, suffix="", replace_stale=False):
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
+
+
+def read_json_file(path):
+    """A JSON file's value; `ValueError` naming the file if it is not UTF-8 JSON."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid UTF-8 JSON: {error}") from None
 
 
 def write_bytes_atomically(path, data):

@@ -168,6 +168,9 @@ BACKEND_INDEPENDENT = {
         "test_tokenizer_*", "test_legacy_*", "test_configs_*", "test_missing_*", "test_languages_are_*",
         "test_exporters_*", "test_train_cli_*", "test_translate_cli_*",
     ],
+    "test_convert_fsmt.py": [
+        "test_tokenizer_*", "test_configs_*", "test_an_untied_*", "test_missing_*", "test_exporters_*",
+    ],
     # All but fine-tuning the Marian stand-in (the backend's training, checkpoint import and resume).
     "test_finetune.py": [
         "test_init_from_refuses_*", "test_init_from_a_preset_directory_*", "test_init_from_a_pretrained_*",
@@ -299,6 +302,17 @@ SENTENCES = [
 ]
 
 
+def copy_with_config(source, destination, **changes):
+    """A copy of the checkpoint directory `source` at `destination`, its config.json updated with `changes`."""
+    import json
+    import shutil
+
+    shutil.copytree(source, destination)
+    path = destination / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return destination
+
+
 def padded(rows, pad):
     """Ragged id rows as one int64 `[B, T]` batch filled with `pad`."""
     batch = np.full((len(rows), max(map(len, rows))), pad, dtype="int64")
@@ -382,6 +396,19 @@ def nllb_random(request):
 def nllb_trained(request):
     """An NLLB checkpoint trained for a few hundred steps (eng_Latn -> deu_Latn; read only)."""
     return _nllb_standin(request, "trained")
+
+
+# An FSMT (fairseq WMT19) stand-in: Moses + BPE learned on the bundled corpus, two vocabularies, random weights.
+@pytest.fixture(scope="session")
+def fsmt_random(request):
+    """A random-init FSMT checkpoint directory in the Hugging Face layout of facebook/wmt19-en-de (read only)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("sacremoses")
+    from keras_transformer.convert import standin
+
+    key = source_key("keras_transformer/convert/standin.py", "keras_transformer/fsmt_tokenizer.py",
+                     packages=("transformers", "torch", "sacremoses"))
+    return build_once(request, "fsmt-random", key, standin.build_fsmt_checkpoint)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import SENTENCES, padded, to_numpy
+from conftest import SENTENCES, copy_with_config, padded, to_numpy
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -351,15 +351,6 @@ def test_translate_cli_takes_the_language_pair(nllb_trained):
 # ---------------------------------------------------------------------- #
 # What is refused, in one line naming the field
 # ---------------------------------------------------------------------- #
-def _copy_with_config(source, destination, **changes):
-    shutil.copytree(source, destination)
-    path = destination / "config.json"
-    config = json.loads(path.read_text())
-    config.update(changes)
-    path.write_text(json.dumps(config))
-    return destination
-
-
 @pytest.mark.parametrize("changes, message", [
     ({"scale_embedding": False}, "scale_embedding=False is not supported"),
     ({"pad_token_id": 0}, "pad_token_id=0 is not supported: fairseq's positions"),
@@ -368,7 +359,7 @@ def _copy_with_config(source, destination, **changes):
     ({"vocab_size": 700}, "vocab_size=700 is below the tokenizer's 804 tokens"),
 ])
 def test_configs_the_model_cannot_express_are_refused(nllb_random, tmp_path, changes, message):
-    directory = _copy_with_config(nllb_random, tmp_path / "checkpoint", **changes)
+    directory = copy_with_config(nllb_random, tmp_path / "checkpoint", **changes)
     with pytest.raises(CheckpointError, match=message):
         kt.TransformerModel.from_preset(directory)
 

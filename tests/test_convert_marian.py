@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import BACKEND, SENTENCES, padded, populate_hub_cache, to_numpy
+from conftest import BACKEND, SENTENCES, copy_with_config, padded, populate_hub_cache, to_numpy
 from conftest import hf_marian_model as hf_model, hf_marian_tokenizer as hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -248,15 +248,6 @@ def test_a_directory_named_as_a_pretrained_preset_is_loaded_as_one_named_as_an_a
 # ---------------------------------------------------------------------- #
 # What is refused, in one line naming the field
 # ---------------------------------------------------------------------- #
-def _copy_with_config(source, destination, **changes):
-    shutil.copytree(source, destination)
-    path = destination / "config.json"
-    config = json.loads(path.read_text())
-    config.update(changes)
-    path.write_text(json.dumps(config))
-    return destination
-
-
 @pytest.mark.parametrize("changes, message", [
     # Separate tables are supported (tests/test_convert_marian_separate.py); this file has the shared matrix only.
     ({"share_encoder_decoder_embeddings": False}, "no tensor 'model.encoder.embed_tokens.weight'"),
@@ -264,11 +255,11 @@ def _copy_with_config(source, destination, **changes):
     ({"activation_function": "tanh"}, "activation_function='tanh' is not supported"),
     ({"scale_embedding": False}, "scale_embedding=False is not supported"),
     ({"decoder_ffn_dim": 96}, "decoder_ffn_dim=96 differs from encoder_ffn_dim"),
-    ({"model_type": "t5"}, "model_type='t5' is not supported; supported: m2m_100, marian"),
+    ({"model_type": "t5"}, "model_type='t5' is not supported; supported: fsmt, m2m_100, marian"),
     ({"vocab_size": 10, "decoder_vocab_size": 10}, "vocab_size=10 but vocab.json has"),
 ])
 def test_configs_the_model_cannot_express_are_refused(marian_random, tmp_path, changes, message):
-    directory = _copy_with_config(marian_random, tmp_path / "checkpoint", **changes)
+    directory = copy_with_config(marian_random, tmp_path / "checkpoint", **changes)
     with pytest.raises(CheckpointError, match=message):
         kt.TransformerModel.from_preset(directory)
 

@@ -203,6 +203,93 @@ def test_a_fine_tuned_imported_model_exports(marian_random, tmp_path):
 
 
 # ---------------------------------------------------------------------- #
+# optimum-onnx exports what we wrote
+# ---------------------------------------------------------------------- #
+OPTIMUM_BLOCKED = (
+    "optimum-onnx is not importable here: its only release (0.1.0) requires transformers<4.58 and this project "
+    "transformers>=5 (huggingface/optimum-onnx#114); set KT_OPTIMUM_PYTHON to a Python that has optimum-onnx"
+)
+
+
+def optimum_python():
+    """A Python with `optimum.onnxruntime`: KT_OPTIMUM_PYTHON, else this one if it has it, else None."""
+    import importlib.util
+    import os
+    import sys
+
+    if os.environ.get("KT_OPTIMUM_PYTHON"):
+        return os.environ["KT_OPTIMUM_PYTHON"]
+    try:
+        return sys.executable if importlib.util.find_spec("optimum.onnxruntime") else None
+    except ModuleNotFoundError:
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(optimum_python() is None, reason=OPTIMUM_BLOCKED)  # before the fixtures are built
+def test_optimum_onnx_exports_our_checkpoints_and_translates_as_we_do(paper_export, tiny_preset_dir, marian_trained,
+                                                                       tmp_path):
+    """optimum's `ORTModelForSeq2SeqLM` exports both directories with its own exporter; greedy equals ours.
+
+    The paper's `tiny` (our tokenizer, identity ids) and an imported trained
+    Marian checkpoint exported back (its own ids): optimum's greedy ids, mapped
+    to ours, and its decoded texts equal our greedy search's, token for token.
+    """
+    import pathlib
+    import subprocess
+
+    python = optimum_python()
+    marian = kt.TransformerModel.from_preset(marian_trained)
+    marian_export = export_huggingface(marian, tmp_path / "marian", validation_sentences=3)
+    sentences = SENTENCES + ["Select the cells that you want to delete.", "Click OK to close the dialog."]
+    extra = 10
+    request = {"models": [{"directory": str(path), "output": str(tmp_path / f"optimum-{index}")}
+                          for index, path in enumerate((paper_export, marian_export))],
+               "sentences": sentences, "max_extra_length": extra}
+    script = pathlib.Path(__file__).with_name("optimum_greedy.py")
+    run = subprocess.run([python, str(script)], input=json.dumps(request), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    answers = json.loads(run.stdout)
+    for model, answer in zip((kt.TransformerModel.from_preset(tiny_preset_dir), marian), answers):
+        assert {"encoder_model.onnx", "decoder_model.onnx"} <= set(answer["files"])
+        tokenizer = model.tokenizer
+        sources = tokenizer.encode(sentences)
+        generated = to_numpy(model.generate(batch(sources), beam_size=1, max_extra_length=extra)).tolist()
+        to_hf = (np.asarray(tokenizer.marian_ids) if getattr(tokenizer, "marian_ids", None) is not None
+                 else np.arange(model.vocabulary_size))
+        for ours, theirs in zip(generated, answer["ids"]):
+            ours = to_hf[np.asarray(ours[: len(theirs)])].tolist() + ours[len(theirs):]
+            assert theirs == ours[: len(theirs)] and not any(ours[len(theirs):]), (theirs, ours)
+        assert answer["texts"] == tokenizer.decode(generated)
+    assert any(len(ids) < len(source) + extra + 1 for ids, source in zip(answers[1]["ids"], sources))  # ended early
+
+
+@pytest.mark.slow
+def test_what_the_training_command_wrote_exports_and_transformers_translates_it_as_we_do(tiny_trained, tmp_path):
+    """`python -m keras_transformer.train`'s preset (the Quick start's kind of artifact, at `tiny` size) exports,
+    and `MarianMTModel.generate` + `MarianTokenizer` translate the validation sentences to our greedy strings."""
+    from conftest import TINY_TRAINED_PARTS
+
+    preset = tiny_trained / TINY_TRAINED_PARTS["preset"]
+    directory = export_huggingface(preset, tmp_path / "hf", validation_sentences=3)
+    sentences = (tiny_trained / TINY_TRAINED_PARTS["valid"][0]).read_text(encoding="utf-8").splitlines()
+    ours = kt.Translator.from_preset(preset).translate(sentences, beam_size=1, max_extra_length=20)
+    model, tokenizer = transformers.MarianMTModel.from_pretrained(str(directory)).eval(), \
+        transformers.MarianTokenizer.from_pretrained(str(directory))
+    theirs = []
+    for sentence in sentences:  # one at a time: no padding, each its own maximum length
+        source = tokenizer(sentence)["input_ids"]
+        with torch.no_grad():
+            output = model.generate(input_ids=torch.tensor([source]), num_beams=1, do_sample=False,
+                                    max_length=len(source) + 21)
+        theirs += tokenizer.batch_decode(output, skip_special_tokens=True)
+    assert theirs == ours
+    assert len(set(ours)) > 1 and all(ours)  # a trained model's translations, not one repeated string
+    assert "training data" in (directory / "README.md").read_text().lower()
+
+
+# ---------------------------------------------------------------------- #
 # Refusals, bad input, validation skipped
 # ---------------------------------------------------------------------- #
 @pytest.mark.parametrize("overrides, message", [

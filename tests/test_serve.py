@@ -73,12 +73,13 @@ def reference(exported):
 class InProcessServer:
     """`create_app` run by uvicorn in a thread, on a free loopback port."""
 
-    def __init__(self, engine, **settings):
+    def __init__(self, engine, wrap=None, **settings):
         self.sock = serve.bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.app = serve.create_app(engine, serve.ServerSettings(**settings))
         self.service = self.app.state.service
-        config = uvicorn.Config(self.app, lifespan="on", log_config=None, access_log=False)
+        # `wrap`: None, or ASGI middleware put around the app (a test's stand-in for a client's behaviour).
+        config = uvicorn.Config(wrap(self.app) if wrap else self.app, lifespan="on", log_config=None, access_log=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -377,6 +378,8 @@ HOSTILE = {
         json.dumps({"text": ["ok", "a" * 100_000]}).encode(), 400,
         r"text\[1\] has 100000 characters; the limit is 2000 \(--max-text-chars\)",
     ),
+    "stream a string": (b'{"text": ["a"], "stream": "true"}', 400, r"^stream must be true or false, received 'true'$"),
+    "stream a number": (b'{"text": ["a"], "stream": 1}', 400, r"^stream must be true or false, received a number$"),
     "a 10 MB body": (TEN_MEGABYTES, 413, r"the body has 10485774 bytes; the limit is 1048576 \(--max-body-bytes\)"),
 }
 
@@ -622,8 +625,14 @@ def test_settings_are_checked_with_their_values():
         serve.ServerSettings(beam_size=9)
     with pytest.raises(ValueError, match=r"max_texts=65 must be at most max_queue=64"):
         serve.ServerSettings(max_texts=65, max_queue=64)
-    with pytest.raises(ValueError, match=r"patience=0 must be a finite number > 0 \(or None: the exact search\)"):
+    with pytest.raises(ValueError, match=r"patience=0 must be None \(stop when no live beam can win"):
         serve.ServerSettings(patience=0)
+    with pytest.raises(ValueError, match=r"length_penalty=-1 must be a finite number >= 0"):
+        serve.ServerSettings(length_penalty=-1)
+    with pytest.raises(ValueError, match=r"max_extra_length=True must be an integer >= 0"):
+        serve.ServerSettings(max_extra_length=True)
+    assert [getattr(serve.ServerSettings(), name) for name in ("beam_size", "length_penalty", "max_extra_length")] \
+        == [serve.SearchOptions().beam_size, serve.SearchOptions().length_penalty, serve.SearchOptions().max_extra_length]
     with pytest.raises(ValueError, match=r"engine='marian' must be one of"):
         serve.load_engine("anywhere", "marian")
 
@@ -859,6 +868,11 @@ def test_the_ctranslate2_engine_gives_the_greedy_translations_of_onnx_runtime(ex
             assert response.status_code == 400
             assert re.search(rf"{next(iter(field))} is not served by the ctranslate2 engine; the onnxruntime engine "
                              "serves it", response.json()["error"]), response.text
+        # Streamed: the batch's sentences when it ends (CTranslate2 does not report rows), the same answer.
+        payload = {"text": ["The cat sees a dog. A dog likes my bird!", "", "a red ball."], "beam_size": 1,
+                   "split_sentences": True}
+        response, events = stream(running.url, payload)
+        assert events[-1] == "[DONE]" and rebuilt(events[:-1], 3) == post(running.url, payload).json()
     finally:
         running.close()
 
@@ -886,6 +900,10 @@ def test_the_load_benchmark_reads_percentiles_and_batch_sizes():
     ]
     assert serve_http.mean_batch(before, after) == pytest.approx((1 + 5 + 5 + 600) / 4)
     assert serve_http.mean_batch(after, after) is None
+    # --paragraphs: consecutive sentences joined, and the sentences the server's splitting makes of each.
+    assert serve_http.paragraphs_of(["Open it. Close it!", " Done.", "Next.", "Last."], 2) == (
+        ["Open it. Close it! Done.", "Next. Last."], [["Open it.", "Close it!", "Done."], ["Next.", "Last."]]
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -975,6 +993,36 @@ def test_the_step_driver_takes_cancelled_rows_out_and_keeps_the_other_rows_token
         translator.translate(texts, split_sentences=True, cancelled=lambda: None)
 
 
+@pytest.mark.parametrize(
+    "search",
+    [dict(beam_size=1), dict(beam_size=3), dict(beam_size=3, patience=1), dict(beam_size=3, num_hypotheses=2),
+     dict(beam_size=1, sampling_topk=0, seed=3, num_hypotheses=2)],
+    ids=["greedy", "beam", "patience", "hypotheses", "samples"],
+)
+def test_the_step_driver_tells_each_text_as_its_rows_leave(exported, search, monkeypatch):
+    """`finished=`: each text once, with its final result, while longer texts are still searched."""
+    from export import steps
+
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    rows, step = [], steps.FusedDecoder.step
+    monkeypatch.setattr(steps.FusedDecoder, "step", lambda decoder, ids, index: rows.append(len(ids)) or step(
+        decoder, ids, index))
+    texts = ["a dog.", "", "my bird eats the big fish and the old cat sees a red ball.", "the cat sees a dog."]
+    hypotheses = "num_hypotheses" in search
+    translate = translator.translate_hypotheses if hypotheses else translator.translate
+    if hypotheses:
+        texts = [text for text in texts if text]
+    told = []
+    found = translate(texts, max_extra_length=20, finished=lambda i, result: told.append((i, result, len(rows))),
+                      **search)
+    assert sorted(i for i, _, _ in told) == list(range(len(texts)))
+    assert all(result is found[i] or result == found[i] for i, result, _ in told)
+    assert found == translate(texts, max_extra_length=20, **search)
+    # The shortest source's row (every row runs to its length limit: a random model) left first, steps before the end.
+    first = next(i for i, _, _ in told if texts[i])
+    assert texts[first] == "a dog." and told[-1][2] > [steps for i, _, steps in told if i == first][0]
+
+
 def test_a_searched_row_with_a_score_of_minus_infinity_keeps_its_tokens(exported, monkeypatch):
     """Only rows the driver never wrote are the cancelled ones: a row whose score is -inf (a random int8 model's
     greedy search) keeps its tokens, with or without `cancelled`."""
@@ -1000,20 +1048,40 @@ def test_a_searched_row_with_a_score_of_minus_infinity_keeps_its_tokens(exported
 class HeldEngine:
     """The ONNX Runtime engine; while `hold` is set, a search stops after its first step until `release` is set.
 
+    While `hold_row` is set instead, a streamed search stops right after its
+    first text left it (`told`: the texts told to `finished`, in order).
     `polls`: what the search's `cancelled` callable answered after each step
     (of the last held search); `rows`: the decoder's rows at each step.
     """
 
     def __init__(self, engine):
         self.engine, self.hold, self.stepping, self.release = engine, threading.Event(), threading.Event(), threading.Event()
-        self.polls, self.rows = [], []
+        self.hold_row = threading.Event()
+        self.polls, self.rows, self.told = [], [], []
 
     def __getattr__(self, name):  # name, features, drops_rows, tokenizer, count_tokens, ...
         return getattr(self.engine, name)
 
-    def translate(self, texts, options, target_prefix=None, cancelled=None):
+    def translate(self, texts, options, target_prefix=None, cancelled=None, finished=None):
+        if finished is not None and self.hold_row.is_set():
+            self.polls, self.rows, self.told = [], [], []
+
+            def row_held(index, result):
+                self.told.append(index)
+                finished(index, result)
+                if len(self.told) == 1:
+                    self.rows.append("held")
+                    self.stepping.set()
+                    assert self.release.wait(30)
+
+            def polled():
+                flags = cancelled()
+                self.polls.append(None if flags is None else list(flags))
+                return flags
+
+            return self.engine.translate(texts, options, target_prefix, polled, row_held)
         if not self.hold.is_set():
-            return self.engine.translate(texts, options, target_prefix, cancelled)
+            return self.engine.translate(texts, options, target_prefix, cancelled, finished)
         self.polls, self.rows = [], []
 
         def held():
@@ -1024,23 +1092,29 @@ class HeldEngine:
             self.polls.append(None if flags is None else list(flags))
             return flags
 
-        return self.engine.translate(texts, options, target_prefix, held)
+        return self.engine.translate(texts, options, target_prefix, held, finished)
 
 
-@pytest.fixture
-def held(exported, monkeypatch):
-    """`(engine, server)`: a `HeldEngine` served with long outputs; one search holds the decoder's row counts."""
+def held_engine(exported, monkeypatch):
+    """A `HeldEngine` on the suite's model that counts the decoder's rows of a held search."""
     from export import steps
 
     engine = HeldEngine(serve.load_engine(exported))
     step = steps.FusedDecoder.step
 
     def counted(decoder, token_ids, index):
-        if engine.hold.is_set():
+        if engine.hold.is_set() or engine.hold_row.is_set():
             engine.rows.append(len(token_ids))
         return step(decoder, token_ids, index)
 
     monkeypatch.setattr(steps.FusedDecoder, "step", counted)
+    return engine
+
+
+@pytest.fixture
+def held(exported, monkeypatch):
+    """`(engine, server)`: a `HeldEngine` served with long outputs; one search holds the decoder's row counts."""
+    engine = held_engine(exported, monkeypatch)
     text = "the cat sees a dog."
     tokens = engine.count_tokens([text])[0]
     # A search starts once two such sentences wait (max_batch_tokens), never after a delay.
@@ -1234,3 +1308,168 @@ def test_language_fields_are_refused_in_one_line_for_a_model_without_language_co
     with pytest.raises(serve.app.RequestError, match="this model translates one language pair"):
         serve.app.bound_engine(GatedEngine(), ("eng_Latn", None))
     assert serve.app.bound_engine(GatedEngine(), None).name == "gated"
+
+
+# --------------------------------------------------------------------------- #
+# Streaming: "stream": true answers with server-sent events, one per sentence as it leaves the search
+# --------------------------------------------------------------------------- #
+def stream(url, payload, **kwargs):
+    """`(response, events)`: a streamed request's answer and its events (JSON objects; the end as "[DONE]")."""
+    with httpx.stream("POST", url + "/v1/translate", json={**payload, "stream": True}, timeout=30, **kwargs) as response:
+        body = response.read().decode()
+    return response, [event(block) for block in body.split("\n\n") if block] if response.status_code == 200 else body
+
+
+def event(block):
+    assert block.startswith("data: ") and "\n" not in block, block
+    data = block[len("data: "):]
+    return data if data == "[DONE]" else json.loads(data)
+
+
+def rebuilt(events, count):
+    """The non-streamed answer rebuilt from a stream's sentence events (docs/serving.md: each text's pieces joined)."""
+    pieces, hypotheses = [{} for _ in range(count)], [None] * count
+    for found in events:
+        assert found["sentence"] not in pieces[found["index"]], found
+        pieces[found["index"]][found["sentence"]] = found["translation"]
+        assert 0 <= found["sentence"] < found["sentences"], found
+        if "hypotheses" in found:
+            hypotheses[found["index"]] = found["hypotheses"]
+    assert all(sorted(text) == list(range(len(text))) for text in pieces), pieces
+    answer = {"translations": ["".join(text[k] for k in range(len(text))) for text in pieces]}
+    if any(found is not None for found in hypotheses):
+        answer["hypotheses"] = hypotheses
+    return answer
+
+
+def test_a_stream_rebuilds_exactly_the_answer(server):
+    payloads = [
+        {"text": ["the cat sees a dog.", "", "my bird eats the big fish.", "  ", "a red ball."], "beam_size": 1},
+        {"text": "a dog."},
+        {"text": ["The cat sees a dog. A dog likes my bird!\n\nThe old fish eats.", "  my bird sees the cat.  ", "",
+                  " \n "], "split_sentences": True},
+        {"text": ["the cat sees a dog.", "", "a red ball."], "num_hypotheses": 2, "beam_size": 3},
+        {"text": []},
+    ]
+    for payload in payloads:
+        expected = post(server.url, payload).json()
+        response, events = stream(server.url, payload, headers={"X-Request-Id": "stream-1"})
+        assert response.status_code == 200 and response.headers["content-type"] == "text/event-stream; charset=utf-8"
+        assert response.headers["x-request-id"] == "stream-1" and response.headers["cache-control"] == "no-cache"
+        assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+        count = 1 if isinstance(payload["text"], str) else len(payload["text"])
+        assert rebuilt(events[:-1], count) == expected, events
+    # Split texts: one event per sentence, with the whitespace around it; a text without one is one event.
+    _, events = stream(server.url, payloads[2])
+    assert sorted((e["index"], e["sentence"], e["sentences"]) for e in events[:-1]) == [
+        (0, 0, 3), (0, 1, 3), (0, 2, 3), (1, 0, 1), (2, 0, 1), (3, 0, 1)]
+    assert [e["translation"] for e in events if e != "[DONE]" and e["index"] == 3] == [" \n "]
+    assert server.metric("kt_serve_sentences_in_flight") == 0
+
+
+def test_an_engine_that_cannot_report_rows_streams_each_batch_when_it_is_done(gated):
+    """The stand-in engine has no `finished=` (as CTranslate2): its sentences come when their search ends; a request
+    past its deadline before its first event gets the JSON 504."""
+    engine, running = gated(request_timeout=30)
+    response, body = stream(running.url, {"text": ["one"], "timeout_ms": 200})
+    assert response.status_code == 504 and response.headers["content-type"] == "application/json"
+    assert json.loads(body) == {"error": "no translation within 200 ms (timeout_ms)"}
+    engine.gate.set()
+    payload = {"text": ["Open it. Then close it!", " Done. ", ""], "split_sentences": "en"}
+    response, events = stream(running.url, payload)
+    assert rebuilt(events[:-1], 3) == {"translations": ["OPEN IT. THEN CLOSE IT!", " DONE. ", ""]}
+    assert engine.batches[-1] == ["Open it.", "Then close it!", "Done."]
+
+
+STREAMED = ["a dog.", "my bird eats the big fish and the old cat sees a red ball."]  # the first row leaves first
+
+
+@pytest.fixture
+def row_held(exported, monkeypatch):
+    """`(engine, server)`: a `HeldEngine` whose streamed searches stop after their first text left, until released."""
+    engine = held_engine(exported, monkeypatch)
+    running = InProcessServer(engine, max_extra_length=40, max_delay_ms=0, request_timeout=30, wrap=StalledReader)
+    engine.expected = post(running.url, {"text": STREAMED, "beam_size": 1}).json()  # (not held: not streamed)
+    engine.hold_row.set()
+    yield engine, running
+    engine.release.set()
+    running.close()
+
+
+def test_the_first_event_comes_while_the_last_sentence_is_searched(row_held):
+    engine, running = row_held
+    with httpx.stream("POST", running.url + "/v1/translate", json={"text": STREAMED, "beam_size": 1, "stream": True},
+                      timeout=30) as response:
+        lines = response.iter_lines()
+        first = event(next(lines))
+        # The search is held right after the first text left it: the other one is still being searched.
+        assert engine.stepping.is_set() and engine.told == [0] and first["index"] == 0
+        assert running.metric("kt_serve_sentences_in_flight") == 1
+        engine.release.set()
+        rest = [event(line) for line in lines if line]
+    assert rest[-1] == "[DONE]" and rebuilt([first] + rest[:-1], 2) == engine.expected
+    after = engine.rows[engine.rows.index("held") + 1:]  # the decoder's rows once the first event was out
+    assert len(after) > 1 and set(after) == {1}, engine.rows
+
+
+@pytest.mark.parametrize("leaves", ["disconnects", "times out", "reads nothing"])
+def test_a_stream_client_that_leaves_times_out_or_reads_nothing_frees_its_rows(row_held, leaves):
+    """After the first event: the client closes the connection; or the request's deadline passes (an error event,
+    then the end); or the client reads nothing (its events do not go: the stream ends at the deadline). Its last
+    row leaves the search after the step it was held at, and the server answers others meanwhile and after."""
+    engine, running = row_held
+    payload = {"text": STREAMED, "beam_size": 1, "stream": True, "timeout_ms": 1500}
+    headers = {"X-Stall": "1"} if leaves == "reads nothing" else {}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        if leaves == "reads nothing":
+            stalled = pool.submit(post, running.url, payload, headers=headers)
+            assert engine.stepping.wait(30)
+        else:
+            with httpx.stream("POST", running.url + "/v1/translate", json=payload, timeout=30) as response:
+                lines = response.iter_lines()
+                assert event(next(lines))["index"] == 0
+                if leaves == "times out":
+                    assert [event(line) for line in lines if line] == [
+                        {"error": "no translation within 1500 ms (timeout_ms)"}]  # and no [DONE]
+        deadline = time.monotonic() + 10
+        while running.metric("kt_serve_dropped_sentences_total") < 1:
+            assert time.monotonic() < deadline, "the stream's end was not noticed"
+            assert httpx.get(running.url + "/health").status_code == 200  # the event loop answers meanwhile
+            time.sleep(0.02)
+        reason = "disconnected" if leaves == "disconnects" else "timeout"
+        assert running.metric("kt_serve_errors_total", reason=reason) == 1
+        assert running.metric("kt_serve_sentences_in_flight") == 0
+        engine.release.set()
+        while running.service.batcher.running:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        if leaves == "reads nothing":
+            with pytest.raises(httpx.TransportError):  # headers, then the connection closed
+                stalled.result()
+    after = engine.rows[engine.rows.index("held") + 1:]
+    assert after == [1] and engine.polls[-1] == [True, True], (engine.rows, engine.polls)  # (the request, abandoned)
+    assert running.metric("kt_serve_dropped_sentences_total") == 1
+    engine.hold_row.clear()
+    assert post(running.url, {"text": STREAMED, "beam_size": 1}).json() == engine.expected
+    assert running.metric("kt_serve_requests_in_flight") == 1  # (this /metrics request)
+
+
+class StalledReader:
+    """ASGI middleware: for a request with `X-Stall: 1`, the answer's headers go and its body never does (a client
+    that reads nothing, once the socket's buffers are full)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        import asyncio
+
+        if scope["type"] != "http" or (b"x-stall", b"1") not in scope.get("headers", ()):
+            return await self.app(scope, receive, send)
+
+        async def stalled(message):
+            if message["type"] == "http.response.body":
+                await asyncio.Event().wait()
+            await send(message)
+
+        return await self.app(scope, receive, stalled)

@@ -82,6 +82,28 @@ def test_round_trip_through_the_tokenizer_keeps_order_and_empty_strings(tokenize
                    "", "Our children like the red car."]
 
 
+def test_finished_tells_each_text_once_empty_ones_first_then_each_batch(tokenizer):
+    """A model without a step driver: `finished` hears each batch's texts when the batch is done."""
+    model = CopyModel(tokenizer.vocabulary_size)
+    searches, encode = [], model.encode
+    model.encode = lambda ids: searches.append(len(ids)) or encode(ids)
+    translator = Translator(model, tokenizer)
+    told = []
+    out = translator.translate(TEXTS, beam_size=1, batch_size=2,
+                               finished=lambda i, text: told.append((i, text, len(searches))))
+    assert sorted((i, text) for i, text, _ in told) == sorted(enumerate(out))
+    assert out == translator.translate(TEXTS, beam_size=1, batch_size=2)
+    # Nothing to translate: told before any search; then the two texts of each batch once it is done.
+    assert [(i, searches) for i, _, searches in told[:2]] == [(1, 0), (4, 0)]
+    assert [searches for _, _, searches in told[2:]] == [1, 1, 2, 2]
+    told.clear()
+    found = translator.translate_hypotheses(["Nobody sees it!", "A student finds two cats."], beam_size=2,
+                                            num_hypotheses=2, finished=lambda i, hypotheses: told.append((i, hypotheses)))
+    assert sorted(told) == sorted(enumerate(found))
+    with pytest.raises(ValueError, match="finished cannot be used with split_sentences"):
+        translator.translate(TEXTS, split_sentences=True, finished=lambda i, text: None)
+
+
 def test_translator_equals_generating_each_sentence_alone(model, tokenizer):
     translator = Translator(model, tokenizer)
     texts = [t for t in TEXTS if t.strip()]

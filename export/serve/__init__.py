@@ -24,7 +24,11 @@ Endpoints:
   other options); `timeout_ms` (at most `request_timeout`) is the request's
   own deadline (504 past it). The CTranslate2 engine serves `target_prefix`
   but not `num_hypotheses` or sampling (400 naming the engine); any other
-  field is refused as unknown. Every answer has an `X-Request-Id` header:
+  field is refused as unknown. `"stream": true` answers with server-sent
+  events instead, one per sentence as soon as it leaves the search
+  (`{"index", "sentence", "sentences", "translation"}`, then `data:
+  [DONE]`; the format and how it rebuilds the answer: `app._EventStream`,
+  docs/serve.md). Every answer has an `X-Request-Id` header:
   the client's (1-128 visible ASCII characters; another is a 400 on
   `/v1/translate`) or a made-up one, also in the request's log lines.
 - `GET /health`: 200 while the process runs (liveness).

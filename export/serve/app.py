@@ -23,7 +23,7 @@ logger = logging.getLogger("export.serve")
 FIELDS = {
     "text": None, "beam_size": None, "num_hypotheses": "num_hypotheses", "target_prefix": "target_prefix",
     "sampling_topk": "sampling", "sampling_topp": "sampling", "sampling_temperature": "sampling", "seed": "sampling",
-    "split_sentences": None, "max_extra_length": None, "timeout_ms": None,
+    "split_sentences": None, "max_extra_length": None, "timeout_ms": None, "stream": None,
     "source_language": None, "target_language": None,
 }
 SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SearchOptions) if FIELDS.get(f.name) == "sampling"}
@@ -36,6 +36,14 @@ _INFO = "export.serve"  # the ASGI scope key of a request's log record
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}")
+# A streamed answer (server-sent events, as OpenAI's and TGI's): its headers, its last event, and how long the error
+# event of a request past its deadline may take to send (a client that reads nothing is not waited for longer).
+STREAM_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # nginx: pass each event on at once
+]
+STREAM_DONE = b"data: [DONE]\n\n"
+STREAM_ERROR_GRACE_SECONDS = 1.0
 
 
 class RequestError(Exception):
@@ -216,6 +224,17 @@ def timeout_option(payload, settings):
     return value
 
 
+def stream_option(payload):
+    """The request's `stream` (False when not given): true or false, else 400."""
+    value = payload.get("stream", False)
+    if not isinstance(value, bool):
+        raise RequestError(
+            400, f"stream must be true or false, received {_json_type(value) if not isinstance(value, str) else repr(value)}",
+            "bad_request",
+        )
+    return value
+
+
 def split_sentences_option(payload, options, target_prefix):
     """The request's `split_sentences` (False, True or a language code), checked against the other fields (400)."""
     value = payload.get("split_sentences", False)
@@ -289,7 +308,7 @@ class Service:
             queue_depth=lambda: self.batcher.queued if self.batcher else 0,
             in_flight=lambda: self.in_flight,
             ready=lambda: int(self.ready and not self.draining),
-            searching_sentences=lambda: len(self.batcher.running) - self.batcher.running_dropped if self.batcher else 0,
+            searching_sentences=lambda: self.batcher.searching_sentences() if self.batcher else 0,
             searching_requests=lambda: self.batcher.searching_requests() if self.batcher else 0,
         )
         self.batcher = None
@@ -403,7 +422,7 @@ class Service:
         info = request.scope.get(_INFO, {})
         start = self._loop.time()
         deadline = start + self.settings.request_timeout
-        job = None
+        job = stream = None
         try:
             if info.get("refused_request_id"):
                 raise RequestError(400, info["refused_request_id"], "bad_request")
@@ -417,6 +436,7 @@ class Service:
                 payload, self.settings, getattr(self.engine, "name", None), getattr(self.engine, "features", ())
             )
             timeout_ms = timeout_option(payload, self.settings)
+            streamed = stream_option(payload)
             languages = languages_option(payload)
             engine = bound_engine(self.engine, languages)  # the pair's tokenizer counts, splits and checks prefixes
             split = self._split(texts, split_sentences_option(payload, options, target_prefix), engine)
@@ -435,7 +455,7 @@ class Service:
                 raise RequestError(400, str(error), "bad_request") from None
             tokens = [count if text.strip() else 0 for text, count in zip(texts, counts)]
             try:
-                job = self.batcher.submit(texts, tokens, options, target_prefix, info.get("request_id"),
+                job = self.batcher.submit(texts, tokens, options, target_prefix, info.get("request_id"), streamed,
                                           languages if engine is not self.engine else None)
             except QueueFull as error:
                 raise RequestError(503, str(error), "queue_full", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
@@ -443,6 +463,10 @@ class Service:
             if timeout_ms is not None:  # the request's own deadline, within the server's
                 deadline = min(deadline, start + timeout_ms / 1000)
                 expired = RequestError(504, f"no translation within {timeout_ms} ms (timeout_ms)", "timeout")
+            if streamed:  # the answer starts with the first result: until then, errors are answers of their own
+                await self._answer(job, request, deadline, expired, first=True)
+                stream = _EventStream(self, job, split, options, start, deadline, expired, info)
+                return stream
             results = await self._answer(job, request, deadline, expired)
             self.metrics.sentences.inc(len(texts))
             return JSONResponse(_answer_document(results if split is None else split.join(results), options))
@@ -459,28 +483,32 @@ class Service:
             self.lost += 1
             raise
         finally:
-            if job is not None and not job.future.done():
-                self.batcher.cancel(job)
-            self.metrics.latency.observe(self._loop.time() - start)
+            if stream is None:  # (a stream ends, and is measured, once its events are sent)
+                if job is not None and not job.future.done():
+                    self.batcher.cancel(job)
+                self.metrics.latency.observe(self._loop.time() - start)
 
-    async def _answer(self, job, request, deadline, expired=None):
+    async def _answer(self, job, request, deadline, expired=None, first=False):
         """The job's translations; `RequestError` when the client leaves, the time runs out or the search fails.
 
-        `expired`: the error when `deadline` passes (default: `request_timeout`'s 504).
+        `expired`: the error when `deadline` passes (default: `request_timeout`'s 504). `first`: return None once
+        the job has its first result (a streamed job) instead of waiting for all of them.
         """
         disconnected = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+        waited = asyncio.ensure_future(_first_result(job)) if first else job.future
         try:
             done, _ = await asyncio.wait(
-                {job.future, disconnected}, timeout=max(deadline - self._loop.time(), 0),
+                {waited, disconnected}, timeout=max(deadline - self._loop.time(), 0),
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
             disconnected.cancel()
-        if job.future in done:
-            if job.future.exception() is not None:
-                error = job.future.exception()
-                raise RequestError(500, f"the translation failed: {type(error).__name__}: {error}", "engine")
-            return job.future.result()
+            if first:
+                waited.cancel()
+        if waited in done:
+            if job.future.done() and job.future.exception() is not None:
+                raise _engine_error(job.future.exception())
+            return None if first else job.future.result()
         if disconnected in done:
             raise RequestError(CLIENT_CLOSED, "the client disconnected", "disconnected")
         raise expired or RequestError(
@@ -510,12 +538,173 @@ def _answer_document(results, options):
     """The JSON answer: `translations`, and with `num_hypotheses` each text's `hypotheses` (text, score, log_prob)."""
     if options.num_hypotheses is None:
         return {"translations": results}
-    return {
-        "translations": [found[0].text if found else "" for found in results],
-        "hypotheses": [
-            [{"text": h.text, "score": float(h.score), "log_prob": float(h.log_prob)} for h in found] for found in results
-        ],
-    }
+    return {"translations": [found[0].text if found else "" for found in results],
+            "hypotheses": [_hypotheses_json(found) for found in results]}
+
+
+def _hypotheses_json(found):
+    return [{"text": h.text, "score": float(h.score), "log_prob": float(h.log_prob)} for h in found]
+
+
+def _engine_error(error):
+    return RequestError(500, f"the translation failed: {type(error).__name__}: {error}", "engine")
+
+
+async def _first_result(job):
+    """Returns once a streamed job has a result to send, or has ended (failed)."""
+    while not job.answered and not job.future.done():
+        job.changed.clear()
+        await job.changed.wait()
+
+
+class _StreamEnded(Exception):
+    """A streamed answer ends early: its client left, or did not take its events before the deadline."""
+
+
+class _EventStream:
+    """The ASGI answer of a `"stream": true` request: server-sent events, one per sentence as its result comes.
+
+    Each event is `data: {json}` and a blank line: `{"index": i, "sentence":
+    k, "sentences": n, "translation": piece}` (with `num_hypotheses`, also
+    `"hypotheses"`), where text `i`'s translation is its `n` pieces joined in
+    `sentence` order: one piece without `split_sentences`; with it, one per
+    sentence, holding the whitespace of the text before it (and after it, for
+    the last), or the whole text (its whitespace) for a text without one. The
+    events of a text come in the order its sentences leave the search. The
+    last event is `data: [DONE]`; a request past its deadline or whose search
+    failed ends with `data: {"error": "..."}` instead. The handler waits for
+    the first result before it returns this (so errors before it are JSON
+    answers of their own).
+
+    The search never waits for the client: results wait in the job (as many
+    as the request's sentences), each event is sent by the event loop
+    within the request's deadline; a client that leaves, or takes no events
+    until the deadline, ends the stream and its unsearched sentences leave the
+    queue and the running search (`Batcher.cancel`).
+    """
+
+    def __init__(self, service, job, split, options, start, deadline, expired, info):
+        self.service, self.job, self.options, self.info = service, job, options, info
+        self.start, self.deadline, self.expired = start, deadline, expired
+        if split is None:
+            self.pieces = None
+            self.literal = []
+        else:
+            self.pieces, self.literal = _stream_pieces(split)
+
+    def _events(self, indices):
+        """The SSE bytes of the results of the job's `indices` (units with `split_sentences`)."""
+        events = []
+        for index in indices:
+            result = self.job.results[index]
+            if self.pieces is None:
+                event = {"index": index, "sentence": 0, "sentences": 1}
+                if self.options.num_hypotheses is None:
+                    event["translation"] = result
+                else:
+                    event.update(translation=result[0].text if result else "", hypotheses=_hypotheses_json(result))
+            else:
+                text, sentence, sentences, before, after = self.pieces[index]
+                event = {"index": text, "sentence": sentence, "sentences": sentences,
+                         "translation": before + result + after}
+            events.append(_sse(event))
+        return b"".join(events)
+
+    async def __call__(self, scope, receive, send):
+        service, job, loop = self.service, self.job, self.service._loop
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(receive))
+        position = 0
+        try:
+            await self._send(send, {"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS},
+                             disconnected)
+            first = b"".join(_sse(event) for event in self.literal)  # texts without a sentence: complete now
+            while True:
+                job.changed.clear()
+                answered, position = job.answered[position:], len(job.answered)
+                chunk, first = first + self._events(answered), b""
+                if job.future.done():  # (the results are all in once it is, unless it failed)
+                    error = job.future.exception()
+                    if error is not None:
+                        raise _engine_error(error)
+                    service.metrics.sentences.inc(len(job.texts))
+                    await self._send(send, {"type": "http.response.body", "body": chunk + STREAM_DONE}, disconnected)
+                    return
+                if chunk:
+                    await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": True},
+                                     disconnected)
+                changed = asyncio.ensure_future(job.changed.wait())
+                try:
+                    done, _ = await asyncio.wait({changed, disconnected}, timeout=max(self.deadline - loop.time(), 0),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                if disconnected in done:
+                    raise _StreamEnded("disconnected")
+                if not done:
+                    raise self.expired or RequestError(
+                        504, f"no translation within {service.settings.request_timeout:g} s (--request-timeout)",
+                        "timeout",
+                    )
+        except RequestError as error:  # after the stream started: an error event, then the end
+            service.metrics.errors.inc(reason=error.reason)
+            with contextlib.suppress(_StreamEnded):
+                await self._send(send, {"type": "http.response.body", "body": _sse({"error": error.message})},
+                                 disconnected, loop.time() + STREAM_ERROR_GRACE_SECONDS)
+        except _StreamEnded as ended:
+            reason = str(ended)
+            service.metrics.errors.inc(reason=reason)
+            if reason == "disconnected":
+                self.info["status"] = CLIENT_CLOSED
+            logger.info("request_id=%s: the stream ended: %s", job.request_id,
+                        "the client left" if reason == "disconnected" else "the client took no events in time")
+        except asyncio.CancelledError:
+            service.lost += 1
+            raise
+        finally:
+            disconnected.cancel()
+            if not job.future.done():
+                service.batcher.cancel(job)
+            service.metrics.latency.observe(loop.time() - self.start)
+
+    async def _send(self, send, message, disconnected, deadline=None):
+        """`send(message)` unless the client leaves or it does not go before `deadline` (`_StreamEnded`)."""
+        loop = self.service._loop
+        sending = asyncio.ensure_future(send(message))
+        done, _ = await asyncio.wait({sending, disconnected}, return_when=asyncio.FIRST_COMPLETED,
+                                     timeout=max((deadline or self.deadline) - loop.time(), 0))
+        if sending in done:
+            sending.result()
+            return
+        sending.cancel()
+        raise _StreamEnded("disconnected" if disconnected in done else "timeout")
+
+
+def _stream_pieces(split):
+    """`(pieces, literal)` of a `documents.Split` for `_EventStream`.
+
+    pieces: per unit `(text index, sentence, sentences, before, after)`;
+    literal: the events of the texts without a sentence (their text as it is).
+    """
+    pieces, literal = {}, []
+    for text, parts in enumerate(split.pieces):
+        units = [part for part in parts if isinstance(part, int)]
+        if not units:
+            literal.append({"index": text, "sentence": 0, "sentences": 1, "translation": "".join(parts)})
+            continue
+        before, sentence = "", 0
+        for part in parts:
+            if isinstance(part, int):
+                pieces[part] = [text, sentence, len(units), before, ""]
+                before, sentence = "", sentence + 1
+            else:
+                before += part
+        pieces[units[-1]][4] = before  # the text after the last sentence
+    return {unit: tuple(piece) for unit, piece in pieces.items()}, literal
+
+
+def _sse(event):
+    """One server-sent event: `data: {json}` and a blank line (JSON escapes newlines: one line)."""
+    return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _wait_for_disconnect(receive):

@@ -19,28 +19,37 @@ class _Job:
     """One request's sentences: its options, target prefixes and language pair (or None), a future for its translations.
 
     `abandoned` turns true (on the event loop) when nobody waits for the
-    answer any more; the worker thread reads it while searching.
+    answer any more; the worker thread reads it while searching. A streamed
+    job (`stream`) also lists the texts in the order their results came
+    (`answered`: the ones without a search first) and sets `changed` at
+    each result and at the end.
     """
 
-    def __init__(self, texts, options, future, arrival, target_prefix=None, request_id=None, languages=None):
+    def __init__(self, texts, options, future, arrival, target_prefix=None, request_id=None, stream=False,
+                 languages=None):
         self.texts, self.options, self.future, self.arrival = texts, options, future, arrival
-        self.target_prefix, self.request_id, self.languages = target_prefix, request_id, languages
+        self.target_prefix, self.request_id, self.stream, self.languages = target_prefix, request_id, stream, languages
         # What a search shares: the options and the language pair (a multilingual model's sources and forced code).
         self.group = (options, languages)
         self.abandoned = False
         # What a text without a search (nothing to translate) gets: no translation, or no hypotheses.
         self.results = [[] if options.num_hypotheses is not None else "" for _ in texts]
         self.remaining = 0
+        self.answered = []  # text indices, in the order their results came
+        self.changed = asyncio.Event()
 
     def set(self, index, text):
         self.results[index] = text
+        self.answered.append(index)
         self.remaining -= 1
         if self.remaining == 0 and not self.future.done():
             self.future.set_result(self.results)
+        self.changed.set()
 
     def fail(self, error):
         if not self.future.done():
             self.future.set_exception(error)
+        self.changed.set()
 
 
 @dataclasses.dataclass
@@ -48,6 +57,7 @@ class _Item:
     job: _Job
     index: int
     tokens: int
+    answered: bool = False  # its result is in its job (it left the search)
 
 
 class Batcher:
@@ -66,6 +76,9 @@ class Batcher:
     leave that search at its next step where the engine can drop rows
     (`drops_rows`: its `translate` takes `cancelled=`, a callable that
     returns None or one bool per text, true for the abandoned ones).
+    A search with a streamed request's sentences reports each sentence as
+    its rows leave it where the engine can (`streams_rows`: its `translate`
+    takes `finished=`); otherwise its sentences come when it ends.
 
     Args:
         engine: has `translate(texts, options) -> list of str`.
@@ -83,22 +96,25 @@ class Batcher:
         self.running_dropped = 0  # of them, those whose request was abandoned
         self._arrived = asyncio.Event()
 
-    def submit(self, texts, tokens, options, target_prefix=None, request_id=None, languages=None):
+    def submit(self, texts, tokens, options, target_prefix=None, request_id=None, stream=False, languages=None):
         """Queues the texts with `tokens > 0`; returns a job whose future gives every text's translation.
 
         Texts with 0 tokens (nothing to translate) get "" (no hypotheses:
         `[]`) without a search. `target_prefix`: None, or one str or None
         per text (checked by the engine before). `request_id` names the
-        request in log lines. `languages`: None, or a multilingual model's
-        `(source_language, target_language)` (checked by the engine's
-        `with_languages` before): only sentences of the same pair share a search.
+        request in log lines. `stream`: the job's texts are told one by
+        one, as they leave the search (`_Job.answered`, `_Job.changed`).
+        `languages`: None, or a multilingual model's `(source_language,
+        target_language)` (checked by the engine's `with_languages` before):
+        only sentences of the same pair share a search.
 
         Raises:
             QueueFull: the sentences do not fit in the queue (nothing queued).
         """
         loop = asyncio.get_running_loop()
-        job = _Job(texts, options, loop.create_future(), loop.time(), target_prefix, request_id, languages)
+        job = _Job(texts, options, loop.create_future(), loop.time(), target_prefix, request_id, stream, languages)
         items = [_Item(job, i, count) for i, count in enumerate(tokens) if count > 0]
+        job.answered = [i for i, count in enumerate(tokens) if count <= 0]
         if self.queued + len(items) > self.settings.max_queue:
             raise QueueFull(
                 f"the queue holds {self.queued} of at most {self.settings.max_queue} sentences (--max-queue); "
@@ -118,7 +134,7 @@ class Batcher:
         before = len(self.pending)
         self.pending = [item for item in self.pending if item.job is not job]
         self.queued -= before - len(self.pending)
-        searching = 0 if job.abandoned else sum(item.job is job for item in self.running)
+        searching = 0 if job.abandoned else sum(item.job is job and not item.answered for item in self.running)
         job.abandoned = True
         if searching and getattr(self.engine, "drops_rows", False):
             self.running_dropped += searching
@@ -132,9 +148,28 @@ class Batcher:
         self.draining = True
         self._arrived.set()
 
+    def searching_sentences(self):
+        """Sentences in the running search that someone waits for (not yet answered, not dropped)."""
+        return sum(not (item.answered or item.job.abandoned) for item in self.running)
+
     def searching_requests(self):
         """Requests with a sentence in the running search that still wait for it."""
-        return len({id(item.job) for item in self.running if not item.job.abandoned})
+        return len({id(item.job) for item in self.running if not (item.answered or item.job.abandoned)})
+
+    def _finished(self, batch, loop):
+        """The `finished` callable of a search of `batch` (called by the worker thread as rows leave)."""
+
+        def told(row, result):
+            loop.call_soon_threadsafe(self._answer, batch[row], result)
+
+        return told
+
+    @staticmethod
+    def _answer(item, result):
+        """Gives an item's result to its job, once (the search's `finished` and its end may both tell it)."""
+        if not item.answered:
+            item.answered = True
+            item.job.set(item.index, result)
 
     def _cancelled(self, batch):
         """The `cancelled` callable of a search of `batch` (read by the worker thread after each step)."""
@@ -224,6 +259,8 @@ class Batcher:
             extra = {"target_prefix": prefixes} if any(prefixes) else {}
             if getattr(self.engine, "drops_rows", False):
                 extra["cancelled"] = self._cancelled(batch)
+            if getattr(self.engine, "streams_rows", False) and any(item.job.stream for item in batch):
+                extra["finished"] = self._finished(batch, loop)
             self.running, self.running_dropped = batch, 0
             start = time.perf_counter()
             try:
@@ -248,4 +285,4 @@ class Batcher:
                 self.metrics.batch_sentences.observe(len(batch))
                 self.metrics.batch_tokens.observe(padded)
             for item, text in zip(batch, outputs):
-                item.job.set(item.index, text)
+                self._answer(item, text)

@@ -14,10 +14,15 @@ a list of hypotheses (`text`, `score`, `log_prob`), best first. An engine
 whose search can drop rows mid-search says `drops_rows = True`; its
 `translate` then takes `cancelled=` (`Translator.translate`'s: a callable
 that returns None or one bool per text, true for the texts whose request
-was abandoned), asked after each step. An engine whose model may be
-multilingual has `with_languages(source_language, target_language)`: the
-engine bound to a pair (itself for a model of one pair and no languages;
-one-line `ValueError` naming the codes otherwise, `Translator.with_languages`' rule).
+was abandoned), asked after each step. An engine whose search reports
+texts as their rows leave it says `streams_rows = True`; its `translate`
+then takes `finished=` (`Translator.translate`'s: `finished(index, result)`
+once per text as soon as its result is final, from the search's thread).
+Another engine's results are the batch's, when `translate` returns. An
+engine whose model may be multilingual has `with_languages(source_language,
+target_language)`: the engine bound to a pair (itself for a model of one pair
+and no languages; one-line `ValueError` naming the codes otherwise,
+`Translator.with_languages`' rule).
 """
 
 import copy
@@ -44,6 +49,7 @@ class OnnxRuntimeEngine:
     name = "onnxruntime"
     features = frozenset(FEATURES)
     drops_rows = True  # the step driver (export.steps) drops a cancelled text's rows after the current step
+    streams_rows = True  # ... and reports each text's result when its rows leave the search
 
     def __init__(self, directory, threads=None, providers=None, optimized_cache=None):
         from export.runtime import OnnxTranslator
@@ -72,15 +78,17 @@ class OnnxRuntimeEngine:
         """`check_target_prefix` (below) with the translator's tokenizer."""
         return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
 
-    def translate(self, texts, options, target_prefix=None, cancelled=None):
+    def translate(self, texts, options, target_prefix=None, cancelled=None, finished=None):
         """Translations (or with `options.num_hypotheses`, `Hypothesis` lists) of `texts`, in one search.
 
-        `cancelled`: None or `Translator.translate`'s (a cancelled text gets "" or no hypotheses).
+        `cancelled`: None or `Translator.translate`'s (a cancelled text gets "" or no hypotheses);
+        `finished`: None or `Translator.translate`'s.
         """
         # The keywords, not options=: what `Translator.translate` is called with is the engine's interface
         # (tests/test_serve.py watches it); the translator makes them one `SearchOptions` again.
         batch = dict(
-            batch_size=max(len(texts), 1), target_prefix=target_prefix, cancelled=cancelled, **options.search_args()
+            batch_size=max(len(texts), 1), target_prefix=target_prefix, cancelled=cancelled, finished=finished,
+            **options.search_args(),
         )
         if options.num_hypotheses is None:
             return self.translator.translate(texts, **batch)
@@ -103,7 +111,9 @@ class CTranslate2Engine:
     penalty, and its draws depend on the batch, so a seed would not give a
     text the same samples in every batch). It cannot drop rows mid-search
     (`translate_batch` runs a batch to its end): an abandoned request's
-    sentences leave the queue only.
+    sentences leave the queue only. Nor does it report rows as they end
+    (`translate_batch` returns the batch's results together): a streamed
+    request gets a batch's sentences when the batch is done.
 
     Args:
         directory: written by `python -m export.ctranslate2` from a preset with a tokenizer.

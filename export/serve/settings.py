@@ -8,7 +8,9 @@ re-exported here: a request's options are made and checked once, by
 import dataclasses
 import math
 
-from keras_transformer.search.options import SearchOptions
+from keras_transformer.decoding import check_search_args
+from keras_transformer.search.options import DEFAULTS, SearchOptions
+from keras_transformer.utils import is_integer, is_real
 
 __all__ = ["SearchOptions", "ServerSettings"]
 
@@ -42,7 +44,9 @@ class ServerSettings:
             the default and the largest a request may ask.
         patience: None (the exact beam search) or a number > 0: beam search
             stops a row once `round(beam_size * patience)` hypotheses ended
-            (`generation.generate`; CTranslate2's option, 1 there by default).
+            (CTranslate2's option, 1 there by default).
+        The last four default to `SearchOptions`' and are checked by its rule
+        (`decoding.check_search_args`).
         request_timeout: float > 0, seconds from the start of a request to
             its answer (408 while the body is still arriving, 504 after);
             a request's `timeout_ms` may be shorter.
@@ -60,10 +64,10 @@ class ServerSettings:
     max_texts: int = 64
     max_text_chars: int = 2000
     max_beam_size: int = 8
-    beam_size: int = 4
-    length_penalty: float = 0.6
-    max_extra_length: int = 50
-    patience: float = None
+    beam_size: int = DEFAULTS["beam_size"]
+    length_penalty: float = DEFAULTS["length_penalty"]
+    max_extra_length: int = DEFAULTS["max_extra_length"]
+    patience: float = DEFAULTS["patience"]
     request_timeout: float = 30.0
     drain_seconds: float = 30.0
     max_connections: int = 1024
@@ -72,28 +76,16 @@ class ServerSettings:
         for name in ("max_batch_tokens", "max_queue", "max_body_bytes", "max_texts", "max_text_chars",
                      "max_beam_size", "max_connections"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        numbers = (("max_padding", False), ("max_delay_ms", False), ("length_penalty", False),
-                   ("request_timeout", True), ("drain_seconds", True))  # (name, must be > 0)
+        numbers = (("max_padding", False), ("max_delay_ms", False), ("request_timeout", True),
+                   ("drain_seconds", True))  # (name, must be > 0)
         for name, positive in numbers:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-                value <= 0 if positive else value < 0
-            ):
+            if not is_real(value) or not math.isfinite(value) or (value <= 0 if positive else value < 0):
                 raise ValueError(f"{name}={value!r} must be a finite number {'> 0' if positive else '>= 0'}")
-        if isinstance(self.max_extra_length, bool) or not isinstance(self.max_extra_length, int) or (
-            self.max_extra_length < 0
-        ):
-            raise ValueError(f"max_extra_length={self.max_extra_length!r} must be an integer >= 0")
-        if self.patience is not None and (
-            isinstance(self.patience, bool) or not isinstance(self.patience, (int, float))
-            or not math.isfinite(self.patience) or self.patience <= 0
-        ):
-            raise ValueError(f"patience={self.patience!r} must be a finite number > 0 (or None: the exact search)")
-        if isinstance(self.beam_size, bool) or not isinstance(self.beam_size, int) or not (
-            1 <= self.beam_size <= self.max_beam_size
-        ):
+        check_search_args(self.beam_size, self.length_penalty, self.max_extra_length, self.patience)
+        if self.beam_size > self.max_beam_size:
             raise ValueError(f"beam_size={self.beam_size!r} must be an integer in [1, max_beam_size={self.max_beam_size}]")
         if self.max_texts > self.max_queue:
             raise ValueError(

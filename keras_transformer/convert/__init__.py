@@ -14,8 +14,9 @@ with a `model_type`, `model.safetensors`, the tokenizer files) or a handle
 downloads once into its cache; with `HF_HUB_OFFLINE=1` a populated cache is
 used without any network.
 
-Supported: `"marian"` (the OPUS-MT models, `convert/marian.py`) and `"m2m_100"`
-(NLLB-200 with its `NllbTokenizer`, `convert/m2m_100.py`).
+Supported: `"marian"` (the OPUS-MT models, `convert/marian.py`), `"m2m_100"`
+(NLLB-200 with its `NllbTokenizer`, `convert/m2m_100.py`) and `"fsmt"`
+(fairseq's WMT19 models with their Moses + BPE `FsmtTokenizer`, `convert/fsmt.py`).
 
 Example:
 
@@ -33,12 +34,13 @@ import pathlib
 HF_PREFIX = "hf://"
 HF_CONFIG_FILE = "config.json"
 # model_type -> the module converting it (each has `load(cls, directory, overrides)`).
-CONVERTERS = {"marian": "keras_transformer.convert.marian", "m2m_100": "keras_transformer.convert.m2m_100"}
+CONVERTERS = {"marian": "keras_transformer.convert.marian", "m2m_100": "keras_transformer.convert.m2m_100",
+              "fsmt": "keras_transformer.convert.fsmt"}
 # What a download fetches: configs, safetensors and tokenizer files; never a pickle.
 DOWNLOAD_PATTERNS = [
     "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", "source.spm",
     "target.spm", "vocab.json", "target_vocab.json", "tokenizer_config.json", "special_tokens_map.json",
-    "sentencepiece.bpe.model", "tokenizer.json",
+    "sentencepiece.bpe.model", "tokenizer.json", "vocab-src.json", "vocab-tgt.json", "merges.txt",
 ]
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack", "rust_model.ot")
@@ -152,6 +154,6 @@ def load_checkpoint(cls, directory, overrides):
     if model_type not in CONVERTERS:
         raise CheckpointError(
             f"{pathlib.Path(directory) / HF_CONFIG_FILE}: model_type={model_type!r} is not supported; "
-            f"supported: {', '.join(sorted(CONVERTERS))} (the OPUS-MT models; NLLB-200)"
+            f"supported: {', '.join(sorted(CONVERTERS))} (the OPUS-MT models; NLLB-200; fairseq's WMT19 models)"
         )
     return importlib.import_module(CONVERTERS[model_type]).load(cls, pathlib.Path(directory), overrides)

@@ -24,21 +24,15 @@ and `convert_weights` (each tensor ported by name, every tensor of the file
 used or checked).
 """
 
-import logging
 import pathlib
+import sys
 
-from keras_transformer.convert import HF_CONFIG_FILE, CheckpointError, read_hf_config
+from keras_transformer.convert import CheckpointError
 from keras_transformer.convert.weights import (
-    WeightWalk, check_all_used, check_overrides, config_field, port_layers, read_json, read_safetensors, same_as,
+    TOKENIZER_CONFIG, WeightWalk, check_all_used, config_field, load_family, port_layers, read_json,
+    read_tokenizer_config, refusal, same_as, stack_arguments,
 )
 from keras_transformer.nllb_tokenizer import FAIRSEQ_OFFSET, FAIRSEQ_SPECIALS, SPM_FILE, NllbTokenizer
-
-logger = logging.getLogger(__name__)
-
-ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
-ALLOWED_OVERRIDES = ("dropout", "attention_dropout", "use_fused_attention", "max_sequence_length", "dtype", "name")
-LAYER_NORM_EPSILON = 1e-5
-TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
 NLLB_TOKENIZERS = ("NllbTokenizer", "NllbTokenizerFast")
 
@@ -49,9 +43,7 @@ def convert_config(config, path="config.json"):
     Raises:
         CheckpointError: naming the first field the model cannot express.
     """
-    def refuse(field, why):
-        raise CheckpointError(f"{path}: {field}={config.get(field)!r} {why}")
-
+    refuse = refusal(config, path)
     if not config_field(config, "scale_embedding", False):
         refuse("scale_embedding", "is not supported: TransformerModel multiplies embeddings by sqrt(d_model)")
     if not config_field(config, "tie_word_embeddings", True):
@@ -62,35 +54,11 @@ def convert_config(config, path="config.json"):
     for field, expected in (("eos_token_id", FAIRSEQ_SPECIALS["</s>"]), ("bos_token_id", FAIRSEQ_SPECIALS["<s>"])):
         if config_field(config, field, expected) != expected:
             refuse(field, f"is not supported: fairseq's dictionary has {expected} there")
-    activation = config_field(config, "activation_function", "relu")
-    if activation not in ACTIVATIONS:
-        refuse("activation_function", f"is not supported; supported: {', '.join(sorted(ACTIVATIONS))}")
-    for side in ("ffn_dim", "attention_heads"):
-        if config.get(f"encoder_{side}") != config.get(f"decoder_{side}"):
-            refuse(f"decoder_{side}", f"differs from encoder_{side}={config.get(f'encoder_{side}')!r}; "
-                   "TransformerModel has one size for both stacks")
-    for field in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
-        if config_field(config, field, 0.0):
-            logger.warning("%s: %s=%s is not applied by TransformerModel (training only; inference is exact)",
-                           path, field, config[field])
-    hidden_dim, num_heads = config.get("d_model"), config.get("encoder_attention_heads")
-    if not isinstance(hidden_dim, int) or not isinstance(num_heads, int) or num_heads < 1 or hidden_dim % num_heads:
-        refuse("d_model", f"must be an integer multiple of encoder_attention_heads={num_heads!r}")
     return {
+        **stack_arguments(config, path, default_activation="relu", default_max_length=1024),
         "vocabulary_size": config.get("vocab_size"),
-        "num_layers": config.get("encoder_layers"),
-        "num_encoder_layers": config.get("encoder_layers"),
-        "num_decoder_layers": config.get("decoder_layers"),
-        "num_heads": num_heads,
-        "hidden_dim": hidden_dim,
-        "intermediate_dim": config.get("encoder_ffn_dim"),
-        "dropout": float(config_field(config, "dropout", 0.1)),
-        "attention_dropout": float(config_field(config, "attention_dropout", 0.0)),
-        "max_sequence_length": config_field(config, "max_position_embeddings", 1024),
         "position_encoding": "sinusoidal_fairseq",
         "normalize_first": True,
-        "layer_norm_epsilon": LAYER_NORM_EPSILON,
-        "activation": ACTIVATIONS[activation],
         "logits_bias": False,
         # The added start id copies </s>'s row (NllbTokenizer): one </s> in the softmax, as Hugging Face's.
         "exclude_start_logit": True,
@@ -127,11 +95,7 @@ def _added_tokens(directory, tokenizer_config, piece_count):
 def convert_tokenizer(directory, config):
     """The `NllbTokenizer` of a checkpoint directory (our ids), refusing what it cannot express."""
     directory = pathlib.Path(directory)
-    tokenizer_config = {}
-    if (directory / TOKENIZER_CONFIG).is_file():
-        tokenizer_config = read_json(directory / TOKENIZER_CONFIG)
-        if not isinstance(tokenizer_config, dict):
-            raise CheckpointError(f"{directory / TOKENIZER_CONFIG} must hold a JSON object")
+    tokenizer_config = read_tokenizer_config(directory)
     tokenizer_class = tokenizer_config.get("tokenizer_class")
     if tokenizer_class is not None and tokenizer_class not in NLLB_TOKENIZERS:
         raise CheckpointError(
@@ -177,19 +141,11 @@ def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
     check_all_used(walk, tensors, source)
 
 
+def vocabulary_sizes(tokenizer, arguments):
+    """One more row than the checkpoint's: the decoder's start token, apart from </s> (see NllbTokenizer)."""
+    return {"vocabulary_size": tokenizer.vocabulary_size}
+
+
 def load(cls, directory, overrides):
     """A `cls` from an NLLB / M2M-100 checkpoint directory, with its `NllbTokenizer` as `model.tokenizer`."""
-    directory = pathlib.Path(directory)
-    config = read_hf_config(directory)
-    arguments = convert_config(config, directory / HF_CONFIG_FILE)
-    check_overrides(directory, overrides, ALLOWED_OVERRIDES)
-    tokenizer = convert_tokenizer(directory, config)
-    tensors = read_safetensors(directory)
-    # One more row than the checkpoint's: the decoder's start token, apart from </s> (see NllbTokenizer).
-    arguments["vocabulary_size"] = tokenizer.vocabulary_size
-    model = cls(**{**arguments, **overrides})
-    convert_weights(model, tensors, tokenizer, source=str(directory / "model.safetensors"))
-    model.tokenizer = tokenizer
-    logger.info("Imported the M2M-100 (NLLB) checkpoint %s (%d parameters)", directory, model.count_params())
-    return model
-
+    return load_family(cls, directory, overrides, sys.modules[__name__], "M2M-100 (NLLB)")

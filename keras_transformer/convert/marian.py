@@ -24,24 +24,17 @@ constructor arguments, refusing in one line what the model cannot express),
 file is used or checked).
 """
 
-import logging
 import pathlib
+import sys
 
 import numpy as np
 
-from keras_transformer.convert import HF_CONFIG_FILE, CheckpointError, read_hf_config
+from keras_transformer.convert import HF_CONFIG_FILE, CheckpointError
 from keras_transformer.convert.weights import (
-    WeightWalk, check_all_used, check_overrides, config_field, port_layers, read_json, read_safetensors, same_as,
+    TOKENIZER_CONFIG, WeightWalk, check_all_used, config_field, load_family, port_layers, read_json,
+    read_tokenizer_config, refusal, same_as, stack_arguments,
 )
 from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, TARGET_VOCAB_FILE, VOCAB_FILE, MarianTokenizer
-
-logger = logging.getLogger(__name__)
-
-ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}
-# Overrides that keep the checkpoint's computation (anything else would change its shapes or its numbers).
-ALLOWED_OVERRIDES = ("dropout", "attention_dropout", "use_fused_attention", "max_sequence_length", "dtype", "name")
-LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which MarianMTModel uses
-TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def convert_config(config, path="config.json"):
@@ -50,9 +43,7 @@ def convert_config(config, path="config.json"):
     Raises:
         CheckpointError: naming the first field the model cannot express.
     """
-    def refuse(field, why):
-        raise CheckpointError(f"{path}: {field}={config.get(field)!r} {why}")
-
+    refuse = refusal(config, path)
     shared = config_field(config, "share_encoder_decoder_embeddings", True)
     vocabulary_size = config.get("vocab_size")
     decoder_vocabulary_size = config_field(config, "decoder_vocab_size", vocabulary_size)
@@ -67,40 +58,15 @@ def convert_config(config, path="config.json"):
                "is not supported: the output projection must share the (decoder's) embedding matrix")
     if not config_field(config, "scale_embedding", False):
         refuse("scale_embedding", "is not supported: TransformerModel multiplies embeddings by sqrt(d_model)")
-    activation = config_field(config, "activation_function", "gelu")
-    if activation not in ACTIVATIONS:
-        refuse("activation_function", f"is not supported; supported: {', '.join(sorted(ACTIVATIONS))}")
-    for side in ("ffn_dim", "attention_heads"):
-        if config.get(f"encoder_{side}") != config.get(f"decoder_{side}"):
-            refuse(f"decoder_{side}", f"differs from encoder_{side}={config.get(f'encoder_{side}')!r}; "
-                   "TransformerModel has one size for both stacks")
     for field in ("normalize_before", "add_final_layer_norm", "normalize_embedding"):
         if config.get(field):
             refuse(field, "is not supported (post-LN without an embedding LayerNorm, as Marian checkpoints)")
-    for field in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
-        if config_field(config, field, 0.0):
-            # Training-only: inference is exact, fine-tuning would not apply it.
-            logger.warning("%s: %s=%s is not applied by TransformerModel (training only; inference is exact)",
-                           path, field, config[field])
-    hidden_dim, num_heads = config.get("d_model"), config.get("encoder_attention_heads")
-    if not isinstance(hidden_dim, int) or not isinstance(num_heads, int) or num_heads < 1 or hidden_dim % num_heads:
-        refuse("d_model", f"must be an integer multiple of encoder_attention_heads={num_heads!r}")
     return {
+        **stack_arguments(config, path, default_activation="gelu", default_max_length=512),
         # Separate tables: the decoder's (tied to the output projection) is `vocabulary_size`, the encoder's its own.
         "vocabulary_size": decoder_vocabulary_size,
         **({} if shared else {"source_vocabulary_size": vocabulary_size}),
-        "num_layers": config.get("encoder_layers"),
-        "num_encoder_layers": config.get("encoder_layers"),
-        "num_decoder_layers": config.get("decoder_layers"),
-        "num_heads": num_heads,
-        "hidden_dim": hidden_dim,
-        "intermediate_dim": config.get("encoder_ffn_dim"),
-        "dropout": float(config_field(config, "dropout", 0.1)),
-        "attention_dropout": float(config_field(config, "attention_dropout", 0.0)),
-        "max_sequence_length": config_field(config, "max_position_embeddings", 512),
         "position_encoding": "sinusoidal_halves",
-        "layer_norm_epsilon": LAYER_NORM_EPSILON,
-        "activation": ACTIVATIONS[activation],
         "logits_bias": True,
     }
 
@@ -108,11 +74,7 @@ def convert_config(config, path="config.json"):
 def convert_tokenizer(directory, config):
     """The `MarianTokenizer` of a checkpoint directory (our ids), refusing what it cannot express."""
     directory = pathlib.Path(directory)
-    tokenizer_config = {}
-    if (directory / TOKENIZER_CONFIG).is_file():
-        tokenizer_config = read_json(directory / TOKENIZER_CONFIG)
-        if not isinstance(tokenizer_config, dict):
-            raise CheckpointError(f"{directory / TOKENIZER_CONFIG} must hold a JSON object")
+    tokenizer_config = read_tokenizer_config(directory)
     separate = bool(tokenizer_config.get("separate_vocabs"))
     if separate and config_field(config, "share_encoder_decoder_embeddings", True):
         raise CheckpointError(f"{directory / TOKENIZER_CONFIG}: separate_vocabs=true (separate source and target "
@@ -202,21 +164,14 @@ def convert_weights(model, tensors, tokenizer, source="model.safetensors"):
     check_all_used(walk, tensors, source)
 
 
+def vocabulary_sizes(tokenizer, arguments):
+    """One more row than Marian's vocabulary when the decoder starts from <pad> (see MarianTokenizer)."""
+    sizes = {"vocabulary_size": tokenizer.vocabulary_size}
+    if "source_vocabulary_size" in arguments:  # separate tables (and one vocabulary, or two)
+        sizes["source_vocabulary_size"] = tokenizer.source_vocabulary_size or tokenizer.vocabulary_size
+    return sizes
+
+
 def load(cls, directory, overrides):
     """A `cls` from a Marian checkpoint directory, with its `MarianTokenizer` as `model.tokenizer`."""
-    directory = pathlib.Path(directory)
-    config = read_hf_config(directory)
-    arguments = convert_config(config, directory / HF_CONFIG_FILE)
-    check_overrides(directory, overrides, ALLOWED_OVERRIDES)
-    tokenizer = convert_tokenizer(directory, config)
-    tensors = read_safetensors(directory)
-    # One more row than Marian's vocabulary when the decoder starts from <pad> (see MarianTokenizer).
-    arguments["vocabulary_size"] = tokenizer.vocabulary_size
-    if "source_vocabulary_size" in arguments:  # separate tables (and one vocabulary, or two)
-        arguments["source_vocabulary_size"] = tokenizer.source_vocabulary_size or tokenizer.vocabulary_size
-    model = cls(**{**arguments, **overrides})
-    convert_weights(model, tensors, tokenizer, source=str(directory / "model.safetensors"))
-    model.tokenizer = tokenizer
-    logger.info("Imported the Marian checkpoint %s (%d parameters)", directory, model.count_params())
-    return model
-
+    return load_family(cls, directory, overrides, sys.modules[__name__], "Marian")

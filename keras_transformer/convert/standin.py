@@ -255,6 +255,120 @@ def build_nllb_checkpoint(directory, train_steps=0, piece_count=600, extra_rows=
                 directory)
     return directory
 
+def _learn_bpe(counts, merges):
+    """subword-nmt's BPE learning, short: `merges` times, join the most frequent adjacent pair (ties: first seen).
+
+    Args:
+        counts: dict Moses token -> frequency.
+
+    Returns:
+        list of (first, second, frequency), in rank order.
+    """
+    from keras_transformer.fsmt_tokenizer import END_OF_WORD
+
+    words = [(list(word[:-1]) + [word[-1] + END_OF_WORD], count) for word, count in counts.items()]
+    learned = []
+    for _ in range(merges):
+        pairs = {}
+        for symbols, count in words:
+            for pair in zip(symbols, symbols[1:]):
+                pairs[pair] = pairs.get(pair, 0) + count
+        if not pairs:
+            break
+        best = max(pairs, key=pairs.get)
+        learned.append((*best, pairs[best]))
+        for symbols, _ in words:
+            i = 0
+            while i < len(symbols) - 1:
+                if (symbols[i], symbols[i + 1]) == best:
+                    symbols[i: i + 2] = [symbols[i] + symbols[i + 1]]
+                i += 1
+    return learned
+
+
+def build_fsmt_checkpoint(directory, merges=300, min_count=2, seed=0, max_sentences=2000, **sizes):
+    """Writes an FSMT (`"model_type": "fsmt"`) checkpoint in the Hugging Face layout of facebook/wmt19-en-de.
+
+    `merges.txt` holds `merges` BPE merges learned on the Moses tokens of
+    both languages of the bundled corpus; `vocab-src.json` (English) and
+    `vocab-tgt.json` (German) are fairseq's dictionaries (`<s> <pad> </s>
+    <unk>`, then each side's pieces seen at least `min_count` times: the
+    rarer ones are `<unk>`), so the two vocabularies differ in size. The
+    model is `FSMTForConditionalGeneration` at a small size with random
+    weights (LayerNorms randomized too, so that a misplaced norm is caught)
+    and its output projection set equal to the decoder's embeddings, as the
+    importer requires.
+
+    Args:
+        directory: where to write.
+        merges, min_count: the BPE merges, the pieces kept in the vocabularies.
+        seed, max_sentences: the random init, the corpus lines used.
+        **sizes: `FSMTConfig` fields replacing `DEFAULT_SIZES`.
+    """
+    import sacremoses
+    import torch
+    import transformers
+
+    from keras_transformer.datasets import load_bundled
+    from keras_transformer.fsmt_tokenizer import bpe_pieces
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    english, german = (lines[:max_sentences] for lines in load_bundled("train"))
+    tokens = {}
+    for language, lines in (("en", english), ("de", german)):
+        normalizer, tokenizer = sacremoses.MosesPunctNormalizer(lang=language), sacremoses.MosesTokenizer(lang=language)
+        tokens[language] = [tokenizer.tokenize(normalizer.normalize(line), aggressive_dash_splits=True, escape=True)
+                            for line in lines]
+    counts = {}
+    for words in (*tokens["en"], *tokens["de"]):
+        for word in words:
+            counts[word] = counts.get(word, 0) + 1
+    learned = _learn_bpe(counts, merges)
+    ranks = {(first, second): rank for rank, (first, second, _) in enumerate(learned)}
+    vocabs = {}
+    for language in ("en", "de"):
+        seen = {}
+        for words in tokens[language]:
+            for word in words:
+                for piece in bpe_pieces(word, ranks):
+                    seen[piece] = seen.get(piece, 0) + 1
+        vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+        for piece, count in sorted(seen.items(), key=lambda item: -item[1]):
+            if count >= min_count:
+                vocab[piece] = len(vocab)
+        vocabs[language] = vocab
+    for name, vocab in (("vocab-src.json", vocabs["en"]), ("vocab-tgt.json", vocabs["de"])):
+        (directory / name).write_text(json.dumps(vocab, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    (directory / "merges.txt").write_text("".join(f"{a} {b} {n}\n" for a, b, n in learned), encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "langs": ["en", "de"], "model_max_length": 1024, "do_lower_case": False, "tokenizer_class": "FSMTTokenizer",
+    }), encoding="utf-8")
+    config = transformers.FSMTConfig(
+        langs=["en", "de"], src_vocab_size=len(vocabs["en"]), tgt_vocab_size=len(vocabs["de"]),
+        max_position_embeddings=256, activation_function="relu", scale_embedding=True, tie_word_embeddings=False,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.1,
+        attention_dropout=0.0, activation_dropout=0.0,
+        **{**DEFAULT_SIZES, **sizes},
+    )
+    model = transformers.FSMTForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "layer_norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+        decoder = model.model.decoder
+        decoder.output_projection.weight.copy_(decoder.embed_tokens.weight)
+    model.eval()
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=0, decoder_start_token_id=2, eos_token_id=2, pad_token_id=1, max_length=200,
+    )
+    model.save_pretrained(str(directory))
+    logger.info("Wrote an FSMT stand-in checkpoint (%d + %d pieces, %d merges) to %s", len(vocabs["en"]),
+                len(vocabs["de"]), len(learned), directory)
+    return directory
+
+
 def _train(model, tokenizer, english, german, steps, batch_size, max_tokens, rng):
     import torch
 

@@ -7,11 +7,21 @@ that a converter can refuse a file with tensors it did not use.
 """
 
 import json
+import logging
 import pathlib
 
 import numpy as np
 
-from keras_transformer.convert import PICKLES, CheckpointError
+from keras_transformer.convert import HF_CONFIG_FILE, PICKLES, CheckpointError, read_hf_config
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face's `activation_function` -> Keras' (Marian, M2M-100 and FSMT name them alike).
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
+LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which every imported family uses
+# Overrides that keep a checkpoint's computation (anything else would change its shapes or its numbers).
+ALLOWED_OVERRIDES = ("dropout", "attention_dropout", "use_fused_attention", "max_sequence_length", "dtype", "name")
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def config_field(config, name, default=None):
@@ -25,6 +35,87 @@ def read_json(path):
         return json.loads(pathlib.Path(path).read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path} is not valid UTF-8 JSON: {error}") from None
+
+
+def read_tokenizer_config(directory):
+    """A checkpoint's tokenizer_config.json as a dict ({} where there is none)."""
+    path = pathlib.Path(directory) / TOKENIZER_CONFIG
+    if not path.is_file():
+        return {}
+    tokenizer_config = read_json(path)
+    if not isinstance(tokenizer_config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return tokenizer_config
+
+
+def refusal(config, path):
+    """`refuse(field, why)`: raises `CheckpointError` naming `path`, the field and its value in `config`."""
+    def refuse(field, why):
+        raise CheckpointError(f"{path}: {field}={config.get(field)!r} {why}")
+
+    return refuse
+
+
+def stack_arguments(config, path, default_activation, default_max_length):
+    """The `TransformerModel` arguments of both stacks from a BART-family config.json (Marian, M2M-100, FSMT).
+
+    Raises:
+        CheckpointError: naming the first field the model cannot express: an
+            unknown activation, stacks of different widths or head counts, a
+            d_model the heads do not divide.
+    """
+    refuse = refusal(config, path)
+    activation = config_field(config, "activation_function", default_activation)
+    if activation not in ACTIVATIONS:
+        refuse("activation_function", f"is not supported; supported: {', '.join(sorted(ACTIVATIONS))}")
+    for side in ("ffn_dim", "attention_heads"):
+        if config.get(f"encoder_{side}") != config.get(f"decoder_{side}"):
+            refuse(f"decoder_{side}", f"differs from encoder_{side}={config.get(f'encoder_{side}')!r}; "
+                   "TransformerModel has one size for both stacks")
+    for field in ("activation_dropout", "encoder_layerdrop", "decoder_layerdrop"):
+        if config_field(config, field, 0.0):
+            # Training-only: inference is exact, fine-tuning would not apply it.
+            logger.warning("%s: %s=%s is not applied by TransformerModel (training only; inference is exact)",
+                           path, field, config[field])
+    hidden_dim, num_heads = config.get("d_model"), config.get("encoder_attention_heads")
+    if not isinstance(hidden_dim, int) or not isinstance(num_heads, int) or num_heads < 1 or hidden_dim % num_heads:
+        refuse("d_model", f"must be an integer multiple of encoder_attention_heads={num_heads!r}")
+    return {
+        "num_layers": config.get("encoder_layers"),
+        "num_encoder_layers": config.get("encoder_layers"),
+        "num_decoder_layers": config.get("decoder_layers"),
+        "num_heads": num_heads,
+        "hidden_dim": hidden_dim,
+        "intermediate_dim": config.get("encoder_ffn_dim"),
+        "dropout": float(config_field(config, "dropout", 0.1)),
+        "attention_dropout": float(config_field(config, "attention_dropout", 0.0)),
+        "max_sequence_length": config_field(config, "max_position_embeddings", default_max_length),
+        "layer_norm_epsilon": LAYER_NORM_EPSILON,
+        "activation": ACTIVATIONS[activation],
+    }
+
+
+def load_family(cls, directory, overrides, family, name):
+    """The steps of every converter's `load`: a `cls` from a checkpoint directory, its tokenizer as `model.tokenizer`.
+
+    Args:
+        family: the converter module: `convert_config`, `convert_tokenizer`,
+            `vocabulary_sizes(tokenizer, arguments)` (the sizes the tokenizer
+            fixes: an added start row) and `convert_weights`.
+        name: the family, for the log line.
+    """
+    directory = pathlib.Path(directory)
+    config = read_hf_config(directory)
+    arguments = family.convert_config(config, directory / HF_CONFIG_FILE)
+    check_overrides(directory, overrides, ALLOWED_OVERRIDES)
+    tokenizer = family.convert_tokenizer(directory, config)
+    tensors = read_safetensors(directory)
+    arguments.update(family.vocabulary_sizes(tokenizer, arguments))
+    model = cls(**{**arguments, **overrides})
+    family.convert_weights(model, tensors, tokenizer, source=str(directory / "model.safetensors"))
+    model.tokenizer = tokenizer
+    logger.info("Imported the %s checkpoint %s (%d parameters)", name, directory, model.count_params())
+    return model
 
 
 def read_safetensors(directory):
