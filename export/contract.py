@@ -41,12 +41,14 @@ class UnsupportedModelError(ValueError):
     """The model uses something an export format cannot express (one line naming the option)."""
 
 
-def check_exportable(model, target):
-    """Raises `UnsupportedModelError` for a model no exporter carries yet: an imported NLLB-200 / M2M-100 or FSMT one.
+def check_exportable(model, target, languages=False):
+    """Raises `UnsupportedModelError` for an imported FSMT model, and an NLLB-200 / M2M-100 one unless the format carries it.
 
-    Its fairseq sinusoids, language codes and forced target-language token
-    are not in the exported graphs, the runtime or the CTranslate2 and
-    Marian layouts; an export would translate wrongly, so it is refused.
+    Such a model has fairseq's sinusoids, language codes and a target-language
+    code the search is forced to (`Translator.with_languages`), and its search
+    never picks the start id (`exclude_start_logit`). ONNX and CTranslate2
+    carry all of these (`languages=True`); a format that does not would
+    translate wrongly, so it is refused.
     """
     tokenizer = getattr(model, "tokenizer", None)
     if getattr(tokenizer, "format", None) == "fsmt":
@@ -55,11 +57,14 @@ def check_exportable(model, target):
             "have no SentencePiece or text-graph form, and its fairseq positions and excluded start logit are not "
             "in the exported graphs; translate it with keras_transformer.Translator"
         )
-    if (model.position_encoding == "sinusoidal_fairseq" or getattr(tokenizer, "format", None) == "nllb"
+    if languages:
+        return
+    if (model.position_encoding == "sinusoidal_fairseq" or hasattr(tokenizer, "with_languages")
             or getattr(model, "exclude_start_logit", False)):
         raise UnsupportedModelError(
             f"{target} export of an NLLB-200 / M2M-100 model (position_encoding='sinusoidal_fairseq', "
-            "exclude_start_logit, language codes) is not supported yet; translate it with keras_transformer.Translator (source_language=, "
+            "exclude_start_logit, language codes) is not supported; export it with python -m export.onnx or "
+            "python -m export.ctranslate2, or translate it with keras_transformer.Translator (source_language=, "
             "target_language=)"
         )
 

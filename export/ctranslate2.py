@@ -131,6 +131,20 @@ pieces = [[tokenizer.pieces()[i] for i in ids] for ids in tokenizer.encode(["A s
 results = translator.translate_batch(pieces, ...)   # the same options as above
 print(tokenizer.decode([[index[piece] for piece in results[0].hypotheses[0]]]))
 ```
+
+An imported NLLB-200 checkpoint's source starts with its language code and
+every translation with the target's (CTranslate2's `target_prefix`, as
+Hugging Face's `forced_bos_token_id`); validation translates the bundled
+sentences from eng_Latn to deu_Latn (`export.exporter.VALIDATION_LANGUAGES`):
+
+```python
+from keras_transformer.nllb_tokenizer import NllbTokenizer
+
+tokenizer = NllbTokenizer.load("exported/ct2").with_languages("eng_Latn", "fra_Latn")
+pieces = [tokenizer.source_pieces("A sentence.")]     # ["eng_Latn", ...]: CTranslate2 appends </s>
+results = translator.translate_batch(pieces, target_prefix=[["fra_Latn"]], ...)
+print(tokenizer.decode([[tokenizer.id_of(piece) for piece in results[0].hypotheses[0]]]))
+```
 """
 
 import logging
@@ -143,7 +157,7 @@ from export.contract import UnsupportedModelError, ValidationError  # noqa: F401
 from export.ctranslate2_spec import (  # noqa: F401
     ACTIVATIONS, CT2_CONFIG_FILE, FORMAT_VERSION, HEAD_DIM_CTRANSLATE2, METADATA_FILE, MIN_CTRANSLATE2, MODEL_FILE,
     SOURCE_VOCABULARY_FILE, SUPPRESSED_LOGIT, TARGET_VOCABULARY_FILE, VOCABULARY_FILE, _import_ctranslate2,
-    _is_marian, _set_cross_attention, _set_feedforward, _set_fused_linear, _set_layer_norm, _set_linear,
+    _set_cross_attention, _set_feedforward, _set_fused_linear, _set_layer_norm, _set_linear,
     _set_self_attention, _version_tuple, _what_it_is, activation, check_exportable, is_ctranslate2_export,
     max_decoding_length, model_spec, position_table, projection_bias, read_metadata, source_pieces, source_vocabulary,
     translation_options, vocabulary, vocabulary_files,
@@ -181,7 +195,7 @@ def _metadata(model, tokens, quantization, validation=None):
         "tokenizer_files": list(contract.tokenizer_files(model.tokenizer)) if model.tokenizer is not None else [],
         "source_input": (
             "SentencePiece pieces without the end piece (CTranslate2 appends it: add_source_eos)"
-            + (": source.spm's, after a leading >>xx<< piece" if _is_marian(model.tokenizer) else "")
+            + (model.tokenizer.source_input if model.tokenizer is not None else "")
         ),
         "suppressed_ids": {"ids": [model.pad_id, model.start_id], "projection_bias": SUPPRESSED_LOGIT},
         "logits_bias": "added to the projection bias" if model.logits_bias else None,
@@ -216,7 +230,7 @@ def _load_model(preset):
 
 EXPORTER = Exporter(
     "CTranslate2", "python -m export.ctranslate2", "a CTranslate2 model", is_ctranslate2_export,
-    int8_instead="--quantization int8 (CTranslate2's int8)",
+    int8_instead="--quantization int8 (CTranslate2's int8)", languages=True,
 )
 
 

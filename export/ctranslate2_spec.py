@@ -64,6 +64,11 @@ def _version_tuple(version):
 # ---------------------------------------------------------------------- #
 def check_exportable(model):
     """Raises `UnsupportedModelError` if CTranslate2 cannot compute what `model` computes."""
+    if getattr(model.tokenizer, "legacy_behaviour", False):
+        raise UnsupportedModelError(
+            "an NLLB tokenizer with legacy_behaviour=True (sources as 'tokens </s> [language]') cannot be exported "
+            "to CTranslate2, which appends </s> after the source itself; export it to ONNX (python -m export.onnx)"
+        )
     if model.attention_window is not None:
         raise UnsupportedModelError(
             f"attention_window={model.attention_window} (restricted self-attention, paper Table 1) "
@@ -349,10 +354,6 @@ def _what_it_is(directory):
             f"python -m export.ctranslate2 --preset {directory} --output CT2_DIR"
         )
     return "export the model with python -m export.ctranslate2"
-
-
-def _is_marian(tokenizer):
-    return tokenizer is not None and tokenizer.format == "marian"
 
 
 def is_ctranslate2_export(directory):

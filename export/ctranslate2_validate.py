@@ -19,7 +19,8 @@ from export.ctranslate2_spec import (
     CT2_CONFIG_FILE, METADATA_FILE, MODEL_FILE, _import_ctranslate2, max_decoding_length, read_metadata,
     source_pieces, source_vocabulary, translation_options, vocabulary, vocabulary_files,
 )
-from export.exporter import check_sentences, keras_outputs, validation_sources
+from export.exporter import check_sentences, keras_outputs, validation_sources, validation_tokenizer
+from keras_transformer.translator import forced_prefix
 
 logger = logging.getLogger("export.ctranslate2")
 
@@ -29,8 +30,11 @@ LOG_PROB_ATOL = 1e-3
 
 
 def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size, length_penalty,
-                         source_tokens=None):
-    """CTranslate2's tokens as ids, per row; rows of equal length share a call (one maximum length each)."""
+                         source_tokens=None, prefix=None):
+    """CTranslate2's tokens as ids, per row; rows of equal length share a call (one maximum length each).
+
+    `prefix`: None or the ids every output starts with (CTranslate2's `target_prefix`).
+    """
     index = {token: i for i, token in enumerate(tokens)}
     source_tokens = tokens if source_tokens is None else source_tokens
     outputs = [None] * len(ids)
@@ -41,6 +45,7 @@ def _ctranslate2_outputs(translator, tokens, ids, max_sequence_length, beam_size
     for length, rows in sorted(by_length.items()):
         results = translator.translate_batch(
             [[source_tokens[i] for i in ids[row]] for row in rows],
+            target_prefix=None if prefix is None else [[tokens[i] for i in prefix]] * len(rows),
             max_decoding_length=max_decoding_length(length, max_sequence_length),
             **options,
         )
@@ -178,10 +183,12 @@ def _validate(directory, model, sentences, beam_size, length_penalty, atol):
     # What the encoder receives: CTranslate2 maps each piece by its line in the
     # vocabulary and appends the end piece; ours is the tokenizer's ids + end.
     texts, ids = validation_sources(model, sentences)
-    if model.tokenizer is not None:
+    tokenizer = validation_tokenizer(model)  # a multilingual model's: bound to a language pair
+    prefix = forced_prefix(tokenizer)
+    if tokenizer is not None:
         index = {token: i for i, token in enumerate(source_tokens)}
         for text, row in zip(texts, ids):
-            pieces = source_pieces(model.tokenizer, text)[: len(row)]
+            pieces = source_pieces(tokenizer, text)[: len(row)]
             mapped = [index.get(piece, model.unk_id) for piece in pieces]
             if mapped != row:
                 raise ValidationError(f"The pieces of {text!r} map to ids {mapped}; the tokenizer gives {row}")
@@ -190,7 +197,7 @@ def _validate(directory, model, sentences, beam_size, length_penalty, atol):
         return repr(texts[row]) if texts is not None else f"ids {ids[row]}"
 
     translator = ctranslate2.Translator(str(directory), device="cpu", intra_threads=1, inter_threads=1)
-    keras_tokens = keras_outputs(model, ids, beam_size, length_penalty)
+    keras_tokens = keras_outputs(model, ids, beam_size, length_penalty, prefix=prefix)
 
     # Values: both engines' log-probabilities of the same (Keras') outputs.
     scored = translator.score_batch(
@@ -215,7 +222,7 @@ def _validate(directory, model, sentences, beam_size, length_penalty, atol):
         )
 
     ct2_outputs = _ctranslate2_outputs(translator, tokens, ids, model.max_sequence_length, beam_size, length_penalty,
-                                       source_tokens)
+                                       source_tokens, prefix)
     identical = sum(a == b for a, b in zip(keras_tokens, ct2_outputs))
     first_difference = None
     for row, (ours, theirs) in enumerate(zip(keras_tokens, ct2_outputs)):

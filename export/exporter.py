@@ -77,6 +77,8 @@ class Exporter:
             inference, kept out of traced graphs), or None to keep the
             preset's (a checkpoint that records it for fine-tuning).
         cli_errors: the exceptions `main` reports in one line (exit 1).
+        languages: whether the format carries a multilingual model's
+            language codes (an imported NLLB-200 one; `contract.check_exportable`).
     """
 
     target: str
@@ -87,6 +89,7 @@ class Exporter:
     int8_instead: Optional[str] = None
     dropout: Optional[float] = 0.0
     cli_errors: tuple = (FileNotFoundError, ValueError, ImportError)
+    languages: bool = False
 
     @property
     def logger(self):
@@ -168,7 +171,7 @@ class Exporter:
                 f"{argument} must be a preset name, a preset directory or a TransformerModel, "
                 f"received {type(preset).__name__}"
             )
-        contract.check_exportable(model, self.target)
+        contract.check_exportable(model, self.target, self.languages)
         refuse_quantized(model, self.command, self.int8_instead)
         return model
 
@@ -224,27 +227,48 @@ def float32(variable):
 # ---------------------------------------------------------------------- #
 # The validation sample
 # ---------------------------------------------------------------------- #
+# The language pair a multilingual model (NLLB-200) is validated on: the bundled corpus's (English -> German).
+VALIDATION_LANGUAGES = ("eng_Latn", "deu_Latn")
+
+
+def validation_tokenizer(model):
+    """The model's tokenizer as validation uses it: a multilingual one bound to `VALIDATION_LANGUAGES`.
+
+    (Or to its first two codes when it lacks them.) None without a tokenizer.
+    """
+    from keras_transformer.translator import bind_languages
+
+    tokenizer = model.tokenizer
+    if tokenizer is None or not hasattr(tokenizer, "with_languages"):
+        return tokenizer
+    codes = tokenizer.language_codes
+    pair = VALIDATION_LANGUAGES if set(VALIDATION_LANGUAGES) <= set(codes) else tuple(codes[:2])
+    return bind_languages(tokenizer, *pair)
+
+
 def validation_sources(model, count, seed=0):
     """`(texts or None, piece ids without the end id)` of `count` sources.
 
     With a tokenizer: sentences spread evenly over the bundled test split
     (for a multilingual Marian vocabulary, each led by one of its `>>xx<<`
-    target-language codes in turn, as its tokenizer requires); without:
+    target-language codes in turn, as its tokenizer requires; a multilingual
+    NLLB-200 one encodes them in `validation_tokenizer`'s pair); without:
     random ordinary ids (`[FIRST_ORDINARY_ID, V)`) of lengths 1-24.
     """
     from keras_transformer.tokenizer import FIRST_ORDINARY_ID
 
     limit = model.max_sequence_length - 1  # room for the end id
-    if model.tokenizer is not None:
+    tokenizer = validation_tokenizer(model)
+    if tokenizer is not None:
         from keras_transformer.datasets import load_bundled
 
         english, _ = load_bundled("test")
         picks = np.linspace(0, len(english) - 1, min(count, len(english))).round().astype(int)
         texts = [english[i] for i in picks]
-        codes = model.tokenizer.language_codes
-        if codes:
+        if tokenizer.language_codes and not hasattr(tokenizer, "with_languages"):
+            codes = tokenizer.language_codes
             texts = [f"{codes[i % len(codes)]} {text}" for i, text in enumerate(texts)]
-        ids = [row[:limit] for row in model.tokenizer.encode(texts, add_end=False)]
+        ids = [row[:limit] for row in tokenizer.encode(texts, add_end=False)]
         return texts, ids
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, min(24, limit) + 1, size=count)
@@ -252,17 +276,31 @@ def validation_sources(model, count, seed=0):
     return None, [rng.integers(FIRST_ORDINARY_ID, size, size=n).tolist() for n in lengths]
 
 
-def keras_outputs(model, ids, beam_size, length_penalty, max_extra_length=MAX_EXTRA_LENGTH):
-    """Our `generate` on `ids` (rows without the end id): generated ids without start and end, per row."""
+def keras_outputs(model, ids, beam_size, length_penalty, max_extra_length=MAX_EXTRA_LENGTH, prefix=None):
+    """Our search on `ids` (rows without the end id): generated ids without start and end, per row.
+
+    `prefix`: None, or ids every output starts with (a multilingual model's
+    target-language code, `translator.forced_prefix`): then the search of
+    `generate_hypotheses` with it as every row's target prefix, as
+    `Translator` runs it.
+    """
     batch = np.zeros((len(ids), max(len(row) for row in ids) + 1), np.int32)  # [B, S]
     for i, row in enumerate(ids):
         batch[i, : len(row)] = row
         batch[i, len(row)] = model.end_id
-    generated = model.generate(
-        batch, beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length
-    )
+    if prefix is None:
+        generated = model.generate(
+            batch, beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length
+        )
+    else:
+        from keras_transformer.generation import generate_hypotheses
+
+        generated = generate_hypotheses(
+            model, batch, beam_size=beam_size, length_penalty=length_penalty, max_extra_length=max_extra_length,
+            target_prefix=[list(prefix)] * len(ids),
+        ).sequences[:, 0]
     outputs = []
-    for row in generated.tolist():
+    for row in np.asarray(generated).tolist():
         row = row[1:]
         outputs.append(row[: row.index(model.end_id)] if model.end_id in row else row)
     return outputs

@@ -13,7 +13,12 @@ step: shape arithmetic, the cache re-stacked and copied). Per decoder layer
     x = LayerNorm(x + act(x W_1 + b_1) W_2 + b_2)
 
 (each `LayerNorm(x + y)` an `Add` and a `LayerNormalization`; below opset
-17, ONNX Runtime's `SkipLayerNormalization`).
+17, ONNX Runtime's `SkipLayerNormalization`). A pre-LN model (`normalize_first`,
+NLLB-200's) normalizes each sub-layer's input instead, `x + Sublayer(LayerNorm(x))`,
+and the decoder's output once more (`decoder_final_norm`) before the logits.
+A model whose search never picks the start id (`exclude_start_logit`: an
+imported NLLB-200 one, whose start id shares `</s>`'s embedding row) has
+`-inf` in that column of the logits' bias, as `decode_step` sets it.
 
 - The self-attention cache is one `[B*K, N, T, H]` buffer per layer for
   keys and one for values; `DecoderMaskedMultiHeadAttention` writes the
@@ -27,7 +32,7 @@ step: shape arithmetic, the cache re-stacked and copied). Per decoder layer
 
 The graph is checked against the Keras step when it is exported
 (`export/validate.py`): tokens equal on the bundled sentences. Models this
-graph does not cover (pre-LN, a restricted attention window, key and value
+graph does not cover (pre-LN below opset 17, a restricted attention window, key and value
 sizes that differ, another activation, a compute dtype other than float32)
 are refused by `fused_step_weights` with the reason; their export has no
 step driver graphs and the server runs the whole-search graphs.
@@ -52,11 +57,12 @@ class NotFusable(ValueError):
     """The model has a feature the fused step does not implement (the message says which)."""
 
 
-def fused_step_weights(model):
+def fused_step_weights(model, opset=17):
     """The decoder's weights as NumPy arrays for `build_fused_step`, or raises `NotFusable`.
 
     Args:
         model: a built `TransformerModel`.
+        opset: the export's opset (pre-LN needs ONNX's `LayerNormalization`, opset 17).
 
     Returns:
         dict: `embedding [V, D]`, `positions [P, D]` (the sinusoid table or
@@ -65,7 +71,9 @@ def fused_step_weights(model):
         decoder layer (`self_qkv [D, 3D]`, `self_qkv_bias`, `self_out`,
         `self_out_bias`, `self_norm` (gamma, beta), `cross_query`,
         `cross_query_bias`, `cross_out`, `cross_out_bias`, `cross_norm`,
-        `ffn_in`, `ffn_in_bias`, `ffn_out`, `ffn_out_bias`, `ffn_norm`).
+        `ffn_in`, `ffn_in_bias`, `ffn_out`, `ffn_out_bias`, `ffn_norm`),
+        `normalize_first`, `final_norm` (gamma, beta; pre-LN) or None and
+        `excluded_id` (the id whose logit is `-inf`) or None.
     """
     import keras
 
@@ -73,8 +81,8 @@ def fused_step_weights(model):
     from keras_transformer.model import SINUSOID_LAYOUT
 
     reasons = []
-    if model.normalize_first:
-        reasons.append("pre-LN (normalize_first=True)")
+    if model.normalize_first and opset < 17:
+        reasons.append(f"pre-LN (normalize_first=True) at opset {opset} (ONNX's LayerNormalization is opset 17)")
     if model.attention_window is not None:
         reasons.append(f"attention_window={model.attention_window}")
     if model.head_key_dim != model.head_value_dim:
@@ -85,7 +93,7 @@ def fused_step_weights(model):
     if model.compute_dtype != "float32":
         reasons.append(f"compute dtype {model.compute_dtype}")
     if reasons:
-        raise NotFusable("the fused decoder step covers post-LN float32 models only; this one has " + ", ".join(reasons))
+        raise NotFusable("the fused decoder step does not cover this model: it has " + ", ".join(reasons))
 
     def array(variable):
         return np.asarray(keras.ops.convert_to_numpy(variable), np.float32)
@@ -133,6 +141,9 @@ def fused_step_weights(model):
         "epsilon": float(model.layer_norm_epsilon),
         "activation": activation,
         "layers": layers,
+        "normalize_first": bool(model.normalize_first),
+        "final_norm": norm(model.decoder_final_norm) if model.normalize_first else None,
+        "excluded_id": int(model.start_id) if getattr(model, "exclude_start_logit", False) else None,
     }
 
 
@@ -179,6 +190,17 @@ class _StepGraph:
             return node("DynamicQuantizeMatMul", inputs, domain=MS_DOMAIN)
         y = node("MatMul", [x, const(name, kernel)])
         return y if bias is None else node("Add", [y, const(f"{name}_bias", bias)])
+
+    def layer_norm(self, x, norm, name):
+        """LayerNorm(x) (opset 17's `LayerNormalization`)."""
+        gamma, beta = (self.const(f"{name}_{part}", value) for part, value in zip(("gamma", "beta"), norm))
+        return self.node("LayerNormalization", [x, gamma, beta], axis=-1, epsilon=self.epsilon)
+
+    def sublayer(self, x, norm, name, normalize_first, body):
+        """`LayerNorm(x + body(x))` (post-LN) or `x + body(LayerNorm(x))` (pre-LN)."""
+        if normalize_first:
+            return self.node("Add", [x, body(self.layer_norm(x, norm, name))])
+        return self.residual_norm(body(x), x, norm, name)
 
     def residual_norm(self, sublayer_output, residual, norm, name):
         # LayerNorm(x + Sublayer(x)) (post-LN): an Add and a LayerNormalization, not ONNX Runtime's
@@ -254,46 +276,59 @@ def _embedding_nodes(graph, weights):
 
 def _decoder_layer_nodes(graph, i, layer, x, shapes, weights):
     """Decoder layer `i` on `x` [B*K, D] (the module docstring's equations); returns its output [B*K, D]."""
-    const, node, linear, residual_norm = graph.const, graph.node, graph.linear, graph.residual_norm
+    const, node, linear = graph.const, graph.node, graph.linear
     heads, head_dim = weights["num_heads"], weights["head_dim"]
     hidden = weights["embedding"].shape[1]
+    first = weights.get("normalize_first", False)
     p = f"layer_{i}"
-    qkv = linear(x, f"{p}_self_qkv", layer["self_qkv"], layer["self_qkv_bias"])
-    qkv = node("Reshape", [qkv, shapes.qkv])  # [B*K, 1, 3D]: one reshape, not one each for q, k and v
-    q, k, v = node("Split", [qkv, const("qkv_split", np.array([hidden] * 3, np.int64))], outputs=3, axis=2)
-    attended = node("DecoderMaskedMultiHeadAttention", [
-        q, k, v, "", "", f"self_key_{i}", f"self_value_{i}", shapes.past_length, shapes.beam_width,
-        "cache_indirection",
-    ], outputs=[f"{p}_self_attention", f"present_self_key_{i}", f"present_self_value_{i}"], domain=MS_DOMAIN,
-        num_heads=heads, past_present_share_buffer=1, scale=float(head_dim**-0.5))[0]
-    attended = node("Reshape", [attended, shapes.row])
-    x = residual_norm(linear(attended, f"{p}_self_out", layer["self_out"], layer["self_out_bias"]), x,
-                      layer["self_norm"], f"{p}_self_norm")
-    query = linear(x, f"{p}_cross_query", layer["cross_query"], layer["cross_query_bias"])
-    attended = node("MultiHeadAttention", [
-        node("Reshape", [query, shapes.source]), f"cross_key_{i}", f"cross_value_{i}", "",
-        "encoder_padding_mask",
-    ], domain=MS_DOMAIN, num_heads=heads, scale=float(head_dim**-0.5))  # [B, K, D]
-    attended = node("Reshape", [attended, shapes.row])
-    x = residual_norm(linear(attended, f"{p}_cross_out", layer["cross_out"], layer["cross_out_bias"]), x,
-                      layer["cross_norm"], f"{p}_cross_norm")
-    hidden_units = linear(x, f"{p}_ffn_in", layer["ffn_in"], layer["ffn_in_bias"])
-    if weights["activation"] == "relu":
-        hidden_units = node("Relu", [hidden_units])
-    elif weights["activation"] == "silu":
-        hidden_units = node("Mul", [hidden_units, node("Sigmoid", [hidden_units])])
-    else:
-        hidden_units = node("Gelu", [hidden_units], domain=MS_DOMAIN)
-    return residual_norm(linear(hidden_units, f"{p}_ffn_out", layer["ffn_out"], layer["ffn_out_bias"]), x,
-                         layer["ffn_norm"], f"{p}_ffn_norm")
+
+    def self_attention(y):
+        qkv = linear(y, f"{p}_self_qkv", layer["self_qkv"], layer["self_qkv_bias"])
+        qkv = node("Reshape", [qkv, shapes.qkv])  # [B*K, 1, 3D]: one reshape, not one each for q, k and v
+        q, k, v = node("Split", [qkv, const("qkv_split", np.array([hidden] * 3, np.int64))], outputs=3, axis=2)
+        attended = node("DecoderMaskedMultiHeadAttention", [
+            q, k, v, "", "", f"self_key_{i}", f"self_value_{i}", shapes.past_length, shapes.beam_width,
+            "cache_indirection",
+        ], outputs=[f"{p}_self_attention", f"present_self_key_{i}", f"present_self_value_{i}"], domain=MS_DOMAIN,
+            num_heads=heads, past_present_share_buffer=1, scale=float(head_dim**-0.5))[0]
+        attended = node("Reshape", [attended, shapes.row])
+        return linear(attended, f"{p}_self_out", layer["self_out"], layer["self_out_bias"])
+
+    def cross_attention(y):
+        query = linear(y, f"{p}_cross_query", layer["cross_query"], layer["cross_query_bias"])
+        attended = node("MultiHeadAttention", [
+            node("Reshape", [query, shapes.source]), f"cross_key_{i}", f"cross_value_{i}", "",
+            "encoder_padding_mask",
+        ], domain=MS_DOMAIN, num_heads=heads, scale=float(head_dim**-0.5))  # [B, K, D]
+        attended = node("Reshape", [attended, shapes.row])
+        return linear(attended, f"{p}_cross_out", layer["cross_out"], layer["cross_out_bias"])
+
+    def feedforward(y):
+        hidden_units = linear(y, f"{p}_ffn_in", layer["ffn_in"], layer["ffn_in_bias"])
+        if weights["activation"] == "relu":
+            hidden_units = node("Relu", [hidden_units])
+        elif weights["activation"] == "silu":
+            hidden_units = node("Mul", [hidden_units, node("Sigmoid", [hidden_units])])
+        else:
+            hidden_units = node("Gelu", [hidden_units], domain=MS_DOMAIN)
+        return linear(hidden_units, f"{p}_ffn_out", layer["ffn_out"], layer["ffn_out_bias"])
+
+    x = graph.sublayer(x, layer["self_norm"], f"{p}_self_norm", first, self_attention)
+    x = graph.sublayer(x, layer["cross_norm"], f"{p}_cross_norm", first, cross_attention)
+    return graph.sublayer(x, layer["ffn_norm"], f"{p}_ffn_norm", first, feedforward)
 
 
 def _logits_nodes(graph, x, weights, embedding):
     """The output `logits` [B*K, V] of `x` [B*K, D]."""
     from onnx import helper
 
+    if weights.get("final_norm") is not None:  # pre-LN: the decoder's output normalized once more
+        x = graph.layer_norm(x, weights["final_norm"], "decoder_final_norm")
     # The pre-softmax projection with the embedding matrix (section 3.4): x E^T (+ an imported model's bias).
     logits_bias = weights["logits_bias"]
+    if weights.get("excluded_id") is not None:  # -inf in the excluded id's column: its logit is -inf, as in decode_step
+        logits_bias = np.zeros(weights["embedding"].shape[0], np.float32) if logits_bias is None else logits_bias.copy()
+        logits_bias[weights["excluded_id"]] = -np.inf
     if graph.quantize == "int8":
         logits = graph.linear(x, "logits_projection", weights["embedding"].T, logits_bias)
         graph.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))

@@ -163,8 +163,9 @@ def feature_permutation(model):
 # Ids
 # ---------------------------------------------------------------------- #
 def _is_marian(tokenizer):
-    """Whether the tokenizer renumbers a Marian vocabulary (it has `marian_ids`: an imported checkpoint's)."""
-    return tokenizer is not None and tokenizer.marian_ids is not None
+    """Whether the tokenizer renumbers a Marian vocabulary (an imported checkpoint's: its ids are not its
+    SentencePiece model's; an NLLB tokenizer, the other kind, is refused before, by `check_exportable`)."""
+    return tokenizer is not None and not tokenizer.sentencepiece_ids
 
 
 class IdMap:

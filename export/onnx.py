@@ -25,7 +25,7 @@ are listed), traced by `export/graphs.py`, which `export/runtime.py` serves:
   `update_graph`, the same searches one update per call, for
   `export/steps.py`'s driver (rows that are done leave the batch; the cache
   grows with the output). Only for the models the fused step covers
-  (post-LN, float32; others keep the whole-search graphs, with a warning).
+  (float32, post-LN or pre-LN at opset 17; others keep the whole-search graphs, with a warning).
 
 tf2onnx converts each graph with the handlers of `export/tf2onnx_support.py`;
 then it is made leaner (`_convert`, with `export/graph_passes.py`): values the Loop
@@ -319,6 +319,7 @@ def is_onnx_export(directory):
 EXPORTER = Exporter(
     "ONNX", "python -m export.onnx", "an ONNX export", is_onnx_export,
     tensorflow_because="tf2onnx converts TensorFlow graphs", int8_instead="--quantize int8 (ONNX Runtime's int8)",
+    languages=True,
 )
 
 
@@ -385,7 +386,7 @@ def export_onnx(preset, output, opset=DEFAULT_OPSET, quantize=None, overwrite=Fa
 
         check_text_graph_support(model.tokenizer, preset if isinstance(preset, (str, os.PathLike)) else "the model")
     try:
-        fused = build_fused_step(fused_step_weights(model), quantize=quantize, opset=opset)
+        fused = build_fused_step(fused_step_weights(model, opset), quantize=quantize, opset=opset)
     except NotFusable as error:
         # The step driver needs the fused step; without it the server runs the whole-search graphs.
         logger.warning("No step driver graphs: %s", error)

@@ -23,7 +23,9 @@ over every row until the longest is done) remain for runtimes without
 Python (`translate.onnx`) and `driver="whole"`. `encode`, `init_cache` and
 `decode_step` run the protocol graphs for callers with a search of their
 own. `OnnxTranslator` adds the tokenizer stored in the
-directory (ours, or an imported Marian checkpoint's): text in, text out.
+directory (ours, or an imported Marian or NLLB-200 checkpoint's): text in,
+text out; a multilingual (NLLB-200) model's languages are named per call
+(`source_language=`, `target_language=`), as on `Translator`.
 
 Example:
 
@@ -41,10 +43,12 @@ translator.translate(["A sentence."], target_prefix=["Ein"])
 translator.translate(["A sentence."], beam_size=1, sampling_topk=10, seed=1)
 translator.score(["A sentence."], ["Ein Satz."])   # teacher-forced log-probabilities, as on Keras
 translator.translate_file("test.en.gz", "test.de", max_batch_tokens=4096)
+OnnxTranslator("exported/nllb").translate(["A sentence."], source_language="eng_Latn", target_language="fra_Latn")
 ```
 
 ```
 echo "A sentence." | python -m export.runtime --model exported/onnx --beam-size 4
+echo "A sentence." | python -m export.runtime --model exported/nllb --source-language eng_Latn --target-language fra_Latn
 python -m export.runtime --model exported/onnx --src test.en.gz --output test.de --max-batch-tokens 4096
 ```
 """
@@ -73,6 +77,7 @@ from keras_transformer.token_ids import check_id_range  # noqa: E402
 from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer  # noqa: E402
 from keras_transformer.translate import (  # noqa: E402
     add_file_arguments,
+    add_language_arguments,
     add_search_arguments,
     check_file_arguments,
     search_options,
@@ -616,7 +621,7 @@ class OnnxTranslator(Translator):
     Args:
         directory: written by `python -m export.onnx` from a preset with a
             tokenizer (`keras_transformer.tokenizer.load_tokenizer`: ours, or
-            an imported Marian checkpoint's).
+            an imported Marian or NLLB-200 checkpoint's).
         providers, intra_op_threads, optimized_cache: as `OnnxSeq2Seq`.
 
     Example:
@@ -630,7 +635,7 @@ class OnnxTranslator(Translator):
         tokenizer = load_tokenizer(directory)
         if tokenizer is None:
             raise FileNotFoundError(
-                f"{directory} has no {TOKENIZER_FILENAME} (nor an imported checkpoint's Marian tokenizer); export a "
+                f"{directory} has no {TOKENIZER_FILENAME} (nor an imported checkpoint's tokenizer); export a "
                 "preset directory or checkpoint that holds its tokenizer to translate text (OnnxSeq2Seq works on "
                 "ids without one)"
             )
@@ -659,6 +664,7 @@ def main(argv=None):
     )
     add_optimized_cache_arguments(parser)
     add_file_arguments(parser)
+    add_language_arguments(parser)
     parser.add_argument("--verbose", action="store_true", help="show ONNX Runtime's provider choice")
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
@@ -670,6 +676,7 @@ def main(argv=None):
         check_file_arguments(args)
         options = search_options(args)  # before loading the model: a bad value is refused at once, in one line
         translator = OnnxTranslator(args.model, intra_op_threads=args.threads, optimized_cache=optimized_cache(args))
+        translator = translator.with_languages(args.source_language, args.target_language)
         # Empty lines translate to empty lines, so the output lines up with the input.
         count = translate_lines(translator, args, options=options)
     except (ValueError, OSError) as error:

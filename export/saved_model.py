@@ -187,7 +187,7 @@ def _in_graph_tokenizer(module, tokenizer):
     def before_end(sequences):
         return tf.equal(tf.cumsum(tf.cast(tf.equal(sequences, end_id), tf.int32), axis=1), 0)
 
-    if tokenizer.format != "marian":
+    if tokenizer.sentencepiece_ids:
         # The end id is appended by the caller, after cutting to max_sequence_length.
         module.tokenizer = tokenizer.tf_text_tokenizer(add_start=False, add_end=False)
 

@@ -251,7 +251,7 @@ def _validation_texts(tokenizer, limit):
     pieces = [tokenizer.decode([[i]])[0] for i in range(first, min(tokenizer.vocabulary_size, first + 36))]
     words = [piece for piece in pieces if piece.strip()]
     texts = ["", "  ", " ".join(words[:3]), " ".join(words[3:12]) + ".", "Größe, ça, naïve, 東京."]
-    if tokenizer.format == "marian":
+    if not tokenizer.sentencepiece_ids:  # a Marian vocabulary (check_tokenizer refuses the other kinds)
         added = list(marian_source_model(tokenizer).added[:6])
         texts += [">>xx<< " + " ".join(words[:3]), " ".join(words[:2] + added) + " " + "".join(added)]
     if limit <= 64:  # A source cut at max_sequence_length (longer searches would be slow here).

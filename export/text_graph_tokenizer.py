@@ -167,8 +167,16 @@ def check_tokenizer(tokenizer):
     Our shared `Tokenizer` always works. A `MarianTokenizer` does, but for a
     multilingual vocabulary (`>>xx<<` target-language codes): the graph
     cannot refuse a text without its code as `MarianTokenizer.encode` does.
+    A tokenizer whose languages are named per call (`with_languages`: an
+    imported NLLB-200 checkpoint's) does not: the graph has no language inputs.
     """
-    if tokenizer.format != "marian":
+    if hasattr(tokenizer, "with_languages"):
+        raise ValueError(
+            f"translate.onnx does not support this multilingual model ({len(tokenizer.language_codes)} language "
+            "codes named per call; the graph has no source_language / target_language inputs); translate with "
+            "export.runtime.OnnxTranslator(directory).translate(texts, source_language=..., target_language=...)"
+        )
+    if tokenizer.sentencepiece_ids:
         return
     if tokenizer.language_codes:
         raise ValueError(
@@ -334,7 +342,7 @@ def _decode_row_graph(graph, sequences, row_of, tokenizer, pad_id, start_id, end
     row_is_end = node("Cast", [row_is_end], [name("row_is_end_int")], to=TensorProto.INT32)
     ends_so_far = node("CumSum", [row_is_end, graph.const("axis_0_", 0, np.int64)], [name("ends_so_far")])
     before_end = node("Equal", [ends_so_far, graph.const("zero_i", 0, np.int32)], [name("before_end")])
-    if tokenizer.format == "marian":
+    if not tokenizer.sentencepiece_ids:  # a Marian vocabulary (`check_tokenizer`)
         ordinary = node("GreaterOrEqual", [row, graph.const("first_ordinary_i", FIRST_ORDINARY_ID, np.int32)],
                         [name("row_is_ordinary")])
         keep = node("And", [before_end, ordinary], [name("row_keep")])
@@ -402,7 +410,7 @@ def _source_nodes(graph, tokenizer, config):
     """Steps 1 and 2 for either tokenizer: `text` -> `encoder_token_ids`; returns `has_pieces`."""
     limit = int(config["max_sequence_length"])
     pad_id, end_id = int(config["pad_id"]), int(config["end_id"])
-    if tokenizer.format == "marian":
+    if not tokenizer.sentencepiece_ids:  # a Marian vocabulary (`check_tokenizer`)
         ragged, leads = _marian_tokenize_nodes(graph, tokenizer)
         return _pad_nodes(graph, ragged, pad_id, end_id, limit, leads=leads, lead_id=int(config["unk_id"]))
     return _pad_nodes(graph, _tokenize_nodes(graph, tokenizer.proto), pad_id, end_id, limit)

@@ -130,7 +130,8 @@ class FsmtTokenizer:
 
     format = "fsmt"
     FILES = FILES  # `save` writes them; the last is the one `load_tokenizer` recognises
-    marian_ids = None  # no Marian vocabulary (see `checkpoint_ids`)
+    sentencepiece_ids = False  # Moses + BPE pieces looked up in vocab-src.json, renumbered (`checkpoint_ids`)
+    source_input = ": Moses-tokenized BPE pieces (vocab-src.json's)"
 
     def __init__(self, source_vocab, target_vocab, merges, languages, do_lower_case=False, pad_token="<pad>",
                  unk_token="<unk>", end_token="</s>", bos_token="<s>"):

@@ -126,6 +126,8 @@ class MarianTokenizer:
     # What `keras_transformer.tokenizer.Tokenizer` also answers (callers ask instead of checking the type).
     format = "marian"
     FILES = FILES  # `save` writes them; the last is the one `load_tokenizer` recognises
+    sentencepiece_ids = False  # source.spm's pieces looked up in vocab.json, renumbered (`marian_ids`)
+    source_input = ": source.spm's, after a leading >>xx<< piece"
 
     def __init__(self, source_proto, target_proto, vocab, pad_token="<pad>", unk_token="<unk>", end_token="</s>",
                  start_token=None, target_vocab=None, languages=None):

@@ -82,7 +82,8 @@ class NllbTokenizer:
 
     format = "nllb"
     FILES = FILES
-    marian_ids = None  # no Marian vocabulary (see `checkpoint_ids`)
+    sentencepiece_ids = False  # fairseq's ids, renumbered (`checkpoint_ids`)
+    source_input = ": the source language code first; target_prefix: the target language code"
 
     def __init__(self, proto, added_tokens, language_codes, vocabulary_size, legacy_behaviour=False, start_id=2):
         try:
@@ -191,8 +192,15 @@ class NllbTokenizer:
         return bound
 
     def source_pieces(self, text):
-        """The pieces of one text (str), without language or end tokens, as `encode` cuts them."""
-        return self._processor.encode(text, out_type=str)
+        """The pieces of one source text (str) as CTranslate2 is given them: no end piece (it appends it).
+
+        Bound to a source language (`with_languages`), the language code
+        first, as `encode` puts it; unbound, the text's pieces alone.
+        """
+        pieces = self._processor.encode(text, out_type=str)
+        if self.source_language is None or self.legacy_behaviour:
+            return pieces
+        return [self.source_language] + pieces
 
     def encode(self, texts, add_start=False, add_end=True, target=False):
         """Text to our ids, as Hugging Face's `NllbTokenizer` with the bound languages (then renumbered).

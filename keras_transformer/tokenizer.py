@@ -252,11 +252,13 @@ class Tokenizer:
     ```
     """
 
-    # What `keras_transformer.marian_tokenizer.MarianTokenizer` also answers, so callers ask instead of
-    # checking the type: the format, the files `save` writes, and the Marian-only parts, empty here.
+    # What every tokenizer answers (`MarianTokenizer`, `NllbTokenizer` too), so that callers ask instead of
+    # checking its type: the format, the files `save` writes, whether its ids are its SentencePiece model's
+    # own (an in-graph SentencePiece op gives them), and what `source_pieces` gives CTranslate2.
     format = "sentencepiece"
     FILES = (TOKENIZER_FILENAME,)
-    marian_ids = None  # no renumbered checkpoint vocabulary
+    sentencepiece_ids = True
+    source_input = ""  # SentencePiece's pieces, nothing more
 
     def __init__(self, proto):
         if not isinstance(proto, (bytes, bytearray)):

@@ -5,6 +5,7 @@ No training framework is imported here: the ONNX Runtime server
 """
 
 import contextlib
+import copy
 import functools
 import inspect
 import itertools
@@ -269,27 +270,12 @@ class Translator:
                 without both languages, or an unknown code; a language
                 given to a model that has no language codes.
         """
-        bind = getattr(self.tokenizer, "with_languages", None)
-        if bind is None:
-            if source_language is None and target_language is None:
-                return self
-            given = "source_language" if source_language is not None else "target_language"
-            raise ValueError(f"{given}={source_language or target_language!r}: this model translates one language "
-                             "pair and has no language codes; leave source_language and target_language out")
-        tokenizer = bind(source_language or self.tokenizer.source_language,
-                         target_language or self.tokenizer.target_language)
-        tokenizer.check_language("source_language", tokenizer.source_language)
-        tokenizer.check_language("target_language", tokenizer.target_language)
-        if tokenizer.source_language == self.tokenizer.source_language and \
-                tokenizer.target_language == self.tokenizer.target_language:
+        tokenizer = bind_languages(self.tokenizer, source_language, target_language)
+        if tokenizer is self.tokenizer:
             return self
-        return type(self)(self.model, tokenizer)
-
-    def _forced_prefix(self):
-        """The ids every translation starts with (a multilingual model's target-language code), or None."""
-        if getattr(self.tokenizer, "target_language", None) is None:
-            return None
-        return self.tokenizer.encode([""], add_start=False, add_end=False, target=True)[0]
+        bound = copy.copy(self)  # the same model (and, for a subclass such as OnnxTranslator, its other state)
+        bound.tokenizer = tokenizer
+        return bound
 
     def encode(self, texts, first_index=0):
         """Source ids as training sees them: tokens + end id, no start id.
@@ -702,10 +688,7 @@ class Translator:
                     f"texts[{first_index + i}] must be a str, received {type(text).__name__}: {text!r}"
                 )
         results = ["" if num_hypotheses is None else [] for _ in texts]
-        forced = self._forced_prefix()
-        if forced is not None:  # a multilingual model: each translation starts with the target code (its own prefix too)
-            prefixes = [(prefixes[i] if prefixes is not None and prefixes[i] else forced) if text.strip() else None
-                        for i, text in enumerate(texts)]
+        prefixes = with_forced_prefix(self.tokenizer, texts, prefixes)
         sources = self.encode(texts, first_index)
         # Empty strings (nothing but the end id) translate to empty strings.
         todo = [i for i, ids in enumerate(sources) if len(ids) > 1 and texts[i].strip()]
@@ -917,6 +900,58 @@ class Translator:
                     )
                 bar.update(len(batch))
         return results
+
+
+def bind_languages(tokenizer, source_language=None, target_language=None):
+    """`tokenizer` bound to a language pair (`Translator.with_languages`' rule), or `tokenizer` itself.
+
+    A multilingual tokenizer (one with `with_languages`: NLLB-200's) needs
+    both languages, given here or bound before; a tokenizer of one language
+    pair takes neither.
+
+    Raises:
+        ValueError: one line naming the codes: a multilingual tokenizer
+            without both languages, or an unknown code; a language given to
+            a tokenizer that has no language codes.
+    """
+    bind = getattr(tokenizer, "with_languages", None)
+    if bind is None:
+        if source_language is None and target_language is None:
+            return tokenizer
+        given = "source_language" if source_language is not None else "target_language"
+        raise ValueError(f"{given}={source_language or target_language!r}: this model translates one language "
+                         "pair and has no language codes; leave source_language and target_language out")
+    bound = bind(source_language or tokenizer.source_language, target_language or tokenizer.target_language)
+    bound.check_language("source_language", bound.source_language)
+    bound.check_language("target_language", bound.target_language)
+    if (bound.source_language, bound.target_language) == (tokenizer.source_language, tokenizer.target_language):
+        return tokenizer
+    return bound
+
+
+def forced_prefix(tokenizer):
+    """The ids every translation starts with (a bound multilingual tokenizer's target-language code), or None.
+
+    Hugging Face's `forced_bos_token_id`: the search is given it as a
+    target prefix, so Keras, ONNX Runtime and CTranslate2 force it alike.
+    """
+    if getattr(tokenizer, "target_language", None) is None:
+        return None
+    return tokenizer.encode([""], add_start=False, add_end=False, target=True)[0]
+
+
+def with_forced_prefix(tokenizer, texts, prefixes):
+    """Per text its target prefix's ids, the forced target-language code where it has none (`forced_prefix`).
+
+    `prefixes`: None or per text None or ids (a prefix encoded as a target
+    starts with the code already). Returned unchanged for a tokenizer that
+    forces nothing; an empty text keeps None (it is not searched).
+    """
+    forced = forced_prefix(tokenizer)
+    if forced is None:
+        return prefixes
+    return [(prefixes[i] if prefixes is not None and prefixes[i] else forced) if text.strip() else None
+            for i, text in enumerate(texts)]
 
 
 def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=None, texts_name="texts"):

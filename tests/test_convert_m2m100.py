@@ -12,8 +12,10 @@ translations.
 """
 
 import json
+import re
 import shutil
 
+import keras
 import numpy as np
 import pytest
 
@@ -375,12 +377,184 @@ def test_missing_or_other_tokenizers_are_refused(nllb_random, tmp_path):
         kt.TransformerModel.from_preset(directory)
 
 
-def test_exporters_refuse_an_nllb_model_in_one_line(imported_random):
+def test_the_saved_model_exporter_refuses_an_nllb_model_in_one_line(imported_random):
     from export.contract import UnsupportedModelError, check_exportable
+    from export.text_graph import check_text_graph_support
 
-    with pytest.raises(UnsupportedModelError, match="ONNX export of an NLLB-200 / M2M-100 model .* not supported"):
-        check_exportable(imported_random, "ONNX")
-    from export import ctranslate2
+    with pytest.raises(UnsupportedModelError, match=r"SavedModel export of an NLLB-200 .* not supported; export it "
+                                                    r"with python -m export.onnx or python -m export.ctranslate2"):
+        check_exportable(imported_random, "SavedModel")
+    check_exportable(imported_random, "ONNX", languages=True)
+    with pytest.raises(ValueError, match=r"translate.onnx does not support this multilingual model \(202 language "
+                                         r"codes named per call.*OnnxTranslator\(directory\)") as error:
+        check_text_graph_support(imported_random.tokenizer, "nllb", validate=False)
+    assert "\n" not in str(error.value)
 
-    with pytest.raises(UnsupportedModelError, match="CTranslate2 export of an NLLB-200"):
-        ctranslate2._load_model(imported_random)
+
+# ---------------------------------------------------------------------- #
+# Exports (TensorFlow lane): ONNX and CTranslate2 give Keras' tokens
+# ---------------------------------------------------------------------- #
+PAIRS = [(SOURCE, TARGET), (TARGET, "fra_Latn")]
+tensorflow_lane = pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="the exports trace TensorFlow graphs")
+
+
+@pytest.fixture(scope="module")
+def nllb_onnx(request, nllb_trained):
+    """`nllb_trained` exported by `export.onnx` (validated at export), built once per machine and code."""
+    pytest.importorskip("tf2onnx")
+    from conftest import build_once, source_key
+    from export.onnx import export_onnx
+
+    key = source_key("export/*.py", "keras_transformer/**/*.py", "keras_transformer/convert/standin.py",
+                     packages=("tensorflow", "keras", "tf2onnx", "onnx", "onnxruntime", "transformers", "torch"))
+    return build_once(request, "nllb-onnx", key, lambda directory: export_onnx(nllb_trained, directory))
+
+
+@pytest.mark.tensorflow_only
+@tensorflow_lane
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_onnx_export_gives_keras_tokens_for_two_language_pairs(nllb_onnx, imported_trained, beam_size):
+    """The fused step (pre-LN, final norm, the start id's -inf logit) is in the export; the step driver's tokens
+    are Keras' for each pair: the source prefixed with its code, the search forced to the target code."""
+    from export.runtime import OnnxTranslator
+
+    assert "fused_decoder_step" in json.loads((nllb_onnx / "config.json").read_text())["graphs"]
+    onnx_translator = OnnxTranslator(nllb_onnx, providers=["CPUExecutionProvider"], intra_op_threads=1)
+    assert onnx_translator.model.driver == "steps"
+    keras_translator = kt.Translator(imported_trained, imported_trained.tokenizer)
+    for source, target in PAIRS:
+        languages = dict(source_language=source, target_language=target)
+        theirs = onnx_translator.translate_hypotheses(SENTENCES, beam_size=beam_size, **languages)
+        ours = keras_translator.translate_hypotheses(SENTENCES, beam_size=beam_size, **languages)
+        assert [h[0].token_ids for h in theirs] == [h[0].token_ids for h in ours]
+        assert all(h[0].token_ids[0] == imported_trained.tokenizer.id_of(target) for h in theirs)
+        assert onnx_translator.translate(SENTENCES, beam_size=beam_size, **languages) == [h[0].text for h in ours]
+
+
+@pytest.fixture(scope="module")
+def nllb_ct2(request, nllb_trained):
+    """`nllb_trained` exported by `export.ctranslate2` (validated at export), built once per machine and code."""
+    pytest.importorskip("ctranslate2")
+    from conftest import build_once, source_key
+    from export.ctranslate2 import export_ctranslate2
+
+    key = source_key("export/*.py", "keras_transformer/**/*.py", "keras_transformer/convert/standin.py",
+                     packages=("keras", "ctranslate2", "transformers", "torch"))
+    return build_once(request, "nllb-ct2", key, lambda directory: export_ctranslate2(nllb_trained, directory))
+
+
+@pytest.mark.tensorflow_only
+@tensorflow_lane
+@pytest.mark.parametrize("beam_size, length_penalty", [(1, 0.6), (4, 0.0)])
+def test_ctranslate2_export_gives_keras_tokens_for_two_language_pairs(nllb_ct2, imported_trained, beam_size,
+                                                                       length_penalty):
+    """CTranslate2 given `[source code] pieces` (it appends </s>) and the target code as its target prefix gives
+    Keras' tokens, greedy and beam (length penalty 0: CTranslate2's penalty is not GNMT's)."""
+    import ctranslate2
+
+    from export.ctranslate2 import max_decoding_length, translation_options
+
+    metadata = json.loads((nllb_ct2 / "keras_transformer.json").read_text())
+    assert metadata["validation"]["identical"] == metadata["validation"]["sentences"] == 32
+    assert "target_prefix: the target language code" in metadata["source_input"]
+    translator = ctranslate2.Translator(str(nllb_ct2), device="cpu", intra_threads=1, inter_threads=1)
+    tokenizer = NllbTokenizer.load(nllb_ct2)
+    keras_translator = kt.Translator(imported_trained, imported_trained.tokenizer)
+    for source, target in PAIRS:
+        bound = tokenizer.with_languages(source, target)
+        pieces = [bound.source_pieces(text) for text in SENTENCES]
+        assert [[bound.id_of(piece) for piece in row] for row in pieces] == bound.encode(SENTENCES, add_end=False)
+        results = translator.translate_batch(
+            pieces, target_prefix=[[target]] * len(pieces),
+            max_decoding_length=max_decoding_length(max(map(len, pieces)), imported_trained.max_sequence_length),
+            **translation_options(beam_size, length_penalty, imported_trained.max_sequence_length),
+        )
+        theirs = [[bound.id_of(token) for token in result.hypotheses[0]] for result in results]
+        ours = keras_translator.translate_hypotheses(SENTENCES, beam_size=beam_size, length_penalty=length_penalty,
+                                                     source_language=source, target_language=target)
+        assert theirs == [h[0].token_ids[:-1] for h in ours]  # CTranslate2 leaves out the end token
+
+
+class _Recording:
+    """An engine that records each search's language pair and texts (its bound copies record into the same list)."""
+
+    def __init__(self, engine, languages=None, searches=None):
+        self.engine, self.languages, self.searches = engine, languages, [] if searches is None else searches
+
+    def with_languages(self, source_language=None, target_language=None):
+        bound = self.engine.with_languages(source_language, target_language)
+        return _Recording(bound, (source_language, target_language), self.searches)
+
+    def translate(self, texts, options, **kwargs):
+        self.searches.append((self.languages, list(texts)))
+        return self.engine.translate(texts, options, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.tensorflow_only
+@tensorflow_lane
+@pytest.mark.parametrize("engine_name", ["onnxruntime", "ctranslate2"])
+def test_the_server_answers_for_two_language_pairs_and_searches_each_pair_apart(nllb_onnx, nllb_ct2, engine_name):
+    """Requests of two pairs arrive together: each search holds one pair, each answer is OnnxTranslator's (greedy:
+    CTranslate2 gives the same tokens); missing or unknown codes are one-line 400s naming them."""
+    import concurrent.futures
+
+    pytest.importorskip("uvicorn")
+    from test_serve import InProcessServer, post
+
+    from export import serve
+    from export.runtime import OnnxTranslator
+
+    directory = nllb_onnx if engine_name == "onnxruntime" else nllb_ct2
+    engine = _Recording(serve.load_engine(directory, engine_name))
+    running = InProcessServer(engine, max_extra_length=20, max_delay_ms=1000, beam_size=1)
+    try:
+        del engine.searches[:]  # the warm-up's
+        requests = [{"text": SENTENCES[i % 2: i % 2 + 2], "source_language": source, "target_language": target}
+                    for i, (source, target) in enumerate(PAIRS * 2)]
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            responses = list(pool.map(lambda payload: post(running.url, payload), requests))
+        reference = OnnxTranslator(nllb_onnx, providers=["CPUExecutionProvider"], intra_op_threads=1)
+        for payload, response in zip(requests, responses):
+            assert response.status_code == 200, response.text
+            languages = {name: payload[name] for name in ("source_language", "target_language")}
+            assert response.json()["translations"] == reference.translate(
+                payload["text"], beam_size=1, max_extra_length=20, **languages)
+        by_pair = {}
+        for languages, texts in engine.searches:
+            by_pair.setdefault(languages, []).extend(texts)
+        assert {pair: sorted(texts) for pair, texts in by_pair.items()} == {
+            pair: sorted(t for p in requests if (p["source_language"], p["target_language"]) == pair for t in p["text"])
+            for pair in PAIRS}
+        assert len(engine.searches) < len(requests)  # requests of a pair shared a search
+        refusals = [({}, r"this model translates between 202 languages: name the source_language .*zul_Latn$"),
+                    ({"source_language": SOURCE}, "name the target_language"),
+                    ({"source_language": SOURCE, "target_language": "xx_Latn"},
+                     r"^target_language='xx_Latn' is not one of this model's 202 language codes: ace_Arab"),
+                    ({"source_language": 3, "target_language": TARGET}, "source_language must be a language code")]
+        for fields, message in refusals:
+            response = post(running.url, {"text": ["Hello."], **fields})
+            assert response.status_code == 400 and re.search(message, response.json()["error"]), response.text
+            assert "\n" not in response.json()["error"]
+    finally:
+        running.close()
+
+
+@pytest.mark.tensorflow_only
+@tensorflow_lane
+def test_the_runtime_command_takes_the_language_pair(nllb_onnx):
+    from conftest import run_command
+    from export.runtime import OnnxTranslator
+
+    text = "\n".join(SENTENCES[:2]) + "\n"
+    result = run_command("export.runtime", "--model", str(nllb_onnx), "--beam-size", "1", "--source-language", TARGET,
+                         "--target-language", "fra_Latn", input=text)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == OnnxTranslator(nllb_onnx).translate(
+        SENTENCES[:2], beam_size=1, source_language=TARGET, target_language="fra_Latn")
+    refused = run_command("export.runtime", "--model", str(nllb_onnx), "--source-language", SOURCE, input=text)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        "python -m export.runtime: error: this model translates between 202 languages: name the target_language")

@@ -413,7 +413,7 @@ def test_an_unknown_driver_is_refused_and_the_cpu_steps(exported, onnx_model):
 
 
 def test_models_the_fused_step_does_not_cover_are_named_and_served_by_the_whole_search(exported, tmp_path):
-    """No fused step (pre-LN, a window, ...): the export has no step driver graphs and the server runs the
+    """No fused step (pre-LN below opset 17, a window, ...): the export has no step driver graphs and the server runs the
     whole-search graphs; asking for the step driver says why it cannot."""
     from export.fused_step import NotFusable, fused_step_weights
     from keras_transformer.model import TransformerModel
@@ -422,8 +422,10 @@ def test_models_the_fused_step_does_not_cover_are_named_and_served_by_the_whole_
         vocabulary_size=60, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16, normalize_first=True,
         attention_window=3,
     )
-    with pytest.raises(NotFusable, match=r"post-LN float32 models only; this one has pre-LN .*attention_window=3"):
+    with pytest.raises(NotFusable, match=r"does not cover this model: it has attention_window=3$"):
         fused_step_weights(model)
+    with pytest.raises(NotFusable, match=r"it has pre-LN \(normalize_first=True\) at opset 16 .*attention_window=3"):
+        fused_step_weights(model, opset=16)
     copy = copy_of(exported, tmp_path)
     config = json.loads((copy / "config.json").read_text())
     for name in contract.STEP_DRIVER_GRAPHS:

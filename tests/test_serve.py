@@ -538,17 +538,19 @@ def test_a_request_without_an_answer_in_time_gets_504_and_leaves_the_queue(gated
 
 
 def test_a_batch_grows_from_the_oldest_towards_the_nearest_lengths_within_its_limits():
-    """`Batcher._take` on waiting sentences of given token counts (negative: other search options)."""
+    """`Batcher._take` on waiting sentences of given token counts (negative: other search options; `pairs`: each
+    sentence's language pair)."""
     from export.serve.batching import Batcher, _Item
 
-    def batches(lengths, **settings):
+    def batches(lengths, pairs=None, **settings):
         batcher = Batcher(None, serve.ServerSettings(**settings), None, None)
         for i, n in enumerate(lengths):
-            job = types.SimpleNamespace(options=serve.SearchOptions(1 if n < 0 else 4, 0.6, 0))
+            options = serve.SearchOptions(1 if n < 0 else 4, 0.6, 0)
+            job = types.SimpleNamespace(options=options, group=(options, None if pairs is None else pairs[i]))
             batcher.pending.append(_Item(job, i, abs(n)))
         taken = []
         while batcher.pending:
-            batch, padded = batcher._take(batcher.pending[0].job.options)
+            batch, padded = batcher._take(batcher.pending[0].job.group)
             assert padded == len(batch) * max(item.tokens for item in batch)
             taken.append([item.index for item in batch])
         return taken
@@ -561,6 +563,9 @@ def test_a_batch_grows_from_the_oldest_towards_the_nearest_lengths_within_its_li
     # Other options never join; a sentence over the budget goes alone.
     assert batches([5, -5, 5, -5]) == [[0, 2], [1, 3]]
     assert batches([300, 5], max_batch_tokens=100, max_padding=10) == [[0], [1]]
+    # Nor do other language pairs (a multilingual model's sources and forced target code differ).
+    pairs = [("eng_Latn", "deu_Latn"), ("eng_Latn", "fra_Latn"), ("eng_Latn", "deu_Latn"), ("deu_Latn", "fra_Latn")]
+    assert batches([5, 5, 5, 5], pairs) == [[0, 2], [1], [3]]
 
 
 def test_a_model_that_fails_its_warm_up_is_never_ready():
@@ -1291,6 +1296,18 @@ def test_the_queue_wait_histogram_counts_each_searched_sentence(server):
         assert re.search(rf"^{gauge} 0$", after, re.M), gauge  # idle
     assert "# TYPE kt_serve_queue_wait_seconds histogram" in after
     assert "# TYPE kt_serve_dropped_sentences_total counter" in after
+
+
+def test_language_fields_are_refused_in_one_line_for_a_model_without_language_codes(server):
+    """A model of one language pair (the ONNX engine: `Translator.with_languages`' rule; an engine without
+    `with_languages`: the app's) answers 400 naming the field."""
+    response = post(server.url, {"text": ["the cat sees a dog."], "target_language": "deu_Latn"})
+    assert response.status_code == 400
+    assert response.json() == {"error": "target_language='deu_Latn': this model translates one language pair and has "
+                                        "no language codes; leave source_language and target_language out"}
+    with pytest.raises(serve.app.RequestError, match="this model translates one language pair"):
+        serve.app.bound_engine(GatedEngine(), ("eng_Latn", None))
+    assert serve.app.bound_engine(GatedEngine(), None).name == "gated"
 
 
 # --------------------------------------------------------------------------- #

@@ -222,9 +222,10 @@ def test_both_tokenizers_answer_the_same_questions(kind, request):
     assert tokenizer.language_codes == []
     assert isinstance(tokenizer.source_proto, bytes) and isinstance(tokenizer.target_proto, bytes)
     if kind == "tokenizer":
-        assert tokenizer.marian_ids is None
+        assert tokenizer.sentencepiece_ids and tokenizer.source_input == ""
         assert tokenizer.source_proto == tokenizer.target_proto == tokenizer.proto
     else:
+        assert not tokenizer.sentencepiece_ids and ">>xx<<" in tokenizer.source_input
         assert len(tokenizer.marian_ids) == tokenizer.vocabulary_size
         assert tokenizer.source_proto != tokenizer.target_proto
     # source_pieces are the pieces encode numbers (a piece outside the vocabulary is unk), without the end.

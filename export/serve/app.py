@@ -24,6 +24,7 @@ FIELDS = {
     "text": None, "beam_size": None, "num_hypotheses": "num_hypotheses", "target_prefix": "target_prefix",
     "sampling_topk": "sampling", "sampling_topp": "sampling", "sampling_temperature": "sampling", "seed": "sampling",
     "split_sentences": None, "max_extra_length": None, "timeout_ms": None, "stream": None,
+    "source_language": None, "target_language": None,
 }
 SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SearchOptions) if FIELDS.get(f.name) == "sampling"}
 RETRY_AFTER_SECONDS = 1
@@ -59,8 +60,46 @@ _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a num
 
 def warm_up_text(engine):
     """`WARM_UP_TEXT`, led by a target-language code where the engine's tokenizer requires one (multilingual Marian)."""
-    codes = getattr(getattr(engine, "tokenizer", None), "language_codes", None)
-    return f"{codes[0]} {WARM_UP_TEXT}" if codes else WARM_UP_TEXT
+    tokenizer = getattr(engine, "tokenizer", None)
+    codes = getattr(tokenizer, "language_codes", None)
+    return f"{codes[0]} {WARM_UP_TEXT}" if codes and not hasattr(tokenizer, "with_languages") else WARM_UP_TEXT
+
+
+def warm_up_engine(engine):
+    """The engine the warm-up translates with: a multilingual (NLLB-200) model's bound to its first two codes."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if not hasattr(tokenizer, "with_languages"):
+        return engine
+    codes = tokenizer.language_codes
+    return engine.with_languages(codes[0], codes[min(1, len(codes) - 1)])
+
+
+def languages_option(payload):
+    """The request's `(source_language, target_language)`, or None when it names neither; each a string (400)."""
+    languages = tuple(payload.get(name) for name in ("source_language", "target_language"))
+    for name, value in zip(("source_language", "target_language"), languages):
+        if value is not None and not isinstance(value, str):
+            raise RequestError(400, f"{name} must be a language code (a string), received {_json_type(value)}",
+                               "bad_request")
+    return None if languages == (None, None) else languages
+
+
+def bound_engine(engine, languages):
+    """`engine` for a request's language pair (`with_languages`), or `RequestError` (400) in one line naming the codes.
+
+    A multilingual model's engine needs both languages; any other takes
+    neither (an engine without `with_languages` has no language codes).
+    """
+    bind = getattr(engine, "with_languages", None)
+    try:
+        if bind is None:
+            if languages is not None:
+                raise ValueError("source_language / target_language: this model translates one language pair and has "
+                                 "no language codes; leave them out")
+            return engine
+        return bind(*(languages or (None, None)))
+    except ValueError as error:
+        raise RequestError(400, str(error), "bad_request") from None
 
 
 def _json_type(value):
@@ -295,7 +334,7 @@ class Service:
                     self.settings.patience,
                 )
                 await self._loop.run_in_executor(
-                    self._executor, self.engine.translate, [warm_up_text(self.engine)], options
+                    self._executor, warm_up_engine(self.engine).translate, [warm_up_text(self.engine)], options
                 )
         except Exception as error:  # noqa: BLE001 - reported, and the server stops
             self.failure = f"the model failed to translate a warm-up sentence: {type(error).__name__}: {error}"
@@ -357,14 +396,14 @@ class Service:
                 "body_timeout",
             ) from None
 
-    def _split(self, texts, split_sentences):
-        """`documents.split_texts` of a request's texts (None when not asked), parts cut to the engine's limit."""
+    def _split(self, texts, split_sentences, engine):
+        """`documents.split_texts` of a request's texts (None when not asked), parts cut to `engine`'s limit."""
         if split_sentences is False:
             return None
         from keras_transformer import documents
 
-        limit = getattr(self.engine, "max_sequence_length", None)
-        tokenizer = getattr(self.engine, "tokenizer", None)
+        limit = getattr(engine, "max_sequence_length", None)
+        tokenizer = getattr(engine, "tokenizer", None)
 
         def fits(part):  # source tokens + end id within the model's positions (count_tokens caps at the limit)
             return len(tokenizer.encode([part], add_start=False, add_end=True)[0]) <= limit
@@ -398,23 +437,26 @@ class Service:
             )
             timeout_ms = timeout_option(payload, self.settings)
             streamed = stream_option(payload)
-            split = self._split(texts, split_sentences_option(payload, options, target_prefix))
+            languages = languages_option(payload)
+            engine = bound_engine(self.engine, languages)  # the pair's tokenizer counts, splits and checks prefixes
+            split = self._split(texts, split_sentences_option(payload, options, target_prefix), engine)
             if split is not None:
                 texts = split.units  # the sentences are what the batcher and the engine see
             info["sentences"] = len(texts)
             if target_prefix is not None:
                 try:  # a prefix too long for the model, or one for an empty text: this request's error only
                     # (engines.py: `encode_target_prefix`, the translator's own check)
-                    self.engine.check_target_prefix(texts, target_prefix)
+                    engine.check_target_prefix(texts, target_prefix)
                 except (ValueError, TypeError) as error:
                     raise RequestError(400, str(error), "bad_request") from None
             try:  # the tokenizer refuses a text (a multilingual model's text without its >>xx<< code)
-                counts = self.engine.count_tokens(texts)
+                counts = engine.count_tokens(texts)
             except ValueError as error:
                 raise RequestError(400, str(error), "bad_request") from None
             tokens = [count if text.strip() else 0 for text, count in zip(texts, counts)]
             try:
-                job = self.batcher.submit(texts, tokens, options, target_prefix, info.get("request_id"), streamed)
+                job = self.batcher.submit(texts, tokens, options, target_prefix, info.get("request_id"), streamed,
+                                          languages if engine is not self.engine else None)
             except QueueFull as error:
                 raise RequestError(503, str(error), "queue_full", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
             expired = None

@@ -1,4 +1,4 @@
-"""Dynamic batching: the waiting sentences of all requests, grouped by search options into searches."""
+"""Dynamic batching: the waiting sentences of all requests, grouped by search options and language pair into searches."""
 
 import asyncio
 import contextlib
@@ -16,7 +16,7 @@ class QueueFull(Exception):
 
 
 class _Job:
-    """One request's sentences: its options and target prefixes (or None), a future for its translations.
+    """One request's sentences: its options, target prefixes and language pair (or None), a future for its translations.
 
     `abandoned` turns true (on the event loop) when nobody waits for the
     answer any more; the worker thread reads it while searching. A streamed
@@ -25,9 +25,12 @@ class _Job:
     each result and at the end.
     """
 
-    def __init__(self, texts, options, future, arrival, target_prefix=None, request_id=None, stream=False):
+    def __init__(self, texts, options, future, arrival, target_prefix=None, request_id=None, stream=False,
+                 languages=None):
         self.texts, self.options, self.future, self.arrival = texts, options, future, arrival
-        self.target_prefix, self.request_id, self.stream = target_prefix, request_id, stream
+        self.target_prefix, self.request_id, self.stream, self.languages = target_prefix, request_id, stream, languages
+        # What a search shares: the options and the language pair (a multilingual model's sources and forced code).
+        self.group = (options, languages)
         self.abandoned = False
         # What a text without a search (nothing to translate) gets: no translation, or no hypotheses.
         self.results = [[] if options.num_hypotheses is not None else "" for _ in texts]
@@ -60,7 +63,7 @@ class _Item:
 class Batcher:
     """Groups the waiting sentences of all requests into searches; runs them in one worker thread.
 
-    The oldest waiting sentence picks the options of the next batch and
+    The oldest waiting sentence picks the options (and language pair) of the next batch and
     always goes; the batch adds the waiting sentences with those options
     nearest to it in length while rows x longest row stays within
     `max_batch_tokens` and padding within `max_padding` (`_take`). It starts once that many tokens are
@@ -93,7 +96,7 @@ class Batcher:
         self.running_dropped = 0  # of them, those whose request was abandoned
         self._arrived = asyncio.Event()
 
-    def submit(self, texts, tokens, options, target_prefix=None, request_id=None, stream=False):
+    def submit(self, texts, tokens, options, target_prefix=None, request_id=None, stream=False, languages=None):
         """Queues the texts with `tokens > 0`; returns a job whose future gives every text's translation.
 
         Texts with 0 tokens (nothing to translate) get "" (no hypotheses:
@@ -101,12 +104,15 @@ class Batcher:
         per text (checked by the engine before). `request_id` names the
         request in log lines. `stream`: the job's texts are told one by
         one, as they leave the search (`_Job.answered`, `_Job.changed`).
+        `languages`: None, or a multilingual model's `(source_language,
+        target_language)` (checked by the engine's `with_languages` before):
+        only sentences of the same pair share a search.
 
         Raises:
             QueueFull: the sentences do not fit in the queue (nothing queued).
         """
         loop = asyncio.get_running_loop()
-        job = _Job(texts, options, loop.create_future(), loop.time(), target_prefix, request_id, stream)
+        job = _Job(texts, options, loop.create_future(), loop.time(), target_prefix, request_id, stream, languages)
         items = [_Item(job, i, count) for i, count in enumerate(tokens) if count > 0]
         job.answered = [i for i, count in enumerate(tokens) if count <= 0]
         if self.queued + len(items) > self.settings.max_queue:
@@ -175,10 +181,10 @@ class Batcher:
 
         return flags
 
-    def _waiting_tokens(self, options):
-        return sum(item.tokens for item in self.pending if item.job.options == options)
+    def _waiting_tokens(self, group):
+        return sum(item.tokens for item in self.pending if item.job.group == group)
 
-    def _take(self, options):
+    def _take(self, group):
         """The next batch: the oldest waiting item and those with its options nearest to it in length.
 
         A search runs every row for as many steps as the longest row needs
@@ -192,8 +198,8 @@ class Batcher:
         Returns:
             `(items in arrival order, padded tokens)`.
         """
-        budget, slack, extra = self.settings.max_batch_tokens, self.settings.max_padding, options.max_extra_length
-        eligible = [item for item in self.pending if item.job.options == options]
+        budget, slack, extra = self.settings.max_batch_tokens, self.settings.max_padding, group[0].max_extra_length
+        eligible = [item for item in self.pending if item.job.group == group]
         by_length = sorted(eligible, key=lambda item: item.tokens)  # stable: arrival order among equals
         steps = [0]  # steps[i]: the first i rows' own steps
         for item in by_length:
@@ -230,18 +236,18 @@ class Batcher:
                 await self._arrived.wait()
                 continue
             first = self.pending[0]
-            options = first.job.options
+            options, languages = group = first.job.group
             remaining = first.job.arrival + delay - loop.time()
             if (
                 remaining > 0
                 and not self.draining
-                and self._waiting_tokens(options) < self.settings.max_batch_tokens
+                and self._waiting_tokens(group) < self.settings.max_batch_tokens
             ):
                 self._arrived.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._arrived.wait(), remaining)
                 continue  # the queue may have changed: look again
-            batch, padded = self._take(options)
+            batch, padded = self._take(group)
             now = loop.time()
             for item in batch:
                 self.metrics.queue_wait.observe(now - item.job.arrival)
@@ -258,8 +264,10 @@ class Batcher:
             self.running, self.running_dropped = batch, 0
             start = time.perf_counter()
             try:
+                # A language pair (checked when the request came) binds the engine's tokenizer for this search.
+                engine = self.engine if languages is None else self.engine.with_languages(*languages)
                 outputs = await loop.run_in_executor(
-                    self.executor, functools.partial(self.engine.translate, texts, options, **extra)
+                    self.executor, functools.partial(engine.translate, texts, options, **extra)
                 )
                 if len(outputs) != len(texts):
                     raise RuntimeError(f"the engine returned {len(outputs)} translations for {len(texts)} texts")

@@ -18,9 +18,14 @@ was abandoned), asked after each step. An engine whose search reports
 texts as their rows leave it says `streams_rows = True`; its `translate`
 then takes `finished=` (`Translator.translate`'s: `finished(index, result)`
 once per text as soon as its result is final, from the search's thread).
-Another engine's results are the batch's, when `translate` returns.
+Another engine's results are the batch's, when `translate` returns. An
+engine whose model may be multilingual has `with_languages(source_language,
+target_language)`: the engine bound to a pair (itself for a model of one pair
+and no languages; one-line `ValueError` naming the codes otherwise,
+`Translator.with_languages`' rule).
 """
 
+import copy
 import json
 import os
 import pathlib
@@ -56,10 +61,18 @@ class OnnxRuntimeEngine:
         self.tokenizer = self.translator.tokenizer
         self.max_sequence_length = self.translator.model.max_sequence_length
 
+    def with_languages(self, source_language=None, target_language=None):
+        """This engine with its translator bound to a language pair (`Translator.with_languages`)."""
+        translator = self.translator.with_languages(source_language, target_language)
+        if translator is self.translator:
+            return self
+        bound = copy.copy(self)  # the same sessions
+        bound.translator, bound.tokenizer = translator, translator.tokenizer
+        return bound
+
     def count_tokens(self, texts):
         """Source tokens of each text, end token included, at most `max_sequence_length` (longer are cut)."""
-        ids = self.tokenizer.encode(texts, add_start=False, add_end=True)
-        return [min(len(row), self.max_sequence_length) for row in ids]
+        return count_tokens(self.tokenizer, self.max_sequence_length, texts)
 
     def check_target_prefix(self, texts, target_prefix):
         """`check_target_prefix` (below) with the translator's tokenizer."""
@@ -123,7 +136,7 @@ class CTranslate2Engine:
 
         self.directory = pathlib.Path(directory)
         metadata = read_metadata(self.directory)
-        # Ours (tokenizer.model) or an imported checkpoint's MarianTokenizer.
+        # Ours (tokenizer.model) or an imported checkpoint's (Marian's, NLLB-200's).
         self.tokenizer = load_tokenizer(self.directory)
         if self.tokenizer is None:
             raise FileNotFoundError(
@@ -144,17 +157,31 @@ class CTranslate2Engine:
             str(self.directory), device="cpu", intra_threads=threads or 1, inter_threads=1
         )
 
+    def with_languages(self, source_language=None, target_language=None):
+        """This engine with its tokenizer bound to a language pair (`translator.bind_languages`)."""
+        from keras_transformer.translator import bind_languages
+
+        tokenizer = bind_languages(self.tokenizer, source_language, target_language)
+        if tokenizer is self.tokenizer:
+            return self
+        bound = copy.copy(self)  # the same CTranslate2 translator
+        bound.tokenizer = tokenizer
+        return bound
+
     def count_tokens(self, texts):
-        ids = self.tokenizer.encode(texts, add_start=False, add_end=True)
-        return [min(len(row), self.max_sequence_length) for row in ids]
+        return count_tokens(self.tokenizer, self.max_sequence_length, texts)
 
     def check_target_prefix(self, texts, target_prefix):
         """`check_target_prefix` (below) with this engine's tokenizer."""
         return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
 
     def translate(self, texts, options, target_prefix=None):
+        from keras_transformer.translator import with_forced_prefix
+
         rows = self.tokenizer.encode(texts, add_start=False, add_end=False)
-        prefixes = self.check_target_prefix(texts, target_prefix) or [None] * len(texts)
+        # A multilingual model's translations start with the target code (CTranslate2's target_prefix).
+        prefixes = with_forced_prefix(self.tokenizer, texts, self.check_target_prefix(texts, target_prefix))
+        prefixes = prefixes or [None] * len(texts)
         results = [""] * len(texts)
         # Empty texts translate to empty strings without a search, as Translator.translate.
         todo = [i for i, row in enumerate(rows) if row and texts[i].strip()]
@@ -177,6 +204,12 @@ class CTranslate2Engine:
         for i, text in zip(todo, decoded):
             results[i] = text
         return results
+
+
+def count_tokens(tokenizer, max_sequence_length, texts):
+    """Source tokens of each text, end token included, at most `max_sequence_length` (longer are cut)."""
+    ids = tokenizer.encode(texts, add_start=False, add_end=True)
+    return [min(len(row), max_sequence_length) for row in ids]
 
 
 def check_target_prefix(tokenizer, max_sequence_length, texts, target_prefix):
