@@ -148,8 +148,7 @@ class _TreeBuilder(html.parser.HTMLParser):
         self.open[-1].children.append(node)
 
     def handle_starttag(self, tag, attrs):
-        while self.open[-1].tag in _ENDED_BY and tag in _ENDED_BY[self.open[-1].tag]:
-            self._close()
+        self._end_implied(tag)
         self.count += 1
         attributes = dict(attrs)
         parent = self.open[-1]
@@ -164,6 +163,17 @@ class _TreeBuilder(html.parser.HTMLParser):
                 line, _ = self.getpos()
                 raise ValueError(f"{self.name} nests elements more than {MAX_DEPTH} deep (line {line}); the limit "
                                  f"is {MAX_DEPTH}")
+
+    def _end_implied(self, tag):
+        """Closes the element that `tag`'s start ends (`<li>` an open `<li>`), with the inline elements inside it."""
+        for depth in range(len(self.open) - 1, 0, -1):
+            element = self.open[depth]
+            if tag in _ENDED_BY.get(element.tag, ()):
+                while len(self.open) > depth:
+                    self._close()
+                return
+            if element.tag not in INLINE:
+                return
 
     def handle_startendtag(self, tag, attrs):
         self.handle_starttag(tag, attrs)
@@ -332,8 +342,8 @@ def joined(split, translations):
 
 
 def _collect_runs(root):
-    """The runs of the tree, each put in place of its nodes among its parent's children (no recursion)."""
-    runs, stack = [], [root]
+    """The runs of the tree in document order, each put in place of its nodes among its parent's children."""
+    stack = [root]
     while stack:
         element = stack.pop()
         children, group = [], []
@@ -342,8 +352,7 @@ def _collect_runs(root):
                 group.append(child)
                 continue
             if any(_has_text(node) for node in group):
-                runs.append(_Run(group))
-                children.append(runs[-1])
+                children.append(_Run(group))
             else:
                 children.extend(group)
             group = []
@@ -352,7 +361,7 @@ def _collect_runs(root):
                 if isinstance(child, _Element) and not child.opaque:
                     stack.append(child)
         element.children = children
-    return runs
+    return [node for node in _walk(root) if isinstance(node, _Run)]
 
 
 def _unit(run):
@@ -424,21 +433,27 @@ def _shared(a, b):
     return a[:size]
 
 
-def _serialize(root):
-    """The tree written back (no recursion): tags and markup as written, runs as translated."""
-    out, stack = [], [root]
+def _walk(root):
+    """The tree's nodes in document order, each element's end tag (a str) after its children (no recursion)."""
+    stack = [root]
     while stack:
         node = stack.pop()
-        if isinstance(node, str):
-            out.append(node)
-        elif isinstance(node, (_Text, _Markup)):
-            out.append(node.raw)
-        elif isinstance(node, _Run):
-            out.append(node.output)
-        else:
-            out.append(node.start)
+        yield node
+        if isinstance(node, _Element):
             stack.append(node.end)
             stack.extend(reversed(node.children))
+
+
+def _serialize(root):
+    """The tree written back: tags and markup as written, runs as translated."""
+    out = []
+    for node in _walk(root):
+        if isinstance(node, str):
+            out.append(node)
+        elif isinstance(node, _Element):
+            out.append(node.start)
+        else:
+            out.append(node.output if isinstance(node, _Run) else node.raw)
     return "".join(out)
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from keras_transformer import documents
+from keras_transformer import documents, markup
 from keras_transformer.alignment import hard_alignment, word_alignment
 from keras_transformer.decoding import LENGTH_BUCKET, check_prefix_length
 from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
@@ -323,8 +323,9 @@ class Translator:
         target_language=None,
         cancelled=None,
         finished=None,
+        format="text",
     ):
-        """Translates a list of sentences (or of documents, with `split_sentences`).
+        """Translates a list of sentences (or of documents, with `split_sentences`; or of HTML, with `format`).
 
         Args:
             texts: list of str (a single str is treated as a list of one).
@@ -387,6 +388,15 @@ class Translator:
                 each text when its row leaves the search, others when its
                 batch is done (an empty text at once). Not with
                 `split_sentences`.
+            format: "text" (the default) or "html": each text is HTML (a
+                fragment or a document) and its translation HTML of the same
+                kind: the text of each block is translated as one input (cut
+                into sentences with `split_sentences`), inline tags are put
+                around the target words aligned to the words they enclosed,
+                and markup, entities and untranslatable elements are kept
+                (`keras_transformer.markup`). The model must give alignments
+                (`return_alignment`). Not with `target_prefix`, `cancelled`
+                or `finished`.
 
         Returns:
             list of str, in the order of `texts`.
@@ -397,8 +407,12 @@ class Translator:
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         texts = _texts(texts, "texts")
         options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
+        markup.check_format(format, target_prefix, cancelled=cancelled, finished=finished)
         if split_sentences is not False:
             _check_split_sentences(split_sentences, target_prefix)
+        if format == "html":
+            return self._translate_html(texts, options, batch_size, max_batch_tokens, progress, split_sentences)
+        if split_sentences is not False:
             for name, given in (("cancelled", cancelled), ("finished", finished)):
                 if given is not None:
                     raise ValueError(f"{name} cannot be used with split_sentences (it is per text, not per sentence)")
@@ -411,6 +425,20 @@ class Translator:
                 texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, cancelled=cancelled,
                 finished=finished,
             )
+
+    def _translate_html(self, texts, options, batch_size, max_batch_tokens, progress, split_sentences):
+        """`translate(..., format="html")`: `markup.translate_html` over aligned translations of the units."""
+        self._check_alignment(True)
+
+        def aligned(units):
+            with _progress_bar(progress, total=len(units), desc="Translating", unit=" sentences") as bar:
+                found = self._translate(units, options, batch_size, max_batch_tokens, bar, num_hypotheses=1,
+                                        align=True)
+            return [hypotheses[0] if hypotheses else None for hypotheses in found]
+
+        split = None if split_sentences is False else functools.partial(self.split_texts,
+                                                                         split_sentences=split_sentences)
+        return markup.translate_html(texts, aligned, split)
 
     def split_texts(self, texts, split_sentences=True):
         """`documents.split_texts` of `texts` (each checked to be a str), parts cut to the model's source limit.
