@@ -14,6 +14,7 @@ python -m keras_transformer.translate --preset runs/small --src test.en --output
 echo "A sentence." | python -m keras_transformer.translate --preset opus_mt_en_de    # downloaded once
 echo "A sentence." | python -m keras_transformer.translate --preset nllb-dir --source-language eng_Latn --target-language fra_Latn
 echo "A sentence." | python -m keras_transformer.translate --preset runs/small --quantize int8   # Keras' int8
+python -m keras_transformer.translate --preset runs/small --format html --src page.html --output page.de.html
 ```
 """
 
@@ -31,8 +32,10 @@ from keras_transformer.textio import (  # noqa: E402
     check_text_file,
     iter_lines,
     read_lines,
+    split_lines,
     write_lines,
 )
+from keras_transformer.markup import FORMATS  # noqa: E402
 from keras_transformer.search.options import DEFAULTS, SearchOptions, resolve  # noqa: E402
 from keras_transformer.translator import DEFAULT_WINDOW, Translator  # noqa: E402  (no framework: NumPy)
 from keras_transformer.utils import positive_int  # noqa: E402
@@ -95,6 +98,11 @@ def add_file_arguments(parser):
              "spacing (sentencex's rules; LANG, e.g. de, for that language's abbreviations; default English)",
     )
     parser.add_argument(
+        "--format", choices=FORMATS, default="text",
+        help="text (default): one text per line; html: the whole input is one HTML page (or fragment), written "
+             "back with its markup and the text of each block translated (keras_transformer.markup)",
+    )
+    parser.add_argument(
         "--patience", type=float, default=None,
         help="beam search: stop a sentence once round(beam size x PATIENCE) hypotheses ended, as CTranslate2 "
              "(1 is its default); without it, the exact search: stop when no live beam can win",
@@ -125,6 +133,16 @@ def translate_lines(translator, args, options=None, **search):
     `options`: the `SearchOptions`; by default `search_options(args, **search)`.
     """
     options = search_options(args, **search) if options is None else resolve(options, **search)
+    if getattr(args, "format", "text") == "html":  # one document: read whole, translated in one call
+        page = "\n".join(iter_lines(args.src))
+        batching = dict(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens,
+                        progress=show_progress(args), split_sentences=getattr(args, "split_sentences", False))
+        lines = split_lines(translator.translate([page], options=options, format="html", **batching)[0])
+        if args.output is not None:
+            return write_lines(args.output, lines, overwrite=args.overwrite)
+        sys.stdout.writelines(line + "\n" for line in lines)
+        sys.stdout.flush()
+        return len(lines)
     batching = dict(batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, window=args.window,
                     progress=show_progress(args), options=options,
                     split_sentences=getattr(args, "split_sentences", False))
