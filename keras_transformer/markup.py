@@ -310,9 +310,14 @@ def translate_html(texts, translate, split=None, name="texts"):
     else:
         sentences = split(units)
         found = joined(sentences, list(translate(sentences.units)) if sentences.units else [])
+    return render_pages(pages, found)
+
+
+def render_pages(pages, translations):
+    """Each `Page` rendered with its part of `translations` (one per unit of all pages, in order)."""
     results, start = [], 0
     for page in pages:
-        results.append(page.render(found[start:start + len(page.units)]))
+        results.append(page.render(translations[start:start + len(page.units)]))
         start += len(page.units)
     return results
 

@@ -227,3 +227,50 @@ def test_a_model_trained_to_copy_keeps_each_tag_on_its_word():
     pages = ["<p>the <b>cat</b> sees a dog</p>", "<p>my <i>old bird</i> eats <a href='#'>a red ball</a></p>",
              "<h1><b>the <i>big</i> fish</b> likes</h1><pre>the cat</pre><p>a dog <em>eats</em></p>"]
     assert kt.Translator(model, tokenizer).translate(pages, format="html", beam_size=1) == pages
+
+
+# --------------------------------------------------------------------------- #
+# The command and the server
+# --------------------------------------------------------------------------- #
+def test_the_command_translates_a_page_as_the_translator_does(tiny_preset_dir, keras_translator, tmp_path, capsys):
+    from keras_transformer import translate
+
+    page = tmp_path / "page.html"
+    page.write_text("<html><body><h1>the <b>cat</b></h1>\n<p>a dog <i>sees</i> my bird.</p></body></html>\n")
+    translate.main(["--preset", str(tiny_preset_dir), "--format", "html", "--beam-size", "1", "--max-extra-length",
+                    "3", "--src", str(page), "--no-progress"])
+    expected = keras_translator.translate([page.read_text()[:-1]], format="html", beam_size=1, max_extra_length=3)
+    assert capsys.readouterr().out == expected[0] + "\n"
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the ONNX export runs on the TensorFlow backend (test_serve.py)")
+def test_the_server_answers_html_as_the_onnx_translator_and_refuses_in_one_line(tiny_onnx_export):
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    from export import serve
+    from export.runtime import OnnxTranslator
+    from test_serve import InProcessServer, post
+
+    running = InProcessServer(serve.load_engine(tiny_onnx_export), max_extra_length=4, max_delay_ms=20,
+                              request_timeout=10, max_text_chars=5000)
+    try:
+        pages = [PAGES["nested inline"].replace("One two three", "the cat sees"), PAGES["untranslatable"], "",
+                 "<p>the <b>old fish</b> likes <a href='#'>a red ball</a>. a dog sees <i>the cat</i>.</p>"]
+        translator = OnnxTranslator(tiny_onnx_export, providers=["CPUExecutionProvider"])
+        for split in (False, True):
+            answer = post(running.url, {"text": pages, "format": "html", "split_sentences": split})
+            assert answer.status_code == 200, answer.text
+            assert answer.json() == {"translations": translator.translate(
+                pages, format="html", split_sentences=split, beam_size=4, max_extra_length=4)}
+        for extra, message in (
+            ({"text": ["<div>" * 600]}, f"text[0] nests elements more than {MAX_DEPTH} deep (line 1); the limit is "
+                                        f"{MAX_DEPTH}"),
+            ({"text": ["<p>x</p>" * 1000]}, "text[0] has 8000 characters; the limit is 5000 (--max-text-chars)"),
+            ({"text": ["<p>x</p>"], "target_prefix": ["the"]}, 'format "html" cannot be used with target_prefix'),
+            ({"text": ["<p>x</p>"], "stream": True}, 'format "html" cannot be used with stream'),
+            ({"text": ["<p>x</p>"], "format": "xml"}, "format must be \"text\" or \"html\", received 'xml'"),
+        ):
+            answer = post(running.url, {"format": "html", **extra})
+            assert (answer.status_code, answer.json()) == (400, {"error": message})
+    finally:
+        running.close()

@@ -24,7 +24,7 @@ FIELDS = {
     "text": None, "beam_size": None, "num_hypotheses": "num_hypotheses", "target_prefix": "target_prefix",
     "sampling_topk": "sampling", "sampling_topp": "sampling", "sampling_temperature": "sampling", "seed": "sampling",
     "split_sentences": None, "max_extra_length": None, "timeout_ms": None, "stream": None,
-    "source_language": None, "target_language": None,
+    "source_language": None, "target_language": None, "format": "format",
 }
 SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SearchOptions) if FIELDS.get(f.name) == "sampling"}
 RETRY_AFTER_SECONDS = 1
@@ -251,6 +251,30 @@ def split_sentences_option(payload, options, target_prefix):
     return value
 
 
+def format_option(payload, options, target_prefix, streamed):
+    """The request's `format` ("text" or "html"; "text" when not given), checked against the other fields (400)."""
+    value = payload.get("format", "text")
+    if value not in ("text", "html"):
+        raise RequestError(400, f'format must be "text" or "html", received '
+                           f"{_json_type(value) if not isinstance(value, str) else repr(value)}", "bad_request")
+    if value == "html":  # an HTML text is several inputs (one per block), translated once each
+        for field, given in (("target_prefix", target_prefix is not None), ("num_hypotheses", options.num_hypotheses),
+                             ("stream", streamed)):
+            if given:
+                raise RequestError(400, f'format "html" cannot be used with {field}', "bad_request")
+    return value
+
+
+def html_pages(texts):
+    """`markup.Page` of each HTML text (its units to translate), or `RequestError` (400) in the parser's one line."""
+    from keras_transformer import markup
+
+    try:
+        return [markup.Page(text, f"text[{i}]") for i, text in enumerate(texts)]
+    except ValueError as error:
+        raise RequestError(400, str(error), "bad_request") from None
+
+
 def _check_text(text, name, settings):
     if not isinstance(text, str):
         raise RequestError(400, f"{name} must be a string, received {_json_type(text)}", "bad_request")
@@ -439,7 +463,13 @@ class Service:
             streamed = stream_option(payload)
             languages = languages_option(payload)
             engine = bound_engine(self.engine, languages)  # the pair's tokenizer counts, splits and checks prefixes
+            pages = None
+            if format_option(payload, options, target_prefix, streamed) == "html":  # the blocks' text is translated
+                pages = html_pages(texts)
+                texts = [unit for page in pages for unit in page.units]
             split = self._split(texts, split_sentences_option(payload, options, target_prefix), engine)
+            if pages is not None:
+                options = dataclasses.replace(options, num_hypotheses=1)  # hypotheses, to align
             if split is not None:
                 texts = split.units  # the sentences are what the batcher and the engine see
             info["sentences"] = len(texts)
@@ -469,6 +499,8 @@ class Service:
                 return stream
             results = await self._answer(job, request, deadline, expired)
             self.metrics.sentences.inc(len(texts))
+            if pages is not None:
+                return JSONResponse({"translations": await self._html(pages, texts, results, split, engine)})
             return JSONResponse(_answer_document(results if split is None else split.join(results), options))
         except RequestError as error:
             self.metrics.errors.inc(reason=error.reason)
@@ -487,6 +519,17 @@ class Service:
                 if job is not None and not job.future.done():
                     self.batcher.cancel(job)
                 self.metrics.latency.observe(self._loop.time() - start)
+
+    async def _html(self, pages, texts, results, split, engine):
+        """The HTML of `pages` from the hypotheses of `texts` (their units, or with `split` the units' sentences)."""
+        from keras_transformer import markup
+
+        try:  # the alignment decodes each hypothesis once more: in a thread, beside the searches
+            aligned = await self._loop.run_in_executor(None, engine.align, texts, [
+                found[0] if found else None for found in results])
+        except ValueError as error:  # an export without the fused decoder step gives no alignments
+            raise RequestError(400, f'format "html": {error}', "bad_request") from None
+        return markup.render_pages(pages, aligned if split is None else markup.joined(split, aligned))
 
     async def _answer(self, job, request, deadline, expired=None, first=False):
         """The job's translations; `RequestError` when the client leaves, the time runs out or the search fails.

@@ -10,7 +10,8 @@ serves more of a request's fields lists them in `features` (of
 `ValueError` naming the entry) for "target_prefix"; its `translate` then
 takes `target_prefix=` (one str or None per text; passed only when a text
 of the batch has one) and, with `options.num_hypotheses`, returns per text
-a list of hypotheses (`text`, `score`, `log_prob`), best first. An engine
+a list of hypotheses (`text`, `score`, `log_prob`), best first; for
+"format" it has `align(texts, hypotheses)` (`Translator.align`). An engine
 whose search can drop rows mid-search says `drops_rows = True`; its
 `translate` then takes `cancelled=` (`Translator.translate`'s: a callable
 that returns None or one bool per text, true for the texts whose request
@@ -32,7 +33,7 @@ import pathlib
 
 ENGINES = ("onnxruntime", "ctranslate2")
 # The request fields beyond `text` and `beam_size` that an engine may serve ("sampling": the sampling_* fields, seed).
-FEATURES = ("num_hypotheses", "target_prefix", "sampling")
+FEATURES = ("num_hypotheses", "target_prefix", "sampling", "format")
 
 
 class OnnxRuntimeEngine:
@@ -93,6 +94,11 @@ class OnnxRuntimeEngine:
         if options.num_hypotheses is None:
             return self.translator.translate(texts, **batch)
         return self.translator.translate_hypotheses(texts, num_hypotheses=options.num_hypotheses, **batch)
+
+
+    def align(self, texts, hypotheses):
+        """`Translator.align`: each hypothesis (or None) of `texts` with its word alignment ("format": "html")."""
+        return self.translator.align(texts, hypotheses)
 
 
 class CTranslate2Engine:
