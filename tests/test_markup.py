@@ -16,7 +16,7 @@ import pytest
 
 import keras_transformer as kt
 from conftest import BACKEND, TINY_CORPUS, TINY_VOCABULARY_SIZE
-from keras_transformer import documents, markup
+from keras_transformer import documents
 from keras_transformer.alignment import WordAlignment
 from keras_transformer.markup import MAX_DEPTH, VOID, Page, Translated, translate_html
 
@@ -105,7 +105,8 @@ def test_broken_markup_is_repaired_as_a_browser_does():
     assert translate_html([PAGES["misnested"]], copy) == ["<p><b>bold <i>both</i></b> italic plain</p>"]
     assert translate_html([PAGES["stray end tags"]], copy) == ["text more<p>x</p>"]
     assert translate_html([PAGES["self-closed"]], copy) == ["<div/></div>after <span/></span>span <br/>line"]
-    assert translate_html([PAGES["bare brackets"]], copy) == ["a &lt; b &gt; c &amp; d &lt;&gt; e f"]  # ("</>" is nothing)
+    # ("</>" is read as nothing)
+    assert translate_html([PAGES["bare brackets"]], copy) == ["a &lt; b &gt; c &amp; d &lt;&gt; e f"]
 
 
 def test_each_block_is_one_unit_and_untranslatable_text_is_not_sent():
