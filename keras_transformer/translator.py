@@ -428,7 +428,10 @@ class Translator:
 
     def _translate_html(self, texts, options, batch_size, max_batch_tokens, progress, split_sentences):
         """`translate(..., format="html")`: `markup.translate_html` over aligned translations of the units."""
-        self._check_alignment(True)
+        try:
+            self._check_alignment(True)
+        except ValueError as error:
+            raise ValueError(f"format='html' puts inline tags on the aligned words: {error}") from None
 
         def aligned(units):
             with _progress_bar(progress, total=len(units), desc="Translating", unit=" sentences") as bar:

@@ -188,6 +188,14 @@ def test_translate_refuses_html_with_what_it_cannot_take(keras_translator):
     with pytest.raises(ValueError, match=r"^format='html' cannot be used with finished"):
         keras_translator.translate(["<p>the cat</p>"], format="html", finished=print)
 
+    class NoAttention:  # a decoding-protocol model that gives no attention weights
+        vocabulary_size, pad_id, start_id, end_id = keras_translator.model.vocabulary_size, 0, 2, 3
+
+    translator = kt.Translator(NoAttention(), keras_translator.tokenizer)
+    with pytest.raises(ValueError, match=r"^format='html' puts inline tags on the aligned words: return_alignment="
+                                         r"True needs .* NoAttention does not give"):
+        translator.translate(["<p>the cat</p>"], format="html")
+
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the export holds the weights of the TensorFlow run's "
                     "tiny_preset_dir (the random initialisers differ by backend), as in test_alignment.py")

@@ -253,8 +253,10 @@ def split_sentences_option(payload, options, target_prefix):
 
 def format_option(payload, options, target_prefix, streamed):
     """The request's `format` ("text" or "html"; "text" when not given), checked against the other fields (400)."""
+    from keras_transformer.markup import FORMATS
+
     value = payload.get("format", "text")
-    if value not in ("text", "html"):
+    if value not in FORMATS:
         raise RequestError(400, f'format must be "text" or "html", received '
                            f"{_json_type(value) if not isinstance(value, str) else repr(value)}", "bad_request")
     if value == "html":  # an HTML text is several inputs (one per block), translated once each
@@ -524,8 +526,8 @@ class Service:
         """The HTML of `pages` from the hypotheses of `texts` (their units, or with `split` the units' sentences)."""
         from keras_transformer import markup
 
-        try:  # the alignment decodes each hypothesis once more: in a thread, beside the searches
-            aligned = await self._loop.run_in_executor(None, engine.align, texts, [
+        try:  # the alignment decodes each hypothesis once more: in the searches' thread, between two searches
+            aligned = await self._loop.run_in_executor(self._executor, engine.align, texts, [
                 found[0] if found else None for found in results])
         except ValueError as error:  # an export without the fused decoder step gives no alignments
             raise RequestError(400, f'format "html": {error}', "bad_request") from None
