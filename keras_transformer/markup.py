@@ -54,7 +54,7 @@ INLINE = frozenset(
 )
 UNTRANSLATABLE = frozenset("code kbd math pre samp script style svg template textarea var".split())
 VOID = frozenset("area base br col embed hr img input keygen link meta param source track wbr".split())
-# Elements whose start ends an open element (the top of the stack) of the key's name: the implied end tags.
+# The implied end tags: an open element of the key's name ends where one of these starts (`_end_implied`).
 _ENDS_P = frozenset(
     "address article aside blockquote details div dl fieldset figcaption figure footer form h1 h2 h3 h4 h5 h6 "
     "header hr main nav ol p pre section table ul".split()
@@ -165,14 +165,14 @@ class _TreeBuilder(html.parser.HTMLParser):
                                  f"is {MAX_DEPTH}")
 
     def _end_implied(self, tag):
-        """Closes the element that `tag`'s start ends (`<li>` an open `<li>`), with the inline elements inside it."""
+        """Closes the element that `tag` ends (`<li>` an open `<li>`), with the inline elements and `<p>` in it."""
         for depth in range(len(self.open) - 1, 0, -1):
             element = self.open[depth]
             if tag in _ENDED_BY.get(element.tag, ()):
                 while len(self.open) > depth:
                     self._close()
                 return
-            if element.tag not in INLINE:
+            if element.tag not in INLINE and element.tag != "p":
                 return
 
     def handle_startendtag(self, tag, attrs):

@@ -30,7 +30,7 @@ PAGES = {
                  "<body><h1>A head</h1><!-- a comment --><ul><li>one</li><li>two <em>words</em></li></ul>"
                  "<table><tr><td>a cell</td><td>b</td></tr></table><p>a<br>b <img src=x.png alt=\"an image\"> c</p>"
                  "</body></html>\n"),
-    "unclosed": "<ul><li>one<li>two <b>bold<li>three</ul><p>para<p>next",
+    "unclosed": "<ul><li>one<li>two <b>bold<li><p>three<li>four</ul><p>para<p>next",
     "misnested": "<p><b>bold <i>both</b> italic</i> plain</p>",
     "stray end tags": "</div>text</span> more</p><p>x</b></p></td>",
     "self-closed": "<div/>after <span/>span <br/>line",
@@ -101,7 +101,7 @@ def test_every_page_is_answered_with_well_formed_html(name):
 
 def test_broken_markup_is_repaired_as_a_browser_does():
     assert translate_html([PAGES["unclosed"]], copy) == [
-        "<ul><li>one</li><li>two <b>bold</b></li><li>three</li></ul><p>para</p><p>next</p>"]
+        "<ul><li>one</li><li>two <b>bold</b></li><li><p>three</p></li><li>four</li></ul><p>para</p><p>next</p>"]
     assert translate_html([PAGES["misnested"]], copy) == ["<p><b>bold <i>both</i></b> italic plain</p>"]
     assert translate_html([PAGES["stray end tags"]], copy) == ["text more<p>x</p>"]
     assert translate_html([PAGES["self-closed"]], copy) == ["<div/></div>after <span/></span>span <br/>line"]
