@@ -188,6 +188,9 @@ def test_translate_refuses_html_with_what_it_cannot_take(keras_translator):
     with pytest.raises(ValueError, match=r"^format='html' cannot be used with finished"):
         keras_translator.translate(["<p>the cat</p>"], format="html", finished=print)
 
+    with pytest.raises(ValueError, match=rf"^texts\[0\] nests elements more than {MAX_DEPTH} deep \(line 1\)"):
+        keras_translator.translate(["<span>" * 10_000], format="html")
+
     class NoAttention:  # a decoding-protocol model that gives no attention weights
         vocabulary_size, pad_id, start_id, end_id = keras_translator.model.vocabulary_size, 0, 2, 3
 
@@ -249,6 +252,20 @@ def test_the_command_translates_a_page_as_the_translator_does(tiny_preset_dir, k
     translate.main(["--preset", str(tiny_preset_dir), "--format", "html", "--beam-size", "1", "--max-extra-length",
                     "3", "--src", str(page), "--no-progress"])
     expected = keras_translator.translate([page.read_text()[:-1]], format="html", beam_size=1, max_extra_length=3)
+    assert capsys.readouterr().out == expected[0] + "\n"
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the export holds the weights of the TensorFlow run's "
+                    "tiny_preset_dir, as in test_alignment.py")
+def test_the_onnx_command_translates_a_page_as_the_onnx_translator_does(tiny_onnx_export, tmp_path, capsys):
+    from export import runtime
+
+    page = tmp_path / "page.html"
+    page.write_text("<p>the <b>cat</b> sees <a href='#'>a dog</a>.</p>")
+    assert runtime.main(["--model", str(tiny_onnx_export), "--format", "html", "--beam-size", "1",
+                         "--max-extra-length", "3", "--src", str(page), "--no-progress"]) == 0
+    expected = runtime.OnnxTranslator(tiny_onnx_export).translate(
+        [page.read_text()], format="html", beam_size=1, max_extra_length=3)
     assert capsys.readouterr().out == expected[0] + "\n"
 
 
