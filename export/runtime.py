@@ -72,7 +72,7 @@ from export import contract  # noqa: E402
 from export.contract import CONFIG_FILE, ValidationError, check_graph_signature  # noqa: E402
 from export.steps import DRIVERS, step_search  # noqa: E402
 from keras_transformer.decoding import collect_hypotheses, finish_rows, no_hypotheses, target_prefix_ids  # noqa: E402
-from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords  # noqa: E402
+from keras_transformer.search.options import BEAM, call_options, refuse_hypotheses  # noqa: E402
 from keras_transformer.token_ids import check_id_range  # noqa: E402
 from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer  # noqa: E402
 from keras_transformer.translate import (  # noqa: E402
@@ -435,8 +435,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         return self._sessions["alignment_step"]
 
     def generate(
-        self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, return_scores=False,
-        patience=None, options=None, cancelled=None, finished=None,
+        self, encoder_token_ids, *, return_scores=False, options=None, cancelled=None, finished=None, **search_keywords
     ):
         """Greedy (`beam_size=1`) or beam search.
 
@@ -447,8 +446,9 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         / `greedy_update` around the fused decoder step (`export.steps`);
         with `driver="whole"`, the `beam_search` / `greedy_search` graph in
         one call. With a `patience`, beam search is `generate_hypotheses`'
-        best (as `generation.generate`). `options`: a `SearchOptions`
-        instead of the search keywords (one or the other). `cancelled`:
+        best (as `generation.generate`). `options`: a `SearchOptions`, or
+        instead `**search_keywords` (`beam_size`, `length_penalty`,
+        `max_extra_length`, `patience`; one or the other). `cancelled`:
         None, or a callable asked after each step of the step driver, which
         returns None or bool `[B]`: the rows marked leave the search at once
         (a server's client left) and get no tokens (start id, end id; score
@@ -462,7 +462,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s;
             with `return_scores=True`, also the float32 scores `[B]`.
         """
-        options = resolve(options, **search_keywords(locals()))
+        options = call_options("generate", options, search_keywords, BEAM)
         refuse_hypotheses(options, "generate", "generate_hypotheses")
         ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.encoder_vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
@@ -517,21 +517,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         )
 
     def generate_hypotheses(
-        self,
-        encoder_token_ids,
-        beam_size=4,
-        num_hypotheses=1,
-        length_penalty=0.6,
-        max_extra_length=50,
-        target_prefix=None,
-        sampling_topk=1,
-        sampling_topp=1.0,
-        sampling_temperature=1.0,
-        seed=0,
-        patience=None,
-        options=None,
-        cancelled=None,
-        finished=None,
+        self, encoder_token_ids, *, target_prefix=None, options=None, cancelled=None, finished=None, **search_keywords
     ):
         """`keras_transformer.generation.generate_hypotheses` on ONNX Runtime.
 
@@ -543,7 +529,8 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         `driver="whole"` by the `beam_hypotheses` / `sample_search` graph in
         one call: the same tokens, scores and log-probabilities (within
         float32 rounding), the same samples for the same seed. `options`: a
-        `SearchOptions` instead of the search keywords (one or the other).
+        `SearchOptions`, or instead `**search_keywords` (any of its fields;
+        one or the other).
         `cancelled`: as `generate`'s (a cancelled row's hypotheses all
         have score -inf: none). `finished`: None, or a callable the step
         driver tells, after each step at which source rows ended (all their
@@ -553,7 +540,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
         """
-        options = resolve(options, **search_keywords(locals()))
+        options = call_options("generate_hypotheses", options, search_keywords)
         ids = _check_ids(encoder_token_ids, "encoder_token_ids", 2, self.encoder_vocabulary_size)
         self._check_length(ids.shape[1], "encoder_token_ids")
         prefix = target_prefix_ids(target_prefix, ids.shape[0], self)

@@ -722,24 +722,15 @@ class TransformerModel(keras.Model):
             logits = ops.where(ops.arange(self.vocabulary_size) == self.start_id, float("-inf"), logits)
         return logits, cache
 
-    def generate(
-        self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, patience=None, options=None
-    ):
-        """Translates source ids with beam search (greedy for `beam_size=1`).
-
-        A thin wrapper around `keras_transformer.generation.generate`, which
-        documents the search, the length penalty and the output length.
+    def generate(self, encoder_token_ids, *, options=None, **search_keywords):
+        """Translates source ids with beam search (greedy for `beam_size=1`): `generation.generate`.
 
         Args:
             encoder_token_ids: int `[B, S]` source ids (tokens + end id, pad 0).
-            beam_size: int >= 1. Defaults to 4 (the paper).
-            length_penalty: float alpha >= 0. Defaults to 0.6 (the paper).
-            max_extra_length: int >= 0, output tokens allowed beyond the
-                source length. Defaults to 50 (the paper).
-            patience: None (the exact search, the default) or a number > 0:
-                CTranslate2's early stop for beam search (see `generate`).
-            options: None, or a `SearchOptions` instead of the keywords
-                above (one or the other).
+            options: None, or a `SearchOptions`.
+            **search_keywords: instead of `options` (one or the other):
+                `beam_size`, `length_penalty`, `max_extra_length`,
+                `patience`, as in `SearchOptions`.
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s.
@@ -751,23 +742,14 @@ class TransformerModel(keras.Model):
         """
         from keras_transformer.generation import generate
 
-        return generate(
-            self,
-            encoder_token_ids,
-            beam_size=beam_size,
-            length_penalty=length_penalty,
-            max_extra_length=max_extra_length,
-            patience=patience,
-            options=options,
-        )
+        return generate(self, encoder_token_ids, options=options, **search_keywords)
 
-    def generate_hypotheses(self, encoder_token_ids, beam_size=4, num_hypotheses=1, options=None, **keywords):
+    def generate_hypotheses(self, encoder_token_ids, *, target_prefix=None, compile=True, options=None,
+                            **search_keywords):
         """The `num_hypotheses` best outputs per source, with scores: `generation.generate_hypotheses`.
 
-        A thin wrapper; `keywords` are `generate_hypotheses`' (`length_penalty`,
-        `max_extra_length`, `target_prefix`, `sampling_topk`, `sampling_topp`,
-        `sampling_temperature`, `seed`, `patience`); `options` a `SearchOptions`
-        instead of the search keywords (one or the other).
+        `options` or `**search_keywords` (any `SearchOptions` field; one or
+        the other), `target_prefix` and `compile` as there.
 
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
@@ -775,7 +757,7 @@ class TransformerModel(keras.Model):
         from keras_transformer.generation import generate_hypotheses
 
         return generate_hypotheses(
-            self, encoder_token_ids, beam_size=beam_size, num_hypotheses=num_hypotheses, options=options, **keywords
+            self, encoder_token_ids, target_prefix=target_prefix, compile=compile, options=options, **search_keywords
         )
 
     def attention_scores(self, encoder_token_ids, decoder_token_ids):

@@ -18,7 +18,7 @@ import numpy as np
 from keras_transformer import documents
 from keras_transformer.alignment import hard_alignment, word_alignment
 from keras_transformer.decoding import LENGTH_BUCKET, check_prefix_length
-from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
+from keras_transformer.search.options import FIELDS, ONE_PER_SOURCE, call_options, refuse_hypotheses
 from keras_transformer.search.scoring import score_targets
 from keras_transformer.textio import check_output_path, check_text_file, count_lines, iter_lines, write_lines
 from keras_transformer.token_ids import encoder_vocabulary_size
@@ -305,36 +305,32 @@ class Translator:
     def translate(
         self,
         texts,
-        beam_size=4,
-        batch_size=None,
-        length_penalty=0.6,
-        max_extra_length=50,
-        progress=False,
-        max_batch_tokens=None,
-        target_prefix=None,
-        sampling_topk=1,
-        sampling_topp=1.0,
-        sampling_temperature=1.0,
-        seed=0,
-        patience=None,
+        *,
         options=None,
+        batch_size=None,
+        max_batch_tokens=None,
+        progress=False,
+        target_prefix=None,
         split_sentences=False,
         source_language=None,
         target_language=None,
         cancelled=None,
         finished=None,
+        **search_keywords,
     ):
         """Translates a list of sentences (or of documents, with `split_sentences`).
 
         Args:
             texts: list of str (a single str is treated as a list of one).
-            beam_size: int >= 1; 1 is greedy search. Defaults to 4.
+            options: None, or a `SearchOptions` (its fields document the
+                search options).
+            **search_keywords: instead of `options` (one or the other):
+                `SearchOptions` fields but `num_hypotheses` (`beam_size=`,
+                `length_penalty=`, `sampling_topk=`, ...); an unknown one is
+                a TypeError.
             batch_size: int >= 1 or None, sentences per search. None:
                 `DEFAULT_BATCH_SIZE` (32), or no limit when
                 `max_batch_tokens` is given.
-            length_penalty: float alpha >= 0. Defaults to 0.6.
-            max_extra_length: int >= 0, output tokens beyond the source
-                length. Defaults to 50.
             progress: bool, show a tqdm progress bar (on stderr); or an
                 object with `update(n)` (a tqdm bar, `CountProgress`) told
                 the number of sentences done after each batch.
@@ -344,22 +340,6 @@ class Translator:
                 translation starts with the prefix's tokens and the search
                 continues from there (at most `max_sequence_length - 2`
                 tokens).
-            sampling_topk: int >= 0. 1 (the default) is the search above;
-                otherwise each token is drawn from the `sampling_topk` most
-                probable (0: all), with `beam_size=1`.
-            sampling_topp: float in (0, 1], keep the most probable tokens up
-                to this probability mass when sampling. Defaults to 1.
-            sampling_temperature: float > 0, divides the log-probabilities
-                when sampling. Defaults to 1.
-            seed: int in `[0, 2^31 - 2]`: the same seed, the same samples
-                (on every backend and on ONNX Runtime).
-            patience: None (the default: the exact beam search) or a
-                number > 0: a row stops once `round(beam_size * patience)`
-                hypotheses ended, as CTranslate2 (`generation.generate`).
-            options: None, or a `SearchOptions` holding the search options
-                (`beam_size`, `length_penalty`, `max_extra_length`,
-                `patience`, the sampling options) instead of the keywords:
-                one or the other (`search.options.resolve`).
             split_sentences: False (the default: each text is one
                 sentence), True, or a language code such as "de": each text
                 is cut into sentences (`documents.split_texts`: lines at
@@ -396,7 +376,7 @@ class Translator:
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         texts = _texts(texts, "texts")
-        options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
+        options = _search_options("translate", options, search_keywords, batch_size, max_batch_tokens)
         if split_sentences is not False:
             _check_split_sentences(split_sentences, target_prefix)
             for name, given in (("cancelled", cancelled), ("finished", finished)):
@@ -437,25 +417,18 @@ class Translator:
     def translate_hypotheses(
         self,
         texts,
-        beam_size=4,
-        num_hypotheses=1,
-        batch_size=None,
-        length_penalty=0.6,
-        max_extra_length=50,
-        progress=False,
-        max_batch_tokens=None,
-        target_prefix=None,
-        sampling_topk=1,
-        sampling_topp=1.0,
-        sampling_temperature=1.0,
-        seed=0,
-        patience=None,
+        *,
         options=None,
+        batch_size=None,
+        max_batch_tokens=None,
+        progress=False,
+        target_prefix=None,
         source_language=None,
         target_language=None,
         cancelled=None,
         finished=None,
         return_alignment=False,
+        **search_keywords,
     ):
         """The `num_hypotheses` best translations of each sentence, with their scores (and alignments).
 
@@ -476,12 +449,12 @@ class Translator:
 
         Args:
             texts: list of non-empty str (a single str is a list of one).
-            num_hypotheses: int >= 1, at most `beam_size` unless sampling.
-            beam_size, batch_size, length_penalty, max_extra_length: as `translate`.
-            progress, max_batch_tokens, target_prefix, sampling_topk: as `translate`.
-            sampling_topp, sampling_temperature, seed, patience: as `translate`.
-            options: as `translate`; with it, its `num_hypotheses` (None: 1)
-                instead of the keyword.
+            options: as `translate`; its `num_hypotheses` (None: 1) is the
+                number of hypotheses per text.
+            **search_keywords: instead of `options`: any `SearchOptions`
+                field, `num_hypotheses` (int >= 1, at most `beam_size`
+                unless sampling) included.
+            batch_size, max_batch_tokens, progress, target_prefix: as `translate`.
             source_language, target_language: a multilingual model's (NLLB-200's)
                 language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
                 required there, refused elsewhere.
@@ -507,7 +480,7 @@ class Translator:
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
         texts = _texts(texts, "texts")
-        options = _search_options(options, search_keywords(locals()), batch_size, max_batch_tokens)
+        options = _search_options("translate_hypotheses", options, search_keywords, batch_size, max_batch_tokens)
         self._check_alignment(return_alignment)
         for i, text in enumerate(texts):
             if not text.strip():
@@ -522,23 +495,17 @@ class Translator:
     def translate_iterable(
         self,
         texts,
-        beam_size=4,
+        *,
+        options=None,
         batch_size=None,
-        length_penalty=0.6,
-        max_extra_length=50,
-        progress=False,
         max_batch_tokens=None,
+        progress=False,
         window=DEFAULT_WINDOW,
         total=None,
-        sampling_topk=1,
-        sampling_topp=1.0,
-        sampling_temperature=1.0,
-        seed=0,
-        patience=None,
-        options=None,
         split_sentences=False,
         source_language=None,
         target_language=None,
+        **search_keywords,
     ):
         """Translates a stream of sentences; yields the translations in input order.
 
@@ -555,9 +522,8 @@ class Translator:
                 `DEFAULT_WINDOW`.
             total: int or None, the number of sentences, for the progress
                 bar's ETA.
-            beam_size, batch_size, length_penalty, max_extra_length: as `translate`.
-            progress, max_batch_tokens, sampling_topk, sampling_topp: as `translate`.
-            sampling_temperature, seed, patience, options: as `translate`.
+            options, **search_keywords: as `translate`.
+            batch_size, max_batch_tokens, progress: as `translate`.
             split_sentences: as `translate`: each text of the stream is cut
                 into sentences and rebuilt (`window` counts texts; the
                 progress bar counts sentences).
@@ -569,7 +535,7 @@ class Translator:
             An iterator of str, one per input sentence.
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
-        options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
+        options = _search_options("translate_iterable", options, search_keywords, batch_size, max_batch_tokens)
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
             raise ValueError(f"window={window!r} must be a positive integer (sentences sorted together)")
         if split_sentences is not False:
@@ -585,23 +551,17 @@ class Translator:
         self,
         src_path,
         out_path,
-        beam_size=4,
+        *,
+        options=None,
         batch_size=None,
-        length_penalty=0.6,
-        max_extra_length=50,
-        progress=False,
         max_batch_tokens=None,
+        progress=False,
         window=DEFAULT_WINDOW,
         overwrite=False,
-        sampling_topk=1,
-        sampling_topp=1.0,
-        sampling_temperature=1.0,
-        seed=0,
-        patience=None,
-        options=None,
         split_sentences=False,
         source_language=None,
         target_language=None,
+        **search_keywords,
     ):
         """Translates a file of any size, one sentence per line, into another.
 
@@ -621,9 +581,8 @@ class Translator:
             overwrite: bool, replace an existing `out_path`.
             progress: bool, a tqdm progress bar on stderr (sentences/s;
                 with the total for a file).
-            beam_size, batch_size, length_penalty, max_extra_length: as `translate_iterable`.
-            max_batch_tokens, window, sampling_topk, sampling_topp: as `translate_iterable`.
-            sampling_temperature, seed, patience, options: as `translate_iterable`.
+            options, **search_keywords: as `translate`.
+            batch_size, max_batch_tokens, window: as `translate_iterable`.
             split_sentences: as `translate`: each line may hold several
                 sentences; it is translated sentence by sentence and
                 written back as one line.
@@ -642,7 +601,7 @@ class Translator:
                 `out_path` is `src_path`.
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
-        options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
+        options = _search_options("translate_file", options, search_keywords, batch_size, max_batch_tokens)
         check_text_file(src_path, "src_path")
         check_output_path(out_path, "out_path", overwrite=overwrite, source=src_path)
         if split_sentences is not False:
@@ -996,16 +955,16 @@ def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=No
     return prefixes if any(prefixes) else None
 
 
-def _search_options(options, keywords, batch_size, max_batch_tokens):
-    """The call's `SearchOptions` (`resolve`: `options` or its keywords), its batch limits checked after them."""
-    options = resolve(options, **keywords)
+def _search_options(method, options, keywords, batch_size, max_batch_tokens):
+    """The call's `SearchOptions` (`call_options`: `options` or its keywords), its batch limits checked after them.
+
+    A `translate*` call other than `translate_hypotheses` gives one output per text: no `num_hypotheses`.
+    """
+    one_per_text = method != "translate_hypotheses"
+    options = call_options(method, options, keywords, ONE_PER_SOURCE if one_per_text else FIELDS)
     check_batch_limits(batch_size, max_batch_tokens)
-    return options
-
-
-def _one_per_text(options):
-    """`options`, refused with `num_hypotheses` > 1 (the methods that give one translation per text)."""
-    refuse_hypotheses(options, "translate", "translate_hypotheses")
+    if one_per_text:
+        refuse_hypotheses(options, "translate", "translate_hypotheses")
     return options
 
 
