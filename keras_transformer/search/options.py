@@ -21,6 +21,10 @@ from keras_transformer.utils import is_integer
 class SearchOptions:
     """The options of one search: beam or greedy search, its stopping rule, n-best and sampling.
 
+    The one place the search options are listed and documented: every entry
+    point (`Translator.translate*`, `generate*`, `OnnxSeq2Seq.generate*`)
+    takes this value as `options=`, or its fields as `**search_keywords`.
+
     Checked when made: a bad value raises `ValueError` with one line naming
     the option, the value received and what is allowed (the messages of
     `decoding.check_search_args` and `check_hypotheses_args`). Frozen and
