@@ -34,15 +34,15 @@ tokenizer.decode(ids)
 ```
 """
 
-import json
 import os
 import re
 import unicodedata
 
 import numpy as np
 
-from keras_transformer.token_ids import END_ID, PAD_ID, START_ID, UNK_ID, id_sequences, text_list
-from keras_transformer.utils import read_json_file, write_bytes_atomically
+from keras_transformer.token_ids import END_ID, text_list
+from keras_transformer.tokenizer_base import RenumberedTokenizer, json_bytes
+from keras_transformer.utils import read_json_file
 
 SOURCE_VOCAB_FILE = "vocab-src.json"
 TARGET_VOCAB_FILE = "vocab-tgt.json"
@@ -108,7 +108,7 @@ def _renumbered(vocab, specials, start_piece, start_row):
     return pieces, rows
 
 
-class FsmtTokenizer:
+class FsmtTokenizer(RenumberedTokenizer):
     """Moses + BPE with fairseq's two dictionaries, renumbered to our ids.
 
     Args:
@@ -129,9 +129,9 @@ class FsmtTokenizer:
     """
 
     format = "fsmt"
-    FILES = FILES  # `save` writes them; the last is the one `load_tokenizer` recognises
-    sentencepiece_ids = False  # Moses + BPE pieces looked up in vocab-src.json, renumbered (`checkpoint_ids`)
-    source_input = ": Moses-tokenized BPE pieces (vocab-src.json's)"
+    FILES = FILES
+    source_input = ": Moses-tokenized BPE pieces (vocab-src.json's)"  # renumbered (`checkpoint_ids`)
+    label, article = "FSMT", "an"
 
     def __init__(self, source_vocab, target_vocab, merges, languages, do_lower_case=False, pad_token="<pad>",
                  unk_token="<unk>", end_token="</s>", bos_token="<s>"):
@@ -166,33 +166,10 @@ class FsmtTokenizer:
         self._moses = {}
         self._cache = ({}, {})
 
-    # The special ids, as `keras_transformer.tokenizer.Tokenizer` has them.
-    pad_id, unk_id, start_id, end_id = PAD_ID, UNK_ID, START_ID, END_ID
-
-    @property
-    def vocabulary_size(self):
-        """Our target ids (the decoder's and the output's)."""
-        return len(self._pieces)
-
     @property
     def source_vocabulary_size(self):
         """Our source ids (`TransformerModel(source_vocabulary_size=...)`)."""
         return len(self._source_pieces)
-
-    def pieces(self):
-        """The piece of each of our target ids, in id order (the added start piece included)."""
-        return list(self._pieces)
-
-    def source_vocabulary(self):
-        """The piece of each of our source ids, in id order."""
-        return list(self._source_pieces)
-
-    def files(self):
-        return self.FILES
-
-    def id_of(self, piece, target=False):
-        """Our (source, or `target`) id of `piece` (`unk_id` for a piece outside the vocabulary)."""
-        return (self._target_ids if target else self._ids).get(piece, UNK_ID)
 
     def _sacremoses(self, kind, language):
         if (kind, language) not in self._moses:
@@ -240,13 +217,8 @@ class FsmtTokenizer:
         Returns:
             list of lists of int, one per text, unpadded.
         """
-        texts = text_list(texts)
-        numbers = self._target_ids if target else self._ids
-        encoded = []
-        for text in texts:
-            ids = [numbers.get(piece, UNK_ID) for piece in self.pieces_of(text, target=target)]
-            encoded.append(([START_ID] if add_start else []) + ids + ([END_ID] if add_end else []))
-        return encoded
+        return [self._numbered(self.pieces_of(text, target=target), add_start, add_end, target)
+                for text in text_list(texts)]
 
     def decode(self, ids):
         """Our ids to target text, as `FSMTTokenizer.batch_decode(..., skip_special_tokens=True)`.
@@ -256,40 +228,23 @@ class FsmtTokenizer:
         a space, and detokenized by Moses in the target language.
         """
         detokenizer = self._sacremoses("MosesDetokenizer", self.languages[1])
-        texts = []
-        for sequence in id_sequences(ids):
-            pieces = []
-            for token in sequence:
-                token = int(token)
-                if token == END_ID:
-                    break
-                if 0 <= token < len(self._pieces) and token > END_ID and token != self._bos_id:
-                    pieces.append(self._pieces[token].replace(" ", "").replace(END_OF_WORD, " "))
-            texts.append(detokenizer.detokenize("".join(pieces).split()))
-        return texts
+        kept = self._kept_pieces(ids, lambda token: END_ID < token < len(self._pieces) and token != self._bos_id)
+        return [detokenizer.detokenize("".join(piece.replace(" ", "").replace(END_OF_WORD, " ") for piece in pieces)
+                                       .split()) for pieces in kept]
 
     def specials(self):
         """What `SPECIALS_FILE` holds."""
         return {"format": self.format, "languages": list(self.languages), "do_lower_case": self.do_lower_case,
                 **self._specials}
 
-    def save(self, directory):
-        """Writes vocab-src.json, vocab-tgt.json, merges.txt and fsmt_tokenizer.json, each atomically."""
-        directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
-
-        def dumps(value):
-            return (json.dumps(value, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
-
-        contents = {
-            SOURCE_VOCAB_FILE: dumps(self._source_vocab),
-            TARGET_VOCAB_FILE: dumps(self._target_vocab),
+    def _file_contents(self):
+        """vocab-src.json, vocab-tgt.json, merges.txt and fsmt_tokenizer.json, for `save`."""
+        return {
+            SOURCE_VOCAB_FILE: json_bytes(self._source_vocab, ensure_ascii=False),
+            TARGET_VOCAB_FILE: json_bytes(self._target_vocab, ensure_ascii=False),
             MERGES_FILE: "".join(f"{first} {second}\n" for first, second in self._merges).encode("utf-8"),
-            SPECIALS_FILE: dumps(self.specials()),
+            SPECIALS_FILE: json_bytes(self.specials(), ensure_ascii=False),
         }
-        for name, data in contents.items():
-            write_bytes_atomically(os.path.join(directory, name), data)
-        return directory
 
     @classmethod
     def load(cls, directory, specials=None):
@@ -300,22 +255,13 @@ class FsmtTokenizer:
             ValueError: naming the file that cannot be used.
         """
         directory = os.fspath(directory)
-        needed = FILES if specials is None else FILES[:-1]
-        for name in needed:
-            if not os.path.isfile(os.path.join(directory, name)):
-                raise FileNotFoundError(f"No FSMT tokenizer in {directory!r}: {name} is missing")
-        if specials is None:
-            specials = read_json_file(os.path.join(directory, SPECIALS_FILE))
-            if not isinstance(specials, dict) or specials.get("format") != "fsmt":
-                raise ValueError(f"{os.path.join(directory, SPECIALS_FILE)} is not an FSMT tokenizer description")
+        specials = cls._description(directory, specials)
         vocabs = [read_json_file(os.path.join(directory, name)) for name in (SOURCE_VOCAB_FILE, TARGET_VOCAB_FILE)]
         merges = read_merges(os.path.join(directory, MERGES_FILE))
         names = ("pad_token", "unk_token", "end_token", "bos_token")
-        try:
-            return cls(*vocabs, merges, specials.get("languages"), do_lower_case=specials.get("do_lower_case", False),
-                       **{name: specials[name] for name in names if specials.get(name) is not None})
-        except ValueError as error:
-            raise ValueError(f"Cannot load the FSMT tokenizer in {directory}: {error}") from None
+        return cls._loaded(directory, *vocabs, merges, specials.get("languages"),
+                           do_lower_case=specials.get("do_lower_case", False),
+                           **{name: specials[name] for name in names if specials.get(name) is not None})
 
 
 def read_merges(path):

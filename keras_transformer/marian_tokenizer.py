@@ -37,14 +37,14 @@ tokenizer.decode(ids)                                 # ["A sentence."] (target 
 ```
 """
 
-import json
 import os
 
 import numpy as np
 import sentencepiece as spm
 
-from keras_transformer.token_ids import END_ID, FIRST_ORDINARY_ID, PAD_ID, START_ID, UNK_ID, id_sequences, text_list
-from keras_transformer.utils import read_json_file, write_bytes_atomically
+from keras_transformer.token_ids import FIRST_ORDINARY_ID, text_list
+from keras_transformer.tokenizer_base import RenumberedTokenizer, json_bytes
+from keras_transformer.utils import read_json_file
 
 SOURCE_SPM = "source.spm"
 TARGET_SPM = "target.spm"
@@ -102,7 +102,7 @@ def _renumbered(vocab, pad_token, unk_token, end_token, start_piece, start_maria
     return pieces, marian_ids
 
 
-class MarianTokenizer:
+class MarianTokenizer(RenumberedTokenizer):
     """Source and target SentencePiece models with Marian's vocabulary (or two), in our ids.
 
     Args:
@@ -123,11 +123,10 @@ class MarianTokenizer:
             proto SentencePiece cannot read.
     """
 
-    # What `keras_transformer.tokenizer.Tokenizer` also answers (callers ask instead of checking the type).
     format = "marian"
-    FILES = FILES  # `save` writes them; the last is the one `load_tokenizer` recognises
-    sentencepiece_ids = False  # source.spm's pieces looked up in vocab.json, renumbered (`marian_ids`)
-    source_input = ": source.spm's, after a leading >>xx<< piece"
+    FILES = FILES
+    source_input = ": source.spm's, after a leading >>xx<< piece"  # looked up in vocab.json, renumbered (`marian_ids`)
+    label = "Marian"
 
     def __init__(self, source_proto, target_proto, vocab, pad_token="<pad>", unk_token="<unk>", end_token="</s>",
                  start_token=None, target_vocab=None, languages=None):
@@ -181,14 +180,6 @@ class MarianTokenizer:
         # The checkpoint's `source_lang` / `target_lang` (tokenizer_config.json), for the model card of an export.
         self.languages = None if languages is None else tuple(languages)
 
-    # The special ids, as `keras_transformer.tokenizer.Tokenizer` has them.
-    pad_id, unk_id, start_id, end_id = PAD_ID, UNK_ID, START_ID, END_ID
-
-    @property
-    def vocabulary_size(self):
-        """Our target ids (the decoder's and the output's; with a shared vocabulary, every id)."""
-        return len(self._pieces)
-
     @property
     def separate_vocabs(self):
         """Whether the source and the target have vocabularies of their own (`target_vocab.json`)."""
@@ -217,14 +208,6 @@ class MarianTokenizer:
     def target_proto(self):
         return self._target_proto
 
-    def pieces(self):
-        """The piece of each of our (target) ids, in id order (the added start piece included)."""
-        return list(self._pieces)
-
-    def source_vocabulary(self):
-        """The piece of each of our source ids, in id order: `pieces()` unless the vocabularies are separate."""
-        return list(self._source_pieces)
-
     def source_pieces(self, text):
         """The pieces of one source text (str), without start or end pieces, as `encode` cuts them.
 
@@ -237,10 +220,6 @@ class MarianTokenizer:
     def files(self):
         """The file names `save` writes, the last the one `load_tokenizer` recognises the tokenizer by."""
         return self.FILES[:-1] + (TARGET_VOCAB_FILE,) + self.FILES[-1:] if self.separate_vocabs else self.FILES
-
-    def id_of(self, piece, target=False):
-        """Our (source, or `target`) id of `piece` (`unk_id` for a piece outside the vocabulary, as Marian)."""
-        return (self._target_ids if target else self._ids).get(piece, UNK_ID)
 
     def encode(self, texts, add_start=False, add_end=True, target=False):
         """Text to our ids, as Hugging Face's `MarianTokenizer` tokenizes (then renumbered).
@@ -276,9 +255,7 @@ class MarianTokenizer:
                     f"(e.g. '{self.language_codes[0]} {text[:30]}')"
                 )
             pieces = ([code] if code is not None else []) + processor.encode(rest, out_type=str)
-            numbers = self._target_ids if target else self._ids
-            ids = [numbers.get(piece, UNK_ID) for piece in pieces]
-            encoded.append(([START_ID] if add_start else []) + ids + ([END_ID] if add_end else []))
+            encoded.append(self._numbered(pieces, add_start, add_end, target))
         return encoded
 
     def decode(self, ids):
@@ -296,17 +273,8 @@ class MarianTokenizer:
         Returns:
             list of str.
         """
-        texts = []
-        for sequence in id_sequences(ids):
-            pieces = []
-            for token in sequence:
-                token = int(token)
-                if token == END_ID:
-                    break
-                if token >= FIRST_ORDINARY_ID:
-                    pieces.append(self._pieces[token])
-            texts.append(self._target.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip())
-        return texts
+        return [self._target.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip()
+                for pieces in self._kept_pieces(ids, lambda token: token >= FIRST_ORDINARY_ID)]
 
     def specials(self):
         """What `SPECIALS_FILE` holds: the special pieces and the added start piece."""
@@ -323,25 +291,17 @@ class MarianTokenizer:
             specials["languages"] = list(self.languages)
         return specials
 
-    def save(self, directory):
-        """Writes source.spm, target.spm, vocab.json (target_vocab.json) and marian_tokenizer.json, each atomically.
-
-        Returns:
-            the directory (str).
-        """
-        directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
+    def _file_contents(self):
+        """source.spm, target.spm, vocab.json (target_vocab.json) and marian_tokenizer.json, for `save`."""
         contents = {
             SOURCE_SPM: self._source_proto,
             TARGET_SPM: self._target_proto,
-            VOCAB_FILE: (json.dumps(self._vocab, ensure_ascii=False, indent=2) + "\n").encode("utf-8"),
-            SPECIALS_FILE: (json.dumps(self.specials(), indent=2, sort_keys=True) + "\n").encode("utf-8"),
+            VOCAB_FILE: json_bytes(self._vocab, ensure_ascii=False),
+            SPECIALS_FILE: json_bytes(self.specials(), sort_keys=True),
         }
         if self.separate_vocabs:
-            contents[TARGET_VOCAB_FILE] = (json.dumps(self._target_vocab, ensure_ascii=False, indent=2) + "\n").encode()
-        for name, data in contents.items():
-            write_bytes_atomically(os.path.join(directory, name), data)
-        return directory
+            contents[TARGET_VOCAB_FILE] = json_bytes(self._target_vocab, ensure_ascii=False)
+        return contents
 
     @classmethod
     def load(cls, directory, specials=None):
@@ -358,14 +318,7 @@ class MarianTokenizer:
             ValueError: naming the file that cannot be used.
         """
         directory = os.fspath(directory)
-        needed = (SOURCE_SPM, TARGET_SPM, VOCAB_FILE) + (() if specials is not None else (SPECIALS_FILE,))
-        for name in needed:
-            if not os.path.isfile(os.path.join(directory, name)):
-                raise FileNotFoundError(f"No Marian tokenizer in {directory!r}: {name} is missing")
-        if specials is None:
-            specials = read_json_file(os.path.join(directory, SPECIALS_FILE))
-            if not isinstance(specials, dict) or specials.get("format") != "marian":
-                raise ValueError(f"{os.path.join(directory, SPECIALS_FILE)} is not a Marian tokenizer description")
+        specials = cls._description(directory, specials)
         vocab = read_json_file(os.path.join(directory, VOCAB_FILE))
         target_vocab = None
         if specials.get("separate_vocabs"):
@@ -378,12 +331,9 @@ class MarianTokenizer:
         for name in (SOURCE_SPM, TARGET_SPM):
             with open(os.path.join(directory, name), "rb") as f:
                 protos.append(f.read())
-        try:
-            return cls(
-                *protos, vocab,
-                pad_token=specials.get("pad_token", "<pad>"), unk_token=specials.get("unk_token", "<unk>"),
-                end_token=specials.get("end_token", "</s>"), start_token=specials.get("start_token"),
-                target_vocab=target_vocab, languages=specials.get("languages"),
-            )
-        except ValueError as error:
-            raise ValueError(f"Cannot load the Marian tokenizer in {directory}: {error}") from None
+        return cls._loaded(
+            directory, *protos, vocab,
+            pad_token=specials.get("pad_token", "<pad>"), unk_token=specials.get("unk_token", "<unk>"),
+            end_token=specials.get("end_token", "</s>"), start_token=specials.get("start_token"),
+            target_vocab=target_vocab, languages=specials.get("languages"),
+        )

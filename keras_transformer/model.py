@@ -5,25 +5,27 @@ Shape legend: B batch, S source length, T target length, D hidden_dim
 key/value size (d_k, d_v).
 """
 
-import contextlib
-import contextvars
-import itertools
 import math
-import os
-import pathlib
 
 import keras
 import numpy as np
 from keras import ops
 
 from keras_transformer import allocator, fused_training
-from keras_transformer.checks import check_batch_sizes, check_cache_index, check_token_ids
-from keras_transformer.layers.arguments import check_layer_args, check_positive_int, head_dims
+from keras_transformer.checks import check_batch_sizes, check_token_ids
 from keras_transformer.layers.dense import product_with_bias
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
+# The argument checks, the cached decoder step, the attention weights and the LoRA / int8 methods have their own
+# modules (the last three as mixins); the names below stay importable from here (plain re-exports).
+from keras_transformer.model_adapters import Adapters
+from keras_transformer.model_args import (  # noqa: F401 - re-exported
+    ACTIVATIONS, POSITION_ENCODINGS, SINUSOID_LAYOUT, check_model_args,
+)
+from keras_transformer.model_attention import AttentionWeights
+from keras_transformer.model_cache import _OUTPUT_KERNEL, CachedDecoding  # noqa: F401 - _OUTPUT_KERNEL re-exported
 # Preset I/O lives in `presets` and Keras' export in `keras_export`; the names
 # below stay importable from here (plain re-exports) for code written before.
 from keras_transformer import keras_export
@@ -34,89 +36,18 @@ from keras_transformer.presets import (  # noqa: F401 - some re-exported
 )
 from keras_transformer.quantization import check_quantization
 from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
-from keras_transformer.utils import is_integer, is_real
 
 # On JAX, glibc keeps the CPU runtime's freed step buffers instead of unmapping them (`allocator`): done
 # here, before the runtime starts, because an arena once given to its threads stays theirs.
 allocator.configure_for_backend(keras.backend.backend())
 
-# `(model, E^T)` while `model.transposed_output_kernel()` is entered in this
-# thread (or task): a search traced in one thread never hands its traced
-# tensor to another thread's call of the same model.
-_OUTPUT_KERNEL = contextvars.ContextVar("keras_transformer_output_kernel", default=None)
-
-# "sinusoidal" is the paper's interleaved table; "sinusoidal_halves" puts the
-# sines in the first half of the features (Marian / OPUS-MT checkpoints);
-# "sinusoidal_fairseq" is fairseq's table (NLLB-200, M2M-100): halves, other
-# frequencies, positions from 2 (`layers.position.sinusoidal_table`).
-POSITION_ENCODINGS = ("sinusoidal", "sinusoidal_halves", "sinusoidal_fairseq", "learned")
-# The `sinusoidal_table` layout of each sinusoidal position encoding.
-SINUSOID_LAYOUT = {"sinusoidal": "interleaved", "sinusoidal_halves": "halves", "sinusoidal_fairseq": "fairseq"}
-# The feed-forward activation: ReLU in the paper (equation 2); the others
-# for imported checkpoints (Marian's "swish" is `silu`).
-ACTIVATIONS = ("relu", "gelu", "silu")
 # The forward pass's inputs, `[B, S]` and `[B, T]` int32 ids: what `build`
 # records (for `summary`) and the signature of Keras' own `model.export`.
 INPUT_NAMES = ("encoder_token_ids", "decoder_token_ids")
 
 
-def check_model_args(
-    vocabulary_size, num_layers, num_heads, hidden_dim, intermediate_dim, key_dim, value_dim, dropout,
-    attention_dropout, max_sequence_length, position_encoding, normalize_first, attention_window,
-    layer_norm_epsilon, num_encoder_layers, num_decoder_layers, use_fused_attention, special_ids,
-    activation="relu", logits_bias=False, exclude_start_logit=False, source_vocabulary_size=None,
-):
-    """Raises a `ValueError` naming the first bad `TransformerModel` argument; returns `(d_k, d_v)` per head.
-
-    `special_ids` maps pad_id, unk_id, start_id and end_id to their values.
-    """
-    for name, value in (
-        ("vocabulary_size", vocabulary_size),
-        ("num_layers", num_layers),
-        ("hidden_dim", hidden_dim),
-        ("max_sequence_length", max_sequence_length),
-    ):
-        check_positive_int(name, value)
-    check_positive_int("num_encoder_layers", num_encoder_layers, optional=True)
-    check_positive_int("num_decoder_layers", num_decoder_layers, optional=True)
-    check_positive_int("source_vocabulary_size", source_vocabulary_size, optional=True)
-    check_layer_args(intermediate_dim, num_heads, dropout, attention_dropout, key_dim, value_dim, attention_window)
-    if not is_real(layer_norm_epsilon) or not 0.0 < layer_norm_epsilon < math.inf:
-        raise ValueError(f"layer_norm_epsilon={layer_norm_epsilon!r} must be a positive number")
-    for name, value in (
-        ("normalize_first", normalize_first), ("use_fused_attention", use_fused_attention), ("logits_bias", logits_bias),
-        ("exclude_start_logit", exclude_start_logit),
-    ):
-        if not isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"{name}={value!r} must be True or False")
-    key_dim_resolved, value_dim_resolved = head_dims(hidden_dim, num_heads, key_dim, value_dim)
-    if position_encoding not in POSITION_ENCODINGS:
-        raise ValueError(
-            f"position_encoding={position_encoding!r} must be one of {', '.join(map(repr, POSITION_ENCODINGS))}"
-        )
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} must be one of {', '.join(map(repr, ACTIVATIONS))}")
-    if position_encoding.startswith("sinusoidal") and hidden_dim % 2:
-        raise ValueError(f"hidden_dim={hidden_dim} must be even for sinusoidal positions")
-    if position_encoding == "sinusoidal_fairseq" and hidden_dim < 4:
-        raise ValueError(f"hidden_dim={hidden_dim} must be at least 4 for fairseq's sinusoids")
-    for name, value in special_ids.items():
-        if not is_integer(value) or not 0 <= value < vocabulary_size:
-            raise ValueError(f"{name}={value!r} must be an integer in [0, vocabulary_size={vocabulary_size})")
-    for (name, value), (other, other_value) in itertools.combinations(special_ids.items(), 2):
-        # start_id == end_id would end every output at its first token.
-        if value == other_value:
-            raise ValueError(
-                f"{name}={value} and {other}={other_value} must differ: the special ids "
-                "pad_id, unk_id, start_id and end_id are four distinct tokens"
-            )
-    if special_ids["pad_id"] != 0:
-        raise ValueError(f"pad_id={special_ids['pad_id']}: only 0 is supported (masks are built from ids > 0)")
-    return key_dim_resolved, value_dim_resolved
-
-
 @keras.saving.register_keras_serializable(package="keras_transformer")
-class TransformerModel(keras.Model):
+class TransformerModel(CachedDecoding, AttentionWeights, Adapters, keras.Model):
     """The Transformer encoder-decoder (Vaswani et al., 2017).
 
     The paper's symbols map to the arguments as: N = `num_layers`,
@@ -560,186 +491,15 @@ class TransformerModel(keras.Model):
             y_pred = step.predictions  # [B, T] ids, not the hidden states the model returned
         return super().compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    # ------------------------------------------------------------------ #
-    # Incremental decoding
-    # ------------------------------------------------------------------ #
-    # The cache entries that are functions of the source only: the same for
-    # every beam of a row, so beam search never reorders them (decoding protocol).
-    beam_invariant_cache_keys = ("cross_key", "cross_value", "encoder_padding_mask")
-    # The cache entries with one tensor per decoder layer (stacked on axis 1, or apart: `split_cache`).
-    per_layer_cache_keys = ("self_key", "self_value", "cross_key", "cross_value")
-
-    def init_cache(self, encoder_outputs, encoder_token_ids, max_length):
-        """The decoding cache for `max_length` target positions.
-
-        Cross-attention keys/values are computed here, once per source;
-        self-attention keys/values start as zeros and are filled one position
-        per `decode_step`. Every entry has the batch on axis 0, so beam search
-        can reorder or tile the whole cache with one gather.
-
-        Returns:
-            dict with `self_key [B, L, N, T_max, K]`, `self_value
-            [B, L, N, T_max, Vh]`, `cross_key [B, L, N, S, K]`, `cross_value
-            [B, L, N, S, Vh]` and `encoder_padding_mask [B, S]` (bool); heads
-            before positions (see `layers.MultiHeadAttention`).
-        """
-        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.encoder_vocabulary_size)
-        check_batch_sizes(encoder_token_ids=encoder_token_ids, encoder_outputs=encoder_outputs)
-        batch = ops.shape(encoder_outputs)[0]
-        layers = len(self.decoder_layers)
-        dtype = self.compute_dtype
-        cross = [layer.compute_cross_attention_cache(encoder_outputs) for layer in self.decoder_layers]
-        return {
-            "self_key": ops.zeros((batch, layers, self.num_heads, max_length, self.head_key_dim), dtype),
-            "self_value": ops.zeros((batch, layers, self.num_heads, max_length, self.head_value_dim), dtype),
-            "cross_key": ops.stack([k for k, _ in cross], axis=1),
-            "cross_value": ops.stack([v for _, v in cross], axis=1),
-            "encoder_padding_mask": ops.not_equal(encoder_token_ids, self.pad_id),
-        }
-
-    def grow_cache(self, cache, max_length):
-        """The cache of `init_cache` with room for `max_length` target positions (>= its length).
-
-        The positions written so far stay; the new ones are zeros, as
-        `init_cache` makes them. A search driver that starts with a short
-        cache grows it with the output (`search/segments.py`). Either form
-        of the cache (stacked, or split per layer: `split_cache`).
-        """
-        split = self._is_split(cache)
-        axis = 2 if split else 3  # T in [B, N, T, H] or [B, L, N, T, H]
-        length = (cache["self_key"][0] if split else cache["self_key"]).shape[axis]
-        if max_length < length:
-            raise ValueError(f"max_length={max_length} is shorter than the cache's {length} positions")
-        padding = [[0, 0]] * (axis + 2)
-        padding[axis] = [0, max_length - length]
-
-        def grow(x):
-            return ops.pad(x, padding)
-
-        return dict(
-            cache,
-            self_key=tuple(map(grow, cache["self_key"])) if split else grow(cache["self_key"]),
-            self_value=tuple(map(grow, cache["self_value"])) if split else grow(cache["self_value"]),
-        )
-
-    def split_cache(self, cache):
-        """The cache with each decoder layer's entries apart: tuples of one `[B, N, T, H]` tensor per layer.
-
-        `decode_step` and `grow_cache` take either form and return the one
-        they were given. A compiled search loop carries the
-        split form (`search/loop.py`): there each layer reads and writes its
-        own keys and values in place, where the stacked `[B, L, N, T, H]`
-        entries are sliced per layer at every step, and a slice on axis 1 is
-        a copy (XLA on CPU, `small`, batch 64 x beam 4: the slices took about
-        as long as the step's matrix products).
-        """
-        layers = len(self.decoder_layers)
-        split = {name: tuple(cache[name][:, i] for i in range(layers)) for name in self.per_layer_cache_keys}
-        return dict(cache, **split)
-
-    @contextlib.contextmanager
-    def transposed_output_kernel(self):
-        """Within: the pre-softmax projection reads a transposed copy of the embedding matrix, made here.
-
-        Optional in the decoding protocol; for a search compiled at a few
-        rows (`search/compiled.py`), entered inside the traced function, so
-        that the copy is made once, before the search loop, and each
-        `decode_step` multiplies by `E^T` `[D, V]` laid out as it is read.
-        The product is the same (the shared matrix, section 3.4); its speed
-        is not: XLA on CPU multiplies by the `[V, D]` matrix transposed at
-        about half the speed at a few rows (`small`, 4 x 256 by 256 x 8000,
-        one thread: 0.47 ms against 0.22 ms; the same at 64 rows and more),
-        and at batch 1, beam 4 that product was 39% of the search's time
-        (benchmarks/README.md). A quantized embedding (`quantize`) keeps
-        its own product.
-        """
-        embedding = self.token_embedding
-        if any(x is not None for x in (embedding.quantization_mode, embedding.logit_soft_cap, embedding.reverse_dtype)):
-            yield  # the layer's own product
-            return
-        kernel = ops.cast(ops.transpose(embedding.embeddings), embedding.compute_dtype)
-        token = _OUTPUT_KERNEL.set((self, kernel))
-        try:
-            yield
-        finally:
-            _OUTPUT_KERNEL.reset(token)
-
-    @staticmethod
-    def _is_split(cache):
-        """Whether `cache` is split per layer (`split_cache`) rather than stacked."""
-        return isinstance(cache["self_key"], (list, tuple))
-
-    def decode_step(self, token_ids, index, cache):
-        """One cached decoder step.
-
-        Args:
-            token_ids: `[B]` or `[B, 1]`, the target token at position `index`.
-            index: int or scalar int tensor, its position (0 for the start id).
-            cache: from `init_cache` or the previous step, stacked or split
-                per layer (`split_cache`).
-
-        Returns:
-            `(logits [B, V] for position index + 1, updated cache)`, the
-            cache in the form it was given.
-
-        Raises:
-            ValueError: when concrete (outside a traced search), ids outside
-                the vocabulary, a batch other than the cache's, or an `index`
-                outside the cache.
-        """
-        if isinstance(token_ids, (list, tuple)):
-            token_ids = np.asarray(token_ids)
-        if len(token_ids.shape) == 1:
-            token_ids = token_ids[:, None]  # [B] -> [B, 1]
-        token_ids = check_token_ids(token_ids, "token_ids", self.vocabulary_size)
-        split = self._is_split(cache)
-
-        def entry(name, i):  # [B, N, T, H], from a split or a stacked [B, L, N, T, H] entry
-            return cache[name][i] if split else cache[name][:, i]
-
-        keys = cache["self_key"][0] if split else cache["self_key"]  # no slice copy for the checks
-        check_batch_sizes(token_ids=token_ids, cache=keys)
-        check_cache_index(index, keys.shape[2 if split else 3])
-        x = self._embed(token_ids, self.decoder_position, self.decoder_embedding_dropout, start_index=index, training=False)
-        keys, values = [], []
-        for i, layer in enumerate(self.decoder_layers):
-            x, (key, value) = layer.call_cached(
-                x,
-                self_attention_cache=(entry("self_key", i), entry("self_value", i)),
-                self_attention_cache_update_index=index,
-                cross_attention_cache=(entry("cross_key", i), entry("cross_value", i)),
-                encoder_padding_mask=cache["encoder_padding_mask"],
-                training=False,
-            )
-            keys.append(key)
-            values.append(value)
-        if split:
-            cache = dict(cache, self_key=tuple(keys), self_value=tuple(values))
-        else:
-            cache = dict(cache, self_key=ops.stack(keys, axis=1), self_value=ops.stack(values, axis=1))
-        logits = self._logits(x)[:, 0, :]  # [B, V]
-        if self.exclude_start_logit:
-            logits = ops.where(ops.arange(self.vocabulary_size) == self.start_id, float("-inf"), logits)
-        return logits, cache
-
-    def generate(
-        self, encoder_token_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, patience=None, options=None
-    ):
-        """Translates source ids with beam search (greedy for `beam_size=1`).
-
-        A thin wrapper around `keras_transformer.generation.generate`, which
-        documents the search, the length penalty and the output length.
+    def generate(self, encoder_token_ids, *, options=None, **search_keywords):
+        """Translates source ids with beam search (greedy for `beam_size=1`): `generation.generate`.
 
         Args:
             encoder_token_ids: int `[B, S]` source ids (tokens + end id, pad 0).
-            beam_size: int >= 1. Defaults to 4 (the paper).
-            length_penalty: float alpha >= 0. Defaults to 0.6 (the paper).
-            max_extra_length: int >= 0, output tokens allowed beyond the
-                source length. Defaults to 50 (the paper).
-            patience: None (the exact search, the default) or a number > 0:
-                CTranslate2's early stop for beam search (see `generate`).
-            options: None, or a `SearchOptions` instead of the keywords
-                above (one or the other).
+            options: None, or a `SearchOptions`.
+            **search_keywords: instead of `options` (one or the other):
+                `beam_size`, `length_penalty`, `max_extra_length`,
+                `patience`, as in `SearchOptions`.
 
         Returns:
             int32 NumPy array `[B, L]`: start id, tokens, end id, then 0s.
@@ -751,23 +511,14 @@ class TransformerModel(keras.Model):
         """
         from keras_transformer.generation import generate
 
-        return generate(
-            self,
-            encoder_token_ids,
-            beam_size=beam_size,
-            length_penalty=length_penalty,
-            max_extra_length=max_extra_length,
-            patience=patience,
-            options=options,
-        )
+        return generate(self, encoder_token_ids, options=options, **search_keywords)
 
-    def generate_hypotheses(self, encoder_token_ids, beam_size=4, num_hypotheses=1, options=None, **keywords):
+    def generate_hypotheses(self, encoder_token_ids, *, target_prefix=None, compile=True, options=None,
+                            **search_keywords):
         """The `num_hypotheses` best outputs per source, with scores: `generation.generate_hypotheses`.
 
-        A thin wrapper; `keywords` are `generate_hypotheses`' (`length_penalty`,
-        `max_extra_length`, `target_prefix`, `sampling_topk`, `sampling_topp`,
-        `sampling_temperature`, `seed`, `patience`); `options` a `SearchOptions`
-        instead of the search keywords (one or the other).
+        `options` or `**search_keywords` (any `SearchOptions` field; one or
+        the other), `target_prefix` and `compile` as there.
 
         Returns:
             `Hypotheses(sequences [B, n, L], scores [B, n], log_probs [B, n])`, best first.
@@ -775,198 +526,8 @@ class TransformerModel(keras.Model):
         from keras_transformer.generation import generate_hypotheses
 
         return generate_hypotheses(
-            self, encoder_token_ids, beam_size=beam_size, num_hypotheses=num_hypotheses, options=options, **keywords
+            self, encoder_token_ids, target_prefix=target_prefix, compile=compile, options=options, **search_keywords
         )
-
-    def attention_scores(self, encoder_token_ids, decoder_token_ids):
-        """Every layer's and head's attention weights, for plots like the paper's Figures 3-5.
-
-        Runs the model once (inference mode) with unfused attention so that
-        the softmax weights are available. Rows of padding queries are
-        meaningless; padding keys get (close to) zero weight.
-
-        Args:
-            encoder_token_ids: int `[B, S]` source ids.
-            decoder_token_ids: int `[B, T]` target ids starting with the start id.
-
-        Returns:
-            dict of lists of NumPy float arrays, one per layer:
-            `"encoder_self_attention"` `[B, N, S, S]`,
-            `"decoder_self_attention"` `[B, N, T, T]` and
-            `"cross_attention"` `[B, N, T, S]` (query axis first, then key).
-
-        Example:
-        >>> model = TransformerModel.from_preset("tiny")
-        >>> scores = model.attention_scores(np.array([[5, 6, 3]]), np.array([[2, 7]]))
-        >>> scores["cross_attention"][0].shape
-        (1, 4, 2, 3)
-        """
-        encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", self.encoder_vocabulary_size)
-        decoder_token_ids = check_token_ids(decoder_token_ids, "decoder_token_ids", self.vocabulary_size)
-        check_batch_sizes(encoder_token_ids=encoder_token_ids, decoder_token_ids=decoder_token_ids)
-        encoder_padding_mask = ops.not_equal(encoder_token_ids, self.pad_id)  # [B, S]
-        decoder_padding_mask = ops.not_equal(decoder_token_ids, self.pad_id)  # [B, T]
-        scores = {"encoder_self_attention": [], "decoder_self_attention": [], "cross_attention": []}
-        x = self._embed(encoder_token_ids, self.encoder_position, self.encoder_embedding_dropout, training=False,
-                        embedding=self.source_token_embedding)
-        for layer in self.encoder_layers:
-            x, weights = layer.call_with_scores(x, padding_mask=encoder_padding_mask, training=False)
-            scores["encoder_self_attention"].append(weights)  # [B, N, S, S]
-        if self.normalize_first:
-            x = self.encoder_final_norm(x)
-        y = self._embed(decoder_token_ids, self.decoder_position, self.decoder_embedding_dropout, training=False)
-        for layer in self.decoder_layers:
-            y, self_weights, cross_weights = layer.call_with_scores(
-                y,
-                x,
-                decoder_padding_mask=decoder_padding_mask,
-                encoder_padding_mask=encoder_padding_mask,
-                training=False,
-            )
-            scores["decoder_self_attention"].append(self_weights)  # [B, N, T, T]
-            scores["cross_attention"].append(cross_weights)  # [B, N, T, S]
-        return {
-            name: [np.asarray(ops.convert_to_numpy(w)).astype("float32") for w in weights]
-            for name, weights in scores.items()
-        }
-
-    def alignment_attention(self, encoder_token_ids, decoder_token_ids):
-        """The cross-attention that aligns (`keras_transformer.alignment`), teacher forced: float32 `[B, T, S]`.
-
-        Row t of a batch row is the weights with which decoder position t
-        (the start id at 0) attended to the source, in layer
-        `alignment.ALIGNMENT_LAYER`, averaged over its heads: the weights
-        the search used to choose target token t + 1. Optional in the
-        decoding protocol (`Translator.translate_hypotheses(return_alignment=True)`).
-        """
-        from keras_transformer.alignment import ALIGNMENT_LAYER, mean_heads
-
-        scores = self.attention_scores(encoder_token_ids, decoder_token_ids)
-        return mean_heads(scores["cross_attention"][ALIGNMENT_LAYER])
-
-    # ------------------------------------------------------------------ #
-    # LoRA
-    # ------------------------------------------------------------------ #
-    @property
-    def lora_enabled(self):
-        """Whether `enable_lora` was called: only the adapters train."""
-        return self.lora_rank is not None
-
-    def enable_lora(self, rank, targets=None, lora_alpha=None):
-        """Low-rank adapters (LoRA) on the target projections; every other weight is frozen.
-
-        Each target `Dense` computes `x (W + (lora_alpha / rank) A B) + b`
-        with Keras' `Dense.enable_lora`: `A [in, rank]` (He-uniform) and
-        `B [rank, out]` (zeros, so the outputs are unchanged until trained)
-        are the only trainable weights; `W`, the biases, the embedding, the
-        positions, the layer norms and the logits bias are frozen. Call it
-        before `compile`. `save_to_preset`, `export` and the project's
-        exporters write the merged model (`merge_lora`): the same shapes and
-        speed as before.
-
-        Args:
-            rank: int >= 1, the adapters' rank r.
-            targets: None (default: "attention"), or one or more names of
-                `lora.LORA_TARGET_NAMES`: "attention" (W^Q, W^K, W^V, W^O of
-                every self- and cross-attention), "feedforward" (W_1 and W_2
-                of the feed-forward networks), or single projections by layer
-                name ("query", "key", "value", "attention_output",
-                "feedforward_intermediate_dense", "feedforward_output_dense").
-            lora_alpha: optional number, the scale's numerator; default
-                `rank` (a scale of 1), as in Keras.
-
-        Example:
-        >>> model = TransformerModel.from_preset("tiny")
-        >>> model.enable_lora(4)
-        >>> sorted({w.name for w in model.trainable_weights})
-        ['lora_kernel_a', 'lora_kernel_b']
-
-        Raises:
-            ValueError: a rank that is not a positive integer, an unknown
-                target, a bad `lora_alpha`, a model that has LoRA already or
-                is quantized.
-
-        References:
-        - Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", arXiv:2106.09685.
-        """
-        from keras_transformer import lora
-
-        lora.enable_lora(self, rank, targets=targets, lora_alpha=lora_alpha)
-
-    def save_weights(self, filepath, *args, **kwargs):
-        """Keras' `save_weights`; with LoRA, the file holds the merged kernels, in float32 under mixed precision.
-
-        Keras' LoRA `Dense` writes `W + (alpha / r) A B` in place of `W`
-        and no adapters (an ordinary model's file), merged in the compute
-        dtype; here in the variables' dtype (`lora.kernels_merged_in_float32`).
-        """
-        from keras_transformer import lora
-
-        with lora.kernels_merged_in_float32(self):
-            return super().save_weights(filepath, *args, **kwargs)
-
-    def merge_lora(self):
-        """A new `TransformerModel` with each adapter merged into its kernel: `W + (alpha / r) A B`.
-
-        The same config (no LoRA), outputs and tokenizer; this model is
-        unchanged. What `save_to_preset` and the exporters write for a LoRA
-        model.
-
-        Raises:
-            ValueError: the model has no LoRA (`enable_lora`).
-        """
-        from keras_transformer import lora
-
-        if not self.lora_enabled:
-            raise ValueError("merge_lora: this model has no LoRA adapters; call enable_lora(rank) first")
-        merged = type(self).from_config(self.get_config())
-        merged.set_weights(lora.merged_weights(self))
-        merged.tokenizer = self.tokenizer
-        return merged
-
-    # ------------------------------------------------------------------ #
-    # Quantization
-    # ------------------------------------------------------------------ #
-    @property
-    def quantization(self):
-        """None for a float model, or the mode of `quantize` ("int8"), as a preset's config.json records it."""
-        from keras_transformer.quantization import quantization_of
-
-        return quantization_of(self)
-
-    def quantize(self, mode=None, config=None, **kwargs):
-        """Keras' int8 quantization, in place: the projections and the shared embedding get int8 weights.
-
-        Keras' `Model.quantize` on every `Dense` (W^Q, W^K, W^V, W^O, W_1,
-        W_2: an int8 kernel, one scale per output column) and on the shared
-        embedding matrix (int8 `[V, D]`, one scale per token), whose tie with
-        the pre-softmax projection is kept (`keras_transformer.quantization`
-        says why); inputs are quantized per row at run time. The layer norms,
-        biases, positions and the logits bias stay float32; one log line says
-        what was quantized and what was not (a warning when a layer of weight
-        matrices was left float32). `generate`, `Translator` and
-        `save_to_preset` take the quantized model on every backend; the
-        exporters refuse it (they quantize float32 weights themselves).
-
-        Args:
-            mode: "int8" (the one mode supported here).
-            config: optional `keras.quantizers.QuantizationConfig`.
-
-        Example:
-        >>> model = TransformerModel.from_preset("tiny")
-        >>> model.quantize("int8")
-        >>> model.quantization, model.token_embedding.embeddings.dtype
-        ('int8', 'int8')
-
-        Raises:
-            ValueError: another mode, a model with LoRA adapters (quantize
-                `merge_lora()`'s model), or one already quantized.
-        """
-        from keras_transformer import quantization
-
-        if kwargs:
-            raise ValueError(f"quantize: unknown argument(s) {sorted(kwargs)}; it takes mode and config")
-        quantization.quantize(self, mode, config=config)
 
     # ------------------------------------------------------------------ #
     # Config, presets
@@ -1046,26 +607,9 @@ class TransformerModel(keras.Model):
 
     @classmethod
     def _from_preset(cls, preset, overrides):
-        from keras_transformer import convert
+        from keras_transformer.presets import load_preset
 
-        allowed = set(constructor_args(cls))
-        unknown = sorted(set(overrides) - allowed)
-        if unknown:
-            raise ValueError(f"Unknown TransformerModel argument(s) {unknown}; allowed: {sorted(allowed)}")
-        # A directory of that name wins, as it does over an architecture's name (below).
-        if isinstance(preset, str) and preset in PRETRAINED_PRESETS and not os.path.isdir(preset):
-            preset = PRETRAINED_PRESETS[preset]["handle"]
-        checkpoint = convert.checkpoint_directory(preset)
-        if checkpoint is not None:
-            return convert.load_checkpoint(cls, checkpoint, overrides)
-        if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
-            return load_preset_directory(cls, pathlib.Path(preset), overrides)
-        if isinstance(preset, str) and preset in PRESETS:
-            return cls(**{**PRESETS[preset]["config"], **overrides})
-        raise ValueError(
-            f"Unknown preset {preset!r}. Built-in presets: {', '.join([*PRESETS, *PRETRAINED_PRESETS])}; "
-            "or pass a directory written by save_to_preset, a Hugging Face checkpoint directory, or hf://org/name."
-        )
+        return load_preset(cls, preset, overrides)
 
     def save_to_preset(self, directory, tokenizer=None, metadata=None, overwrite=False):
         """Writes config.json, model.weights.h5, the tokenizer and metadata.json.

@@ -38,14 +38,13 @@ tokenizer.decode([[2, tokenizer.id_of("fra_Latn"), ...]])
 """
 
 import copy
-import json
 import os
 
 import numpy as np
 import sentencepiece as spm
 
-from keras_transformer.token_ids import END_ID, PAD_ID, START_ID, UNK_ID, id_sequences, text_list
-from keras_transformer.utils import read_json_file, write_bytes_atomically
+from keras_transformer.token_ids import END_ID, START_ID, UNK_ID, text_list
+from keras_transformer.tokenizer_base import RenumberedTokenizer, json_bytes
 
 SPM_FILE = "sentencepiece.bpe.model"
 # Ours: the checkpoint's added tokens and sizes (Hugging Face keeps them in tokenizer.json and
@@ -59,7 +58,7 @@ FAIRSEQ_OFFSET = 1
 ADDED_START_PIECES = ("<start>", "<decoder_start>", "<nllb_start>")
 
 
-class NllbTokenizer:
+class NllbTokenizer(RenumberedTokenizer):
     """NLLB's SentencePiece model, fairseq's ids and the language tokens, renumbered to ours.
 
     Args:
@@ -82,8 +81,8 @@ class NllbTokenizer:
 
     format = "nllb"
     FILES = FILES
-    sentencepiece_ids = False  # fairseq's ids, renumbered (`checkpoint_ids`)
-    source_input = ": the source language code first; target_prefix: the target language code"
+    source_input = ": the source language code first; target_prefix: the target language code"  # fairseq's, renumbered
+    label, article = "NLLB", "an"
 
     def __init__(self, proto, added_tokens, language_codes, vocabulary_size, legacy_behaviour=False, start_id=2):
         try:
@@ -126,6 +125,7 @@ class NllbTokenizer:
         self.checkpoint_ids = np.array([pad, unk, start_id, end] + ordinary, dtype=np.int64)
         self._pieces = [by_id[pad], by_id[unk], self.added_start_token, by_id[end]] + [by_id[i] for i in ordinary]
         self._ids = {piece: i for i, piece in enumerate(self._pieces)}
+        self._source_pieces, self._target_ids = self._pieces, self._ids  # one vocabulary for every language
         # SentencePiece id -> our id: its unk is <unk>; piece k >= 3 is checkpoint id k + 1.
         ours = np.empty(vocabulary_size, np.int64)
         others = np.flatnonzero(np.arange(len(self.checkpoint_ids)) != START_ID)  # each row once: the start id is added
@@ -138,13 +138,6 @@ class NllbTokenizer:
         self._dropped[ours[FAIRSEQ_SPECIALS["<s>"]]] = True
         self._dropped[ours[first_added:]] = True
 
-    # The special ids, as `keras_transformer.tokenizer.Tokenizer` has them.
-    pad_id, unk_id, start_id, end_id = PAD_ID, UNK_ID, START_ID, END_ID
-
-    @property
-    def vocabulary_size(self):
-        return len(self._pieces)
-
     @property
     def proto(self):
         return self._proto
@@ -155,17 +148,6 @@ class NllbTokenizer:
     def added_tokens(self):
         """The language codes and `<mask>` with their checkpoint ids."""
         return dict(self._added)
-
-    def pieces(self):
-        """The piece of each of our ids, in id order (the added start piece included)."""
-        return list(self._pieces)
-
-    def files(self):
-        return self.FILES
-
-    def id_of(self, piece):
-        """Our id of `piece` (`unk_id` for a piece outside the vocabulary)."""
-        return self._ids.get(piece, UNK_ID)
 
     def describe_languages(self, limit=None):
         codes = self.language_codes if limit is None else self.language_codes[:limit]
@@ -242,17 +224,8 @@ class NllbTokenizer:
         is joined by the SentencePiece model and stripped (Hugging Face
         keeps the space of a lone first piece "▁" before a dropped `<unk>`).
         """
-        texts = []
-        for sequence in id_sequences(ids):
-            pieces = []
-            for token in sequence:
-                token = int(token)
-                if token == END_ID:
-                    break
-                if 0 <= token < len(self._pieces) and not self._dropped[token]:
-                    pieces.append(self._pieces[token])
-            texts.append(self._processor.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip())
-        return texts
+        kept = self._kept_pieces(ids, lambda token: 0 <= token < len(self._pieces) and not self._dropped[token])
+        return [self._processor.decode_pieces(pieces).replace(SPIECE_UNDERLINE, " ").strip() for pieces in kept]
 
     def specials(self):
         """What `SPECIALS_FILE` holds."""
@@ -265,17 +238,9 @@ class NllbTokenizer:
             "start_id": self.checkpoint_start_id,
         }
 
-    def save(self, directory):
-        """Writes sentencepiece.bpe.model and nllb_tokenizer.json (not the bound languages), each atomically."""
-        directory = os.fspath(directory)
-        os.makedirs(directory, exist_ok=True)
-        contents = {
-            SPM_FILE: self._proto,
-            SPECIALS_FILE: (json.dumps(self.specials(), indent=2, ensure_ascii=False) + "\n").encode("utf-8"),
-        }
-        for name, data in contents.items():
-            write_bytes_atomically(os.path.join(directory, name), data)
-        return directory
+    def _file_contents(self):
+        """sentencepiece.bpe.model and nllb_tokenizer.json (not the bound languages), for `save`."""
+        return {SPM_FILE: self._proto, SPECIALS_FILE: json_bytes(self.specials(), ensure_ascii=False)}
 
     @classmethod
     def load(cls, directory):
@@ -286,18 +251,9 @@ class NllbTokenizer:
             ValueError: naming the file that cannot be used.
         """
         directory = os.fspath(directory)
-        for name in FILES:
-            if not os.path.isfile(os.path.join(directory, name)):
-                raise FileNotFoundError(f"No NLLB tokenizer in {directory!r}: {name} is missing")
-        path = os.path.join(directory, SPECIALS_FILE)
-        specials = read_json_file(path)
-        if not isinstance(specials, dict) or specials.get("format") != "nllb":
-            raise ValueError(f"{path} is not an NLLB tokenizer description")
+        specials = cls._description(directory)
         with open(os.path.join(directory, SPM_FILE), "rb") as f:
             proto = f.read()
-        try:
-            return cls(proto, specials.get("added_tokens"), specials.get("language_codes") or [],
-                       specials.get("vocabulary_size"), legacy_behaviour=specials.get("legacy_behaviour", False),
-                       start_id=specials.get("start_id", 2))
-        except ValueError as error:
-            raise ValueError(f"Cannot load the NLLB tokenizer in {directory}: {error}") from None
+        return cls._loaded(directory, proto, specials.get("added_tokens"), specials.get("language_codes") or [],
+                           specials.get("vocabulary_size"), legacy_behaviour=specials.get("legacy_behaviour", False),
+                           start_id=specials.get("start_id", 2))

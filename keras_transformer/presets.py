@@ -22,6 +22,7 @@ by the functions that need them.
 """
 
 import json
+import os
 import pathlib
 
 from keras_transformer.quantization import check_quantization
@@ -227,6 +228,30 @@ def write_preset(model, directory, tokenizer=None, metadata=None, overwrite=Fals
         if tokenizer is not None:
             tokenizer.save(staging)
         (staging / METADATA_FILE).write_text(json.dumps(metadata or {}, indent=2, sort_keys=True) + "\n")
+
+def load_preset(cls, preset, overrides):
+    """`cls.from_preset(preset, **overrides)` without its quantization: a name, a directory or a checkpoint."""
+    from keras_transformer import convert
+
+    allowed = set(constructor_args(cls))
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise ValueError(f"Unknown TransformerModel argument(s) {unknown}; allowed: {sorted(allowed)}")
+    # A directory of that name wins, as it does over an architecture's name (below).
+    if isinstance(preset, str) and preset in PRETRAINED_PRESETS and not os.path.isdir(preset):
+        preset = PRETRAINED_PRESETS[preset]["handle"]
+    checkpoint = convert.checkpoint_directory(preset)
+    if checkpoint is not None:
+        return convert.load_checkpoint(cls, checkpoint, overrides)
+    if isinstance(preset, (str, os.PathLike)) and os.path.isdir(preset):
+        return load_preset_directory(cls, pathlib.Path(preset), overrides)
+    if isinstance(preset, str) and preset in PRESETS:
+        return cls(**{**PRESETS[preset]["config"], **overrides})
+    raise ValueError(
+        f"Unknown preset {preset!r}. Built-in presets: {', '.join([*PRESETS, *PRETRAINED_PRESETS])}; "
+        "or pass a directory written by save_to_preset, a Hugging Face checkpoint directory, or hf://org/name."
+    )
+
 
 def constructor_args(cls):
     """The arguments a preset's config may hold: `cls.__init__`'s, with Keras' `dtype` and `name`."""

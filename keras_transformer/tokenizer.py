@@ -32,6 +32,7 @@ from keras_transformer.token_ids import (  # noqa: F401 (re-exported: the specia
     id_sequences,
     text_list,
 )
+from keras_transformer.tokenizer_base import TokenizerBase
 from keras_transformer.utils import write_bytes_atomically
 
 logger = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ def _training_error(error, vocabulary_size):
     return RuntimeError(f"SentencePiece could not train a vocabulary of {vocabulary_size} pieces: {message.strip()}")
 
 
-class Tokenizer:
+class Tokenizer(TokenizerBase):
     """A shared SentencePiece subword vocabulary.
 
     Wraps the serialized SentencePiece proto. Python-side encoding and
@@ -252,13 +253,10 @@ class Tokenizer:
     ```
     """
 
-    # What every tokenizer answers (`MarianTokenizer`, `NllbTokenizer` too), so that callers ask instead of
-    # checking its type: the format, the files `save` writes, whether its ids are its SentencePiece model's
-    # own (an in-graph SentencePiece op gives them), and what `source_pieces` gives CTranslate2.
+    # What every tokenizer answers (`tokenizer_base.TokenizerBase`).
     format = "sentencepiece"
     FILES = (TOKENIZER_FILENAME,)
     sentencepiece_ids = True
-    source_input = ""  # SentencePiece's pieces, nothing more
 
     def __init__(self, proto):
         if not isinstance(proto, (bytes, bytearray)):
@@ -378,10 +376,6 @@ class Tokenizer:
     def source_pieces(self, text):
         """The pieces of one source text (str), without start or end pieces: the SentencePiece model's."""
         return self._processor.encode(text, out_type=str)
-
-    def files(self):
-        """The file names `save` writes, the last the one `load_tokenizer` recognises the tokenizer by."""
-        return self.FILES
 
     def save(self, directory):
         """Writes `directory/tokenizer.model` atomically; returns its path.

@@ -4,149 +4,44 @@ No training framework is imported here: the ONNX Runtime server
 (`export.runtime.OnnxTranslator`) uses this class too.
 """
 
-import contextlib
+# The result types, batching and language helpers live in `keras_transformer.translation`; the names below are
+# plain re-exports, so `keras_transformer.translator.X` keeps importing every name it did.
 import copy
 import functools
-import inspect
 import itertools
 import logging
 import os
-from typing import NamedTuple
 
 import numpy as np
 
 from keras_transformer import documents, markup
-from keras_transformer.alignment import hard_alignment, word_alignment
-from keras_transformer.decoding import LENGTH_BUCKET, check_prefix_length
-from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
-from keras_transformer.search.scoring import score_targets
+from keras_transformer.translation.alignments import aligned_hypotheses, check_alignment
+from keras_transformer.translation.batching import (  # noqa: F401 (re-exports)
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_WINDOW,
+    batch_cancelled,
+    check_batch_limits,
+    check_split_sentences,
+    check_texts,
+    length_batches,
+    padded,
+    progress_bar,
+)
+from keras_transformer.translation.languages import (  # noqa: F401 (re-exports)
+    bind_languages,
+    encode_target_prefix,
+    forced_prefix,
+    with_forced_prefix,
+)
+from keras_transformer.translation.results import Hypothesis, TargetScore, row_hypotheses  # noqa: F401 (re-exports)
+from keras_transformer.translation.scoring import score_pairs
+from keras_transformer.translation.search import generate_hypotheses, generate_ids, search_options
 from keras_transformer.textio import check_output_path, check_text_file, count_lines, iter_lines, write_lines
 from keras_transformer.token_ids import encoder_vocabulary_size
 
 logger = logging.getLogger(__name__)
 
-# Sentences per search when neither `batch_size` nor `max_batch_tokens` is given.
-DEFAULT_BATCH_SIZE = 32
-# Lines that `translate_iterable` and `translate_file` read, sort and translate together.
-DEFAULT_WINDOW = 10_000
-
-
-class TargetScore(NamedTuple):
-    """The score of one target given its source (`Translator.score`).
-
-    Attributes:
-        log_prob: float, log P(target | source): the sum of `token_log_probs`.
-        token_log_probs: list of float, one per target token, the end token
-            included.
-        token_ids: list of int, the target's token ids (the end id last),
-            which `token_log_probs` scores.
-    """
-
-    log_prob: float
-    token_log_probs: list
-    token_ids: list
-
-
-class Hypothesis(NamedTuple):
-    """One output of the search for a text (`Translator.translate_hypotheses`).
-
-    Attributes:
-        text: str, the translation.
-        token_ids: list of int, its token ids (the end id last).
-        log_prob: float, log P(token_ids | source) under the search's token
-            rule: what `Translator.score` gives the same ids.
-        score: float, the search's score: `log_prob` divided by the GNMT
-            length penalty `length_penalty_factor(len(token_ids), alpha)`.
-        alignment: None, or with `return_alignment=True` a list with, for
-            each token of `token_ids` but the end id, the position of its
-            source token in the source's ids (`keras_transformer.alignment`).
-        word_alignment: None, or with `return_alignment=True` a list of
-            `alignment.WordAlignment(target, source)`, one per word of `text`:
-            its `(start, end)` characters in `text` and those of the source
-            words it aligns to in the source text.
-    """
-
-    text: str
-    token_ids: list
-    log_prob: float
-    score: float
-    alignment: list = None
-    word_alignment: list = None
-
-
-class _NoBar:
-    """What `_progress_bar` returns without a bar: counts nothing, imports nothing."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        return False
-
-    def update(self, n=1):
-        pass
-
-
-def _progress_bar(progress, **kwargs):
-    """A tqdm bar on stderr when `progress` is true; tqdm is imported only then (it adds to a server's start-up).
-
-    `progress` may also be the caller's own counter (anything with
-    `update(n)`, such as a tqdm bar or `progress.CountProgress`), which is
-    then told the sentences done and left open.
-    """
-    if callable(getattr(progress, "update", None)):
-        return contextlib.nullcontext(progress)
-    if not progress:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(**kwargs)
-
-
-def check_batch_limits(batch_size, max_batch_tokens):
-    """Refuses a `batch_size` or `max_batch_tokens` that is neither None nor a positive integer."""
-    for name, value in (("batch_size", batch_size), ("max_batch_tokens", max_batch_tokens)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-            raise ValueError(f"{name}={value!r} must be a positive integer or None")
-
-
-def length_batches(lengths, batch_size=None, max_batch_tokens=None):
-    """Groups items into batches of similar length, longest first.
-
-    Items are sorted by length (longest first; equal lengths keep their
-    order), then cut into batches of at most `batch_size` items whose padded
-    size, items x the longest length rounded up to a multiple of
-    `LENGTH_BUCKET` (as the search pads sources), is at most
-    `max_batch_tokens`. An item longer than `max_batch_tokens` is a batch
-    of its own. With neither limit, `DEFAULT_BATCH_SIZE` items per batch.
-    Rounding to the bucket keeps the number of distinct batch shapes (each
-    compiled once on TensorFlow and JAX) near the number of length buckets.
-
-    Args:
-        lengths: list of int, e.g. the source tokens of each sentence.
-        batch_size: int >= 1 or None, items per batch.
-        max_batch_tokens: int >= 1 or None, padded tokens per batch.
-
-    Returns:
-        list of lists of indices into `lengths`; every index once.
-
-    Example:
-    >>> length_batches([3, 20, 5, 9], max_batch_tokens=32)
-    [[1], [3, 2], [0]]
-    """
-    check_batch_limits(batch_size, max_batch_tokens)
-    if batch_size is None and max_batch_tokens is None:
-        batch_size = DEFAULT_BATCH_SIZE
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, start = [], 0
-    while start < len(order):
-        rows = len(order) - start if batch_size is None else batch_size
-        if max_batch_tokens is not None:
-            padded = -(-max(lengths[order[start]], 1) // LENGTH_BUCKET) * LENGTH_BUCKET
-            rows = min(rows, max(1, max_batch_tokens // padded))
-        batches.append(order[start: start + rows])
-        start += rows
-    return batches
+_padded = padded  # the old private name, for code that reached for it
 
 
 class Translator:
@@ -305,37 +200,33 @@ class Translator:
     def translate(
         self,
         texts,
-        beam_size=4,
-        batch_size=None,
-        length_penalty=0.6,
-        max_extra_length=50,
-        progress=False,
-        max_batch_tokens=None,
-        target_prefix=None,
-        sampling_topk=1,
-        sampling_topp=1.0,
-        sampling_temperature=1.0,
-        seed=0,
-        patience=None,
+        *,
         options=None,
+        batch_size=None,
+        max_batch_tokens=None,
+        progress=False,
+        target_prefix=None,
         split_sentences=False,
         source_language=None,
         target_language=None,
         cancelled=None,
         finished=None,
         format="text",
+        **search_keywords,
     ):
         """Translates a list of sentences (or of documents, with `split_sentences`; or of HTML, with `format`).
 
         Args:
             texts: list of str (a single str is treated as a list of one).
-            beam_size: int >= 1; 1 is greedy search. Defaults to 4.
+            options: None, or a `SearchOptions` (its fields document the
+                search options).
+            **search_keywords: instead of `options` (one or the other):
+                `SearchOptions` fields but `num_hypotheses` (`beam_size=`,
+                `length_penalty=`, `sampling_topk=`, ...); an unknown one is
+                a TypeError.
             batch_size: int >= 1 or None, sentences per search. None:
                 `DEFAULT_BATCH_SIZE` (32), or no limit when
                 `max_batch_tokens` is given.
-            length_penalty: float alpha >= 0. Defaults to 0.6.
-            max_extra_length: int >= 0, output tokens beyond the source
-                length. Defaults to 50.
             progress: bool, show a tqdm progress bar (on stderr); or an
                 object with `update(n)` (a tqdm bar, `CountProgress`) told
                 the number of sentences done after each batch.
@@ -345,22 +236,6 @@ class Translator:
                 translation starts with the prefix's tokens and the search
                 continues from there (at most `max_sequence_length - 2`
                 tokens).
-            sampling_topk: int >= 0. 1 (the default) is the search above;
-                otherwise each token is drawn from the `sampling_topk` most
-                probable (0: all), with `beam_size=1`.
-            sampling_topp: float in (0, 1], keep the most probable tokens up
-                to this probability mass when sampling. Defaults to 1.
-            sampling_temperature: float > 0, divides the log-probabilities
-                when sampling. Defaults to 1.
-            seed: int in `[0, 2^31 - 2]`: the same seed, the same samples
-                (on every backend and on ONNX Runtime).
-            patience: None (the default: the exact beam search) or a
-                number > 0: a row stops once `round(beam_size * patience)`
-                hypotheses ended, as CTranslate2 (`generation.generate`).
-            options: None, or a `SearchOptions` holding the search options
-                (`beam_size`, `length_penalty`, `max_extra_length`,
-                `patience`, the sampling options) instead of the keywords:
-                one or the other (`search.options.resolve`).
             split_sentences: False (the default: each text is one
                 sentence), True, or a language code such as "de": each text
                 is cut into sentences (`documents.split_texts`: lines at
@@ -405,11 +280,11 @@ class Translator:
             ValueError: naming the argument, before anything is translated.
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
-        texts = _texts(texts, "texts")
-        options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
+        texts = check_texts(texts, "texts")
+        options = search_options("translate", options, search_keywords, batch_size, max_batch_tokens)
         markup.check_format(format, target_prefix, cancelled=cancelled, finished=finished)
         if split_sentences is not False:
-            _check_split_sentences(split_sentences, target_prefix)
+            check_split_sentences(split_sentences, target_prefix)
         if format == "html":
             return self._translate_html(texts, options, batch_size, max_batch_tokens, progress, split_sentences)
         if split_sentences is not False:
@@ -417,10 +292,10 @@ class Translator:
                 if given is not None:
                     raise ValueError(f"{name} cannot be used with split_sentences (it is per text, not per sentence)")
             split = self.split_texts(texts, split_sentences)
-            with _progress_bar(progress, total=len(split.units), desc="Translating", unit=" sentences") as bar:
+            with progress_bar(progress, total=len(split.units), desc="Translating", unit=" sentences") as bar:
                 return split.join(self._translate(split.units, options, batch_size, max_batch_tokens, bar))
         prefixes = self._prefixes(target_prefix, texts)
-        with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
+        with progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(
                 texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, cancelled=cancelled,
                 finished=finished,
@@ -429,12 +304,12 @@ class Translator:
     def _translate_html(self, texts, options, batch_size, max_batch_tokens, progress, split_sentences):
         """`translate(..., format="html")`: `markup.translate_html` over aligned translations of the units."""
         try:
-            self._check_alignment(True)
+            check_alignment(self.model, True)
         except ValueError as error:
             raise ValueError(f"format='html' puts inline tags on the aligned words: {error}") from None
 
         def aligned(units):
-            with _progress_bar(progress, total=len(units), desc="Translating", unit=" sentences") as bar:
+            with progress_bar(progress, total=len(units), desc="Translating", unit=" sentences") as bar:
                 found = self._translate(units, options, batch_size, max_batch_tokens, bar, num_hypotheses=1,
                                         align=True)
             return [hypotheses[0] if hypotheses else None for hypotheses in found]
@@ -468,25 +343,18 @@ class Translator:
     def translate_hypotheses(
         self,
         texts,
-        beam_size=4,
-        num_hypotheses=1,
-        batch_size=None,
-        length_penalty=0.6,
-        max_extra_length=50,
-        progress=False,
-        max_batch_tokens=None,
-        target_prefix=None,
-        sampling_topk=1,
-        sampling_topp=1.0,
-        sampling_temperature=1.0,
-        seed=0,
-        patience=None,
+        *,
         options=None,
+        batch_size=None,
+        max_batch_tokens=None,
+        progress=False,
+        target_prefix=None,
         source_language=None,
         target_language=None,
         cancelled=None,
         finished=None,
         return_alignment=False,
+        **search_keywords,
     ):
         """The `num_hypotheses` best translations of each sentence, with their scores (and alignments).
 
@@ -507,12 +375,12 @@ class Translator:
 
         Args:
             texts: list of non-empty str (a single str is a list of one).
-            num_hypotheses: int >= 1, at most `beam_size` unless sampling.
-            beam_size, batch_size, length_penalty, max_extra_length: as `translate`.
-            progress, max_batch_tokens, target_prefix, sampling_topk: as `translate`.
-            sampling_topp, sampling_temperature, seed, patience: as `translate`.
-            options: as `translate`; with it, its `num_hypotheses` (None: 1)
-                instead of the keyword.
+            options: as `translate`; its `num_hypotheses` (None: 1) is the
+                number of hypotheses per text.
+            **search_keywords: instead of `options`: any `SearchOptions`
+                field, `num_hypotheses` (int >= 1, at most `beam_size`
+                unless sampling) included.
+            batch_size, max_batch_tokens, progress, target_prefix: as `translate`.
             source_language, target_language: a multilingual model's (NLLB-200's)
                 language codes, e.g. "eng_Latn" and "fra_Latn" (`with_languages`);
                 required there, refused elsewhere.
@@ -537,14 +405,14 @@ class Translator:
                 anything is translated.
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
-        texts = _texts(texts, "texts")
-        options = _search_options(options, search_keywords(locals()), batch_size, max_batch_tokens)
-        self._check_alignment(return_alignment)
+        texts = check_texts(texts, "texts")
+        options = search_options("translate_hypotheses", options, search_keywords, batch_size, max_batch_tokens)
+        check_alignment(self.model, return_alignment)
         for i, text in enumerate(texts):
             if not text.strip():
                 raise ValueError(f"texts[{i}] is empty; translate_hypotheses needs a non-empty text")
         prefixes = self._prefixes(target_prefix, texts)
-        with _progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
+        with progress_bar(progress, total=len(texts), desc="Translating", unit=" sentences") as bar:
             return self._translate(
                 texts, options, batch_size, max_batch_tokens, bar, prefixes=prefixes, num_hypotheses=options.count,
                 cancelled=cancelled, finished=finished, align=return_alignment,
@@ -553,23 +421,17 @@ class Translator:
     def translate_iterable(
         self,
         texts,
-        beam_size=4,
+        *,
+        options=None,
         batch_size=None,
-        length_penalty=0.6,
-        max_extra_length=50,
-        progress=False,
         max_batch_tokens=None,
+        progress=False,
         window=DEFAULT_WINDOW,
         total=None,
-        sampling_topk=1,
-        sampling_topp=1.0,
-        sampling_temperature=1.0,
-        seed=0,
-        patience=None,
-        options=None,
         split_sentences=False,
         source_language=None,
         target_language=None,
+        **search_keywords,
     ):
         """Translates a stream of sentences; yields the translations in input order.
 
@@ -586,9 +448,8 @@ class Translator:
                 `DEFAULT_WINDOW`.
             total: int or None, the number of sentences, for the progress
                 bar's ETA.
-            beam_size, batch_size, length_penalty, max_extra_length: as `translate`.
-            progress, max_batch_tokens, sampling_topk, sampling_topp: as `translate`.
-            sampling_temperature, seed, patience, options: as `translate`.
+            options, **search_keywords: as `translate`.
+            batch_size, max_batch_tokens, progress: as `translate`.
             split_sentences: as `translate`: each text of the stream is cut
                 into sentences and rebuilt (`window` counts texts; the
                 progress bar counts sentences).
@@ -600,11 +461,11 @@ class Translator:
             An iterator of str, one per input sentence.
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
-        options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
+        options = search_options("translate_iterable", options, search_keywords, batch_size, max_batch_tokens)
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
             raise ValueError(f"window={window!r} must be a positive integer (sentences sorted together)")
         if split_sentences is not False:
-            _check_split_sentences(split_sentences, None)
+            check_split_sentences(split_sentences, None)
             total = None  # the bar counts sentences, whose number is not known ahead
         if isinstance(texts, str):
             texts = [texts]
@@ -616,23 +477,17 @@ class Translator:
         self,
         src_path,
         out_path,
-        beam_size=4,
+        *,
+        options=None,
         batch_size=None,
-        length_penalty=0.6,
-        max_extra_length=50,
-        progress=False,
         max_batch_tokens=None,
+        progress=False,
         window=DEFAULT_WINDOW,
         overwrite=False,
-        sampling_topk=1,
-        sampling_topp=1.0,
-        sampling_temperature=1.0,
-        seed=0,
-        patience=None,
-        options=None,
         split_sentences=False,
         source_language=None,
         target_language=None,
+        **search_keywords,
     ):
         """Translates a file of any size, one sentence per line, into another.
 
@@ -652,9 +507,8 @@ class Translator:
             overwrite: bool, replace an existing `out_path`.
             progress: bool, a tqdm progress bar on stderr (sentences/s;
                 with the total for a file).
-            beam_size, batch_size, length_penalty, max_extra_length: as `translate_iterable`.
-            max_batch_tokens, window, sampling_topk, sampling_topp: as `translate_iterable`.
-            sampling_temperature, seed, patience, options: as `translate_iterable`.
+            options, **search_keywords: as `translate`.
+            batch_size, max_batch_tokens, window: as `translate_iterable`.
             split_sentences: as `translate`: each line may hold several
                 sentences; it is translated sentence by sentence and
                 written back as one line.
@@ -673,11 +527,11 @@ class Translator:
                 `out_path` is `src_path`.
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
-        options = _one_per_text(_search_options(options, search_keywords(locals()), batch_size, max_batch_tokens))
+        options = search_options("translate_file", options, search_keywords, batch_size, max_batch_tokens)
         check_text_file(src_path, "src_path")
         check_output_path(out_path, "out_path", overwrite=overwrite, source=src_path)
         if split_sentences is not False:
-            _check_split_sentences(split_sentences, None)
+            check_split_sentences(split_sentences, None)
         total = count_lines(src_path) if progress and split_sentences is False else None
         translations = self.translate_iterable(
             iter_lines(src_path), batch_size=batch_size, progress=progress, max_batch_tokens=max_batch_tokens,
@@ -692,7 +546,7 @@ class Translator:
         )
 
     def _stream(self, texts, options, batch_size, max_batch_tokens, window, progress, total, split_sentences=False):
-        with _progress_bar(progress, total=total, desc="Translating", unit=" sentences") as bar:
+        with progress_bar(progress, total=total, desc="Translating", unit=" sentences") as bar:
             for first in itertools.count(0, window):
                 chunk = list(itertools.islice(texts, window))
                 if not chunk:
@@ -738,8 +592,8 @@ class Translator:
         hypotheses = num_hypotheses is not None or prefixes is not None or options.sampling
         for positions in length_batches([len(sources[i]) for i in todo], batch_size, max_batch_tokens):
             batch = [todo[position] for position in positions]
-            ids = _padded([sources[i] for i in batch])
-            rows_cancelled = _batch_cancelled(cancelled, batch, len(texts))
+            ids = padded([sources[i] for i in batch])
+            rows_cancelled = batch_cancelled(cancelled, batch, len(texts))
             if not hypotheses:
 
                 def ended(rows, sequences, batch=batch):  # rows that left the search, their final tokens
@@ -749,7 +603,7 @@ class Translator:
 
                 rows_ended = None if finished is None else ended
                 for i, text in zip(batch, self.tokenizer.decode(
-                    self._generate(ids, options, rows_cancelled, rows_ended)
+                    generate_ids(self.model, ids, options, rows_cancelled, rows_ended)
                 )):
                     results[i] = text
             else:
@@ -761,7 +615,7 @@ class Translator:
 
                 rows_ended = None if finished is None or align else ended  # aligned: told with its batch
                 prefix = None if prefixes is None else [prefixes[i] for i in batch]
-                found = self._generate_hypotheses(ids, options, prefix, rows_cancelled, rows_ended)
+                found = generate_hypotheses(self.model, ids, options, prefix, rows_cancelled, rows_ended)
                 for row, i in enumerate(batch):
                     results[i] = self._text_or_hypotheses(found, row, num_hypotheses)
                 if align:
@@ -776,39 +630,10 @@ class Translator:
 
     def _text_or_hypotheses(self, found, row, num_hypotheses):
         """A row's `Hypothesis` list, or without `num_hypotheses` its translation (a cancelled text has none: "")."""
-        hypotheses = self._hypotheses(found, row)
+        hypotheses = row_hypotheses(self.tokenizer, found, row)
         if num_hypotheses is not None:
             return hypotheses
         return hypotheses[0].text if hypotheses else ""
-
-    def _hypotheses(self, found, row):
-        """The `Hypothesis` list of one row of `generate_hypotheses`' output, unfilled slots left out."""
-        sequences = found.sequences[row]  # [n, L]
-        texts = self.tokenizer.decode(sequences)
-        results = []
-        for sequence, text, score, log_prob in zip(sequences, texts, found.scores[row], found.log_probs[row]):
-            if not np.isfinite(score):
-                continue
-            ends = np.flatnonzero(sequence[1:] == self.tokenizer.end_id)
-            token_ids = sequence[1: int(ends[0]) + 2].tolist() if len(ends) else sequence[1:].tolist()
-            results.append(Hypothesis(text, token_ids, float(log_prob), float(score)))
-        return results
-
-    def _check_alignment(self, return_alignment):
-        """Refuses a `return_alignment` other than a bool, or True for a model that gives no attention weights."""
-        if not isinstance(return_alignment, bool):
-            raise ValueError(f"return_alignment={return_alignment!r} must be True or False")
-        if not return_alignment:
-            return
-        if not callable(getattr(self.model, "alignment_attention", None)):
-            raise ValueError(
-                f"return_alignment=True needs the model's cross-attention weights (alignment_attention), which "
-                f"{type(self.model).__name__} does not give; use a TransformerModel or an ONNX export "
-                "(OnnxTranslator), or leave return_alignment out"
-            )
-        check = getattr(self.model, "check_alignment", None)  # optional: a model that can refuse before searching
-        if callable(check):
-            check()
 
     def align(self, texts, hypotheses):
         """`hypotheses` (one `Hypothesis` or None per text of `texts`) with `alignment` and `word_alignment` set.
@@ -816,7 +641,7 @@ class Translator:
         What `translate_hypotheses(..., return_alignment=True)` gives, for
         hypotheses searched elsewhere (the server's batches).
         """
-        self._check_alignment(True)
+        check_alignment(self.model, True)
         rows = [i for i, hypothesis in enumerate(hypotheses) if hypothesis is not None]
         aligned = list(hypotheses)
         if rows:
@@ -832,49 +657,8 @@ class Translator:
         return self.tokenizer.pieces()
 
     def _aligned(self, hypotheses, texts, sources):
-        """`hypotheses` (a list of `Hypothesis` lists, one per text) with `alignment` and `word_alignment` set.
-
-        Every hypothesis of the batch is decoded once more, teacher forced,
-        in one call of the model's `alignment_attention`; `sources` are the
-        texts' source ids.
-        """
-        rows = [(i, hypothesis) for i, found in enumerate(hypotheses) for hypothesis in found]
-        if not rows:
-            return hypotheses
-        end_id, pieces = self.tokenizer.end_id, self._target_pieces
-        attention = self.model.alignment_attention(
-            _padded([sources[i] for i, _ in rows]),
-            _padded([[self.tokenizer.start_id, *hypothesis.token_ids] for _, hypothesis in rows]),
-        )  # [R, T, S]
-        aligned = [[] for _ in hypotheses]
-        source_pieces = [self.tokenizer.source_pieces(text) for text in texts]
-        for row, (i, hypothesis) in enumerate(rows):
-            tokens = hypothesis.token_ids[:-1] if hypothesis.token_ids[-1:] == [end_id] else hypothesis.token_ids
-            alignment = hard_alignment(attention[row], len(sources[i]), len(tokens))
-            words = word_alignment(alignment, source_pieces[i], texts[i], [pieces[t] for t in tokens],
-                                   hypothesis.text)
-            words = [word for word in words if word.target[0] < word.target[1]]  # pieces with no text (a language code)
-            aligned[i].append(hypothesis._replace(alignment=alignment, word_alignment=words))
-        return aligned
-
-    def _generate(self, ids, options, cancelled=None, finished=None):
-        generate = getattr(self.model, "generate", None)
-        if callable(generate):
-            return generate(ids, **_model_search_args(generate, options, cancelled, finished))
-        from keras_transformer.generation import generate
-
-        return generate(self.model, ids, options=options)
-
-    def _generate_hypotheses(self, ids, options, target_prefix, cancelled=None, finished=None):
-        generate_hypotheses = getattr(self.model, "generate_hypotheses", None)
-        if callable(generate_hypotheses):
-            args = _model_search_args(generate_hypotheses, options, cancelled, finished)
-            if "options" not in args:
-                args.update(num_hypotheses=options.count)
-            return generate_hypotheses(ids, target_prefix=target_prefix, **args)
-        from keras_transformer.generation import generate_hypotheses
-
-        return generate_hypotheses(self.model, ids, target_prefix=target_prefix, options=options)
+        """`alignments.aligned_hypotheses` with this translator's model, tokenizer and target pieces."""
+        return aligned_hypotheses(self.model, self.tokenizer, self._target_pieces, hypotheses, texts, sources)
 
     # ------------------------------------------------------------------ #
     # Scoring
@@ -913,220 +697,4 @@ class Translator:
             TypeError: a source or target that is not a str.
         """
         self = self.with_languages(source_language, target_language)  # the pair's tokenizer, checked
-        sources, targets = _texts(sources, "sources"), _texts(targets, "targets")
-        if len(sources) != len(targets):
-            raise ValueError(
-                f"sources has {len(sources)} texts but targets has {len(targets)}; score needs one target per source"
-            )
-        for i, text in enumerate(sources):
-            if not text.strip():
-                raise ValueError(
-                    f"sources[{i}] is empty; score needs a non-empty source text (an empty target is allowed)"
-                )
-        check_batch_limits(batch_size, max_batch_tokens)
-        source_ids = self.encode(sources)
-        target_ids = self.tokenizer.encode(targets, add_start=True, add_end=True, target=True)
-        limit = getattr(self.model, "max_sequence_length", None)
-        for i, ids in enumerate(target_ids):
-            if limit is not None and len(ids) - 1 > limit:
-                raise ValueError(
-                    f"targets[{i}] has {len(ids) - 1} tokens (the end token included); the model scores at most "
-                    f"max_sequence_length={limit}"
-                )
-        results = [None] * len(sources)
-        lengths = [max(len(s), len(t) - 1) for s, t in zip(source_ids, target_ids)]
-        with _progress_bar(progress, total=len(sources), desc="Scoring", unit=" pairs") as bar:
-            for batch in length_batches(lengths, batch_size, max_batch_tokens):
-                log_probs, token_log_probs = score_targets(
-                    self.model, _padded([source_ids[i] for i in batch]), _padded([target_ids[i] for i in batch])
-                )
-                for row, i in enumerate(batch):
-                    count = len(target_ids[i]) - 1
-                    results[i] = TargetScore(
-                        float(log_probs[row]), token_log_probs[row, :count].tolist(), list(target_ids[i][1:])
-                    )
-                bar.update(len(batch))
-        return results
-
-
-def bind_languages(tokenizer, source_language=None, target_language=None):
-    """`tokenizer` bound to a language pair (`Translator.with_languages`' rule), or `tokenizer` itself.
-
-    A multilingual tokenizer (one with `with_languages`: NLLB-200's) needs
-    both languages, given here or bound before; a tokenizer of one language
-    pair takes neither.
-
-    Raises:
-        ValueError: one line naming the codes: a multilingual tokenizer
-            without both languages, or an unknown code; a language given to
-            a tokenizer that has no language codes.
-    """
-    bind = getattr(tokenizer, "with_languages", None)
-    if bind is None:
-        if source_language is None and target_language is None:
-            return tokenizer
-        given = "source_language" if source_language is not None else "target_language"
-        raise ValueError(f"{given}={source_language or target_language!r}: this model translates one language "
-                         "pair and has no language codes; leave source_language and target_language out")
-    bound = bind(source_language or tokenizer.source_language, target_language or tokenizer.target_language)
-    bound.check_language("source_language", bound.source_language)
-    bound.check_language("target_language", bound.target_language)
-    if (bound.source_language, bound.target_language) == (tokenizer.source_language, tokenizer.target_language):
-        return tokenizer
-    return bound
-
-
-def forced_prefix(tokenizer):
-    """The ids every translation starts with (a bound multilingual tokenizer's target-language code), or None.
-
-    Hugging Face's `forced_bos_token_id`: the search is given it as a
-    target prefix, so Keras, ONNX Runtime and CTranslate2 force it alike.
-    """
-    if getattr(tokenizer, "target_language", None) is None:
-        return None
-    return tokenizer.encode([""], add_start=False, add_end=False, target=True)[0]
-
-
-def with_forced_prefix(tokenizer, texts, prefixes):
-    """Per text its target prefix's ids, the forced target-language code where it has none (`forced_prefix`).
-
-    `prefixes`: None or per text None or ids (a prefix encoded as a target
-    starts with the code already). Returned unchanged for a tokenizer that
-    forces nothing; an empty text keeps None (it is not searched).
-    """
-    forced = forced_prefix(tokenizer)
-    if forced is None:
-        return prefixes
-    return [(prefixes[i] if prefixes is not None and prefixes[i] else forced) if text.strip() else None
-            for i, text in enumerate(texts)]
-
-
-def encode_target_prefix(tokenizer, target_prefix, texts, max_sequence_length=None, texts_name="texts"):
-    """The token ids of each text's target prefix, checked up front (`Translator.translate(target_prefix=...)`).
-
-    Args:
-        tokenizer: encodes the prefixes as targets (`encode(..., target=True)`).
-        target_prefix: None, one str (for one text), or one str or None per text.
-        texts: the source texts.
-        max_sequence_length: the model's, or None (no length check).
-        texts_name: what the messages call `texts` (the HTTP server's field is `text`).
-
-    Returns:
-        None when no text has a prefix; else per text None (no prefix) or
-        its prefix's token ids (no start or end id).
-
-    Raises:
-        ValueError, TypeError: naming the entry (`target_prefix[i]` is not
-            a str or None, has too many tokens, or belongs to an empty text;
-            not one entry per text).
-    """
-    if target_prefix is None:
-        return None
-    target_prefix = [target_prefix] if isinstance(target_prefix, str) else list(target_prefix)
-    if len(target_prefix) != len(texts):
-        raise ValueError(
-            f"target_prefix has {len(target_prefix)} entries; expected one str or None per text ({len(texts)})"
-        )
-    for i, prefix in enumerate(target_prefix):
-        if prefix is not None and not isinstance(prefix, str):
-            raise TypeError(f"target_prefix[{i}] must be a str or None, received {type(prefix).__name__}")
-    given = [i for i, prefix in enumerate(target_prefix) if prefix]
-    prefixes = [None] * len(texts)
-    encoded = tokenizer.encode([target_prefix[i] for i in given], add_start=False, add_end=False, target=True)
-    for i, ids in zip(given, encoded):
-        check_prefix_length(i, len(ids), max_sequence_length)
-        if not texts[i].strip():
-            raise ValueError(
-                f"{texts_name}[{i}] is empty but target_prefix[{i}] is not; a prefix needs a source text"
-            )
-        prefixes[i] = ids or None
-    return prefixes if any(prefixes) else None
-
-
-def _search_options(options, keywords, batch_size, max_batch_tokens):
-    """The call's `SearchOptions` (`resolve`: `options` or its keywords), its batch limits checked after them."""
-    options = resolve(options, **keywords)
-    check_batch_limits(batch_size, max_batch_tokens)
-    return options
-
-
-def _one_per_text(options):
-    """`options`, refused with `num_hypotheses` > 1 (the methods that give one translation per text)."""
-    refuse_hypotheses(options, "translate", "translate_hypotheses")
-    return options
-
-
-def _model_search_args(method, options, cancelled=None, finished=None):
-    """The search arguments of a model's own `generate` or `generate_hypotheses`.
-
-    `options=` when the method takes it (`TransformerModel`,
-    `OnnxSeq2Seq`), else its keywords (`SearchOptions.search_args`: a
-    decoding-protocol object of its own, which may take only some);
-    `cancelled=` and `finished=` when given and the method takes them (`OnnxSeq2Seq`).
-    """
-    try:
-        parameters = inspect.signature(method).parameters
-    except (TypeError, ValueError):  # no signature to read (a builtin)
-        parameters = {}
-
-    def takes(name):
-        return name in parameters and parameters[name].kind != inspect.Parameter.VAR_KEYWORD
-
-    args = {"options": options} if takes("options") else options.search_args()
-    for name, given in (("cancelled", cancelled), ("finished", finished)):
-        if given is not None and takes(name):
-            args[name] = given
-    return args
-
-
-def _batch_cancelled(cancelled, batch, count):
-    """`cancelled` (None, or a callable of flags per text of `count`) for the rows of one batch (text indices)."""
-    if cancelled is None:
-        return None
-
-    def flags():
-        found = cancelled()
-        if found is None:
-            return None
-        found = np.asarray(found, bool)
-        if found.shape != (count,):
-            raise ValueError(f"cancelled() returned {found.shape[0] if found.ndim else found!r} flags for {count} texts")
-        return found[batch]
-
-    return flags
-
-
-def _check_split_sentences(split_sentences, target_prefix):
-    """Refuses a `split_sentences` other than False, True or a language code, or one with a target prefix."""
-    if not (split_sentences is True or (isinstance(split_sentences, str) and split_sentences.strip())):
-        raise ValueError(
-            f"split_sentences={split_sentences!r} must be False, True or a language code such as 'en' or 'de'"
-        )
-    if target_prefix is not None:
-        raise ValueError(
-            "split_sentences and target_prefix cannot be used together: a prefix starts one sentence's "
-            "translation; split the text yourself and give each sentence its prefix"
-        )
-
-
-def _texts(texts, name):
-    """`texts` as a list of str (a single str is a list of one); TypeError naming the first that is not."""
-    if isinstance(texts, str):
-        texts = [texts]
-    else:
-        try:
-            texts = list(texts)
-        except TypeError:
-            raise TypeError(f"{name} must be a str or a list of str, received {type(texts).__name__}") from None
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise TypeError(f"{name}[{i}] must be a str, received {type(text).__name__}: {text!r}")
-    return texts
-
-
-def _padded(rows):
-    """int32 `[len(rows), longest]`: the rows, then pad ids (0)."""
-    ids = np.zeros((len(rows), max(len(row) for row in rows)), "int32")
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = row
-    return ids
+        return score_pairs(self, sources, targets, batch_size, max_batch_tokens, progress)

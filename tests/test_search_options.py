@@ -78,19 +78,36 @@ def _signatures():
 
     return [Translator.translate, Translator.translate_hypotheses, Translator.translate_iterable,
             Translator.translate_file, generation.generate, generation.generate_hypotheses, OnnxSeq2Seq.generate,
-            OnnxSeq2Seq.generate_hypotheses, TransformerModel.generate]
+            OnnxSeq2Seq.generate_hypotheses, TransformerModel.generate, TransformerModel.generate_hypotheses]
 
 
-def test_every_keyword_default_is_the_options_default():
-    """What makes "a keyword at its default" mean "not given" (`resolve`), in every signature that takes options=."""
+def test_every_entry_point_takes_options_or_search_keywords_and_lists_no_option():
+    """The option list exists once (`SearchOptions`): each entry point takes `options=` and `**search_keywords`."""
     pytest.importorskip("keras")
     for method in _signatures():
         parameters = inspect.signature(method).parameters
-        assert "options" in parameters, method.__qualname__
-        for name, default in DEFAULTS.items():
-            if name in parameters:
-                expected = 1 if name == "num_hypotheses" else default
-                assert parameters[name].default == expected, (method.__qualname__, name)
+        assert parameters["options"].default is None, method.__qualname__
+        assert parameters["search_keywords"].kind == inspect.Parameter.VAR_KEYWORD, method.__qualname__
+        assert not set(parameters) & set(DEFAULTS), method.__qualname__
+
+
+def test_an_unknown_search_keyword_is_a_type_error_naming_it(translator):
+    from keras_transformer.generation import generate
+
+    with pytest.raises(TypeError, match=r"^translate\(\) got an unexpected keyword argument 'beam_sise'; its search "
+                                        r"keywords \(SearchOptions fields\) are beam_size, length_penalty, "
+                                        r"max_extra_length, patience, sampling_topk, sampling_topp, "
+                                        r"sampling_temperature, seed$"):
+        translator.translate(TEXTS, beam_sise=2)
+    with pytest.raises(TypeError, match=r"^translate_iterable\(\) got an unexpected keyword argument 'num_hypotheses'"):
+        translator.translate_iterable(TEXTS, num_hypotheses=2)
+    with pytest.raises(TypeError, match=r"^generate\(\) got an unexpected keyword argument 'seed'; .* are beam_size, "
+                                        r"length_penalty, max_extra_length, patience$"):
+        generate(translator.model, np.array([[5, 3]], np.int32), seed=1)
+    with pytest.raises(TypeError, match=r"^generate_hypotheses\(\) got an unexpected keyword argument 'beams'"):
+        translator.model.generate_hypotheses(np.array([[5, 3]], np.int32), beams=2)
+    with pytest.raises(TypeError, match="positional argument"):  # the search options are keywords only
+        translator.translate(TEXTS, 2)
 
 
 def test_options_or_keywords_not_both():

@@ -1403,7 +1403,7 @@ def test_the_first_event_comes_while_the_last_sentence_is_searched(row_held):
         lines = response.iter_lines()
         first = event(next(lines))
         # The search is held right after the first text left it: the other one is still being searched.
-        assert engine.stepping.is_set() and engine.told == [0] and first["index"] == 0
+        assert engine.stepping.wait(30) and engine.told == [0] and first["index"] == 0
         assert running.metric("kt_serve_sentences_in_flight") == 1
         engine.release.set()
         rest = [event(line) for line in lines if line]

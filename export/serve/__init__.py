@@ -27,7 +27,7 @@ Endpoints:
   field is refused as unknown. `"stream": true` answers with server-sent
   events instead, one per sentence as soon as it leaves the search
   (`{"index", "sentence", "sentences", "translation"}`, then `data:
-  [DONE]`; the format and how it rebuilds the answer: `app._EventStream`,
+  [DONE]`; the format and how it rebuilds the answer: `streaming.EventStream`,
   docs/serve.md). Every answer has an `X-Request-Id` header:
   the client's (1-128 visible ASCII characters; another is a 400 on
   `/v1/translate`) or a made-up one, also in the request's log lines.
@@ -80,9 +80,10 @@ curl -s localhost:8000/v1/translate -d '{"text": ["A sentence."], "beam_size": 4
 
 The parts: `settings.py` (`ServerSettings`, `SearchOptions`), `engines.py`
 (ONNX Runtime and CTranslate2 behind `count_tokens` / `translate`),
-`batching.py` (`Batcher`), `metrics.py` (Prometheus text), `app.py` (the
-Starlette app: parsing, limits, handlers, the request log) and `server.py`
-(`serve`: uvicorn, signals, the drain; `main`).
+`batching.py` (`Batcher`), `metrics.py` (Prometheus text), `requests.py`
+(a request's fields, limits and errors; the answer's JSON), `streaming.py`
+(server-sent events), `app.py` (the Starlette app: the service, its handlers,
+the request log) and `server.py` (`serve`: uvicorn, signals, the drain; `main`).
 
 ```python
 from export.serve import ServerSettings, create_app, load_engine, serve

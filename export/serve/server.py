@@ -10,6 +10,7 @@ import threading
 from export.serve.app import create_app
 from export.serve.engines import ENGINES, load_engine
 from export.serve.settings import ServerSettings
+from keras_transformer.utils import non_negative_int, port_number, positive_float, positive_int
 
 # One logger for the whole server, so that `python -m export.serve` logs under one name.
 logger = logging.getLogger("export.serve")
@@ -95,9 +96,46 @@ def serve(model, engine="onnxruntime", host="127.0.0.1", port=8000, settings=Non
     return status["code"]
 
 
+# The command's flags for `ServerSettings`: (group, field, type, help); the flag is the field's name with dashes,
+# its default the field's, and a help ending in "default" is followed by it.
+_SETTING_FLAGS = (
+    ("batching", "max_batch_tokens", positive_int, "padded source tokens per search (default"),
+    ("batching", "max_padding", float, "padded search steps over the rows' own, at most (default"),
+    ("batching", "max_delay_ms", float, "longest wait for a batch to fill (default"),
+    ("limits", "max_queue", positive_int, "sentences waiting; beyond: 503 (default"),
+    ("limits", "max_body_bytes", positive_int, "beyond: 413 (default"),
+    ("limits", "max_texts", positive_int, "texts per request; beyond: 400 (default"),
+    ("limits", "max_text_chars", positive_int, "characters per text; beyond: 400 (default"),
+    ("limits", "max_beam_size", positive_int, "largest beam_size a request may ask (default"),
+    ("limits", "request_timeout", positive_float, "seconds to an answer, the largest timeout_ms; 408 / 504 after "
+     "(default"),
+    ("limits", "max_connections", positive_int, "open connections (default"),
+    ("limits", "drain_seconds", positive_float, "on SIGTERM, time to answer accepted requests (default"),
+    ("search", "beam_size", positive_int, "for requests without beam_size (default"),
+    ("search", "length_penalty", float, "GNMT alpha (default"),
+    ("search", "max_extra_length", non_negative_int, "output tokens beyond the source length, the largest a "
+     "request may ask (default"),
+    ("search", "patience", positive_float, "beam search: stop a sentence once round(beam size x PATIENCE) "
+     "hypotheses ended, as CTranslate2 (default: the exact search, stop when no live beam can win; CTranslate2 "
+     "always stops so, with its patience, 1 unless given)"),
+)
+
+
+def _add_setting_arguments(parser, defaults):
+    """The flags of `_SETTING_FLAGS`, in their groups, with `defaults`' (a `ServerSettings`) values."""
+    groups = {}
+    for group, name, kind, text in _SETTING_FLAGS:
+        if group not in groups:
+            groups[group] = parser.add_argument_group(group)
+        default = getattr(defaults, name)
+        if text.endswith("(default"):
+            text = f"{text} {default:g})" if isinstance(default, float) else f"{text} {default})"
+        groups[group].add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
+                                   help=text)
+
+
 def main(argv=None):
     from export.runtime import add_optimized_cache_arguments, optimized_cache
-    from keras_transformer.utils import non_negative_int, port_number, positive_float, positive_int
 
     defaults = ServerSettings()
     parser = argparse.ArgumentParser(
@@ -111,54 +149,11 @@ def main(argv=None):
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="engine intra-op threads (default: ONNX Runtime one per core, CTranslate2 1)")
     add_optimized_cache_arguments(parser)
-    group = parser.add_argument_group("batching")
-    group.add_argument("--max-batch-tokens", type=positive_int, default=defaults.max_batch_tokens,
-                       help=f"padded source tokens per search (default {defaults.max_batch_tokens})")
-    group.add_argument("--max-padding", type=float, default=defaults.max_padding,
-                       help=f"padded search steps over the rows' own, at most (default {defaults.max_padding:g})")
-    group.add_argument("--max-delay-ms", type=float, default=defaults.max_delay_ms,
-                       help=f"longest wait for a batch to fill (default {defaults.max_delay_ms:g})")
-    group = parser.add_argument_group("limits")
-    group.add_argument("--max-queue", type=positive_int, default=defaults.max_queue,
-                       help=f"sentences waiting; beyond: 503 (default {defaults.max_queue})")
-    group.add_argument("--max-body-bytes", type=positive_int, default=defaults.max_body_bytes,
-                       help=f"beyond: 413 (default {defaults.max_body_bytes})")
-    group.add_argument("--max-texts", type=positive_int, default=defaults.max_texts,
-                       help=f"texts per request; beyond: 400 (default {defaults.max_texts})")
-    group.add_argument("--max-text-chars", type=positive_int, default=defaults.max_text_chars,
-                       help=f"characters per text; beyond: 400 (default {defaults.max_text_chars})")
-    group.add_argument("--max-beam-size", type=positive_int, default=defaults.max_beam_size,
-                       help=f"largest beam_size a request may ask (default {defaults.max_beam_size})")
-    group.add_argument("--request-timeout", type=positive_float, default=defaults.request_timeout,
-                       help="seconds to an answer, the largest timeout_ms; 408 / 504 after "
-                            f"(default {defaults.request_timeout:g})")
-    group.add_argument("--max-connections", type=positive_int, default=defaults.max_connections,
-                       help=f"open connections (default {defaults.max_connections})")
-    group.add_argument("--drain-seconds", type=positive_float, default=defaults.drain_seconds,
-                       help=f"on SIGTERM, time to answer accepted requests (default {defaults.drain_seconds:g})")
-    group = parser.add_argument_group("search")
-    group.add_argument("--beam-size", type=positive_int, default=defaults.beam_size,
-                       help=f"for requests without beam_size (default {defaults.beam_size})")
-    group.add_argument("--length-penalty", type=float, default=defaults.length_penalty,
-                       help=f"GNMT alpha (default {defaults.length_penalty:g})")
-    group.add_argument("--max-extra-length", type=non_negative_int, default=defaults.max_extra_length,
-                       help="output tokens beyond the source length, the largest a request may ask "
-                            f"(default {defaults.max_extra_length})")
-    group.add_argument("--patience", type=positive_float, default=defaults.patience,
-                       help="beam search: stop a sentence once round(beam size x PATIENCE) hypotheses ended, as "
-                            "CTranslate2 (default: the exact search, stop when no live beam can win; CTranslate2 "
-                            "always stops so, with its patience, 1 unless given)")
+    _add_setting_arguments(parser, defaults)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     try:
-        settings = ServerSettings(
-            max_batch_tokens=args.max_batch_tokens, max_padding=args.max_padding, max_delay_ms=args.max_delay_ms,
-            max_queue=args.max_queue,
-            max_body_bytes=args.max_body_bytes, max_texts=args.max_texts, max_text_chars=args.max_text_chars,
-            max_beam_size=args.max_beam_size, beam_size=args.beam_size, length_penalty=args.length_penalty,
-            max_extra_length=args.max_extra_length, patience=args.patience, request_timeout=args.request_timeout,
-            drain_seconds=args.drain_seconds, max_connections=args.max_connections,
-        )
+        settings = ServerSettings(**{name: getattr(args, name) for _, name, _, _ in _SETTING_FLAGS})
     except ValueError as error:
         parser.error(str(error).replace("_", "-"))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -73,24 +73,14 @@ from keras_transformer.decoding import (
     target_prefix_ids,
 )
 from keras_transformer.search import compiled, loop, segments
-from keras_transformer.search.options import refuse_hypotheses, resolve, search_keywords
+from keras_transformer.search.options import BEAM, call_options, refuse_hypotheses
 from keras_transformer.search.common import ModelConstants, dim
 from keras_transformer.search.lengths import padded_search_inputs, search_lengths
 
 PROTOCOL_ATTRIBUTES = ("vocabulary_size", "pad_id", "start_id", "end_id", "encode", "init_cache", "decode_step")
 
 
-def generate(
-    model,
-    encoder_token_ids,
-    beam_size=4,
-    length_penalty=0.6,
-    max_extra_length=50,
-    compile=True,
-    return_scores=False,
-    patience=None,
-    options=None,
-):
+def generate(model, encoder_token_ids, *, compile=True, return_scores=False, options=None, **search_keywords):
     """Translates source ids into target ids with greedy or beam search.
 
     `beam_size=1` is greedy search: the most probable token at every step,
@@ -154,19 +144,14 @@ def generate(
             docstring), e.g. a `TransformerModel`.
         encoder_token_ids: int `[B, S]` source ids (tokens + end id, then pad
             id 0), NumPy array or tensor.
-        beam_size: int >= 1. Defaults to 4 (the paper).
-        length_penalty: float alpha >= 0. Defaults to 0.6 (the paper).
-        max_extra_length: int >= 0, extra output tokens allowed beyond the
-            source length. Defaults to 50 (the paper).
         compile: bool. Compile the search where possible (see above);
             `False` runs eagerly. Both give the same tokens.
         return_scores: bool. Also return the score of each output row.
-        patience: None (the default: the exact search above) or a
-            number > 0: CTranslate2's `patience` (`decoding.ended_to_stop`;
-            1 is its default and fairseq's rule). Beam search only.
-        options: None, or a `SearchOptions` instead of the search keywords
-            (`beam_size`, `length_penalty`, `max_extra_length`, `patience`;
-            one or the other: `search.options.resolve`).
+        options: None, or a `SearchOptions` (its fields document the
+            search options).
+        **search_keywords: instead of `options` (one or the other):
+            `beam_size`, `length_penalty`, `max_extra_length`, `patience`,
+            as in `SearchOptions`.
 
     Returns:
         int32 NumPy array `[B, L]`: each row is the start id, the generated
@@ -182,7 +167,7 @@ def generate(
     array([2, 2], dtype=int32)
     """
     check_protocol(model)
-    options = resolve(options, **search_keywords(locals()))
+    options = call_options("generate", options, search_keywords, BEAM)
     refuse_hypotheses(options, "generate", "generate_hypotheses")
     if options.patience is not None and options.beam_size > 1:  # the option is the n-best search's
         best = generate_hypotheses(model, encoder_token_ids, compile=compile, options=options)
@@ -221,20 +206,7 @@ def generate(
 
 
 def generate_hypotheses(
-    model,
-    encoder_token_ids,
-    beam_size=4,
-    num_hypotheses=1,
-    length_penalty=0.6,
-    max_extra_length=50,
-    target_prefix=None,
-    sampling_topk=1,
-    sampling_topp=1.0,
-    sampling_temperature=1.0,
-    seed=0,
-    compile=True,
-    patience=None,
-    options=None,
+    model, encoder_token_ids, *, target_prefix=None, compile=True, options=None, **search_keywords
 ):
     """The `num_hypotheses` best outputs per source row, with their scores and log-probabilities.
 
@@ -264,22 +236,16 @@ def generate_hypotheses(
       greedy search.
 
     Args:
-        model, encoder_token_ids, beam_size: as `generate`.
-        length_penalty, max_extra_length, compile: as `generate`.
-        num_hypotheses: int >= 1, at most `beam_size` without sampling.
+        model, encoder_token_ids, compile: as `generate`.
         target_prefix: None, or per source row None or a list of token ids
             (no start or end id), or an int array `[B, P]` padded with the
             pad id; at most `model.max_sequence_length - 2` tokens.
-        sampling_topk: int >= 0. 1 (the default): no sampling.
-        sampling_topp: float in (0, 1]. Defaults to 1 (no cut).
-        sampling_temperature: float > 0. Defaults to 1.
-        seed: int in `[0, 2^31 - 2]`, the draws' seed.
-        patience: as `generate` (beam search: a row also stops once
-            `round(beam_size * patience)` hypotheses ended and it holds
-            `num_hypotheses`).
-        options: None, or a `SearchOptions` instead of the search keywords
-            (all but `target_prefix` and `compile`; one or the other, as
-            `generate`); its `num_hypotheses` None is 1.
+        options: None, or a `SearchOptions` (its fields document the
+            search options); its `num_hypotheses` None is 1.
+        **search_keywords: instead of `options` (one or the other): any
+            `SearchOptions` field (`beam_size`, `num_hypotheses`,
+            `sampling_topk`, ...). With `patience`, a row of beam search
+            also stops once it holds `num_hypotheses`.
 
     Returns:
         `decoding.Hypotheses(sequences, scores, log_probs)`: int32
@@ -298,7 +264,7 @@ def generate_hypotheses(
     ((2, 3), (2, 3))
     """
     check_protocol(model)
-    options = resolve(options, **search_keywords(locals()))
+    options = call_options("generate_hypotheses", options, search_keywords)
     encoder_token_ids = check_token_ids(encoder_token_ids, "encoder_token_ids", encoder_vocabulary_size(model))
     if model.pad_id != 0:
         raise ValueError(f"pad_id={model.pad_id}: only 0 is supported (masks are built from ids > 0)")

@@ -5,9 +5,10 @@ the ONNX Runtime library and server (`export.runtime`, `export.serve`) make
 and pass the same value without Keras.
 
 Every entry point takes the options either as `options=SearchOptions(...)`
-or as its search keywords (`beam_size=`, `length_penalty=`, ...), never both:
-`resolve` makes the value of the keywords, or returns `options` when every
-search keyword is left at its default.
+or as its `**search_keywords` (`beam_size=`, `length_penalty=`, ...: the
+fields of `SearchOptions`, documented there), never both: `call_options`
+refuses an unknown keyword, and `resolve` makes the value of the keywords,
+or returns `options` when every search keyword is left at its default.
 """
 
 import dataclasses
@@ -19,6 +20,10 @@ from keras_transformer.utils import is_integer
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
     """The options of one search: beam or greedy search, its stopping rule, n-best and sampling.
+
+    The one place the search options are listed and documented: every entry
+    point (`Translator.translate*`, `generate*`, `OnnxSeq2Seq.generate*`)
+    takes this value as `options=`, or its fields as `**search_keywords`.
 
     Checked when made: a bad value raises `ValueError` with one line naming
     the option, the value received and what is allowed (the messages of
@@ -101,6 +106,34 @@ class SearchOptions:
 
 
 DEFAULTS = {field.name: field.default for field in dataclasses.fields(SearchOptions)}
+# The search keywords each kind of entry point takes: all of them (`*_hypotheses`); all but `num_hypotheses`
+# (one output per source: `translate*`); the beam search's own (`generate`).
+FIELDS = tuple(DEFAULTS)
+ONE_PER_SOURCE = tuple(name for name in FIELDS if name != "num_hypotheses")
+BEAM = ("beam_size", "length_penalty", "max_extra_length", "patience")
+
+
+def call_options(method, options, search_keywords, allowed=FIELDS):
+    """The `SearchOptions` of a call taking `options=None, **search_keywords`: `resolve`, unknown keywords refused.
+
+    Args:
+        method: str, the call's name for the message (e.g. "translate").
+        options: None or a `SearchOptions`.
+        search_keywords: dict, the call's `**search_keywords`.
+        allowed: the `SearchOptions` fields the call takes as keywords.
+
+    Raises:
+        TypeError: a keyword not in `allowed`, in one line naming it and
+            the valid ones (as Python's "unexpected keyword argument").
+        ValueError: as `resolve`.
+    """
+    unknown = [name for name in search_keywords if name not in allowed]
+    if unknown:
+        raise TypeError(
+            f"{method}() got an unexpected keyword argument {unknown[0]!r}; "
+            f"its search keywords (SearchOptions fields) are {', '.join(allowed)}"
+        )
+    return resolve(options, **search_keywords)
 
 
 def resolve(options=None, **keywords):
