@@ -238,7 +238,8 @@ class Service:
             results = await self._answer(job, request, deadline, expired)
             self.metrics.sentences.inc(len(texts))
             if pages is not None:
-                return JSONResponse({"translations": await self._html(pages, texts, results, split, engine)})
+                return JSONResponse({"translations": await self._html(pages, texts, results, split, engine,
+                                                                      deadline, expired)})
             return JSONResponse(answer_document(results if split is None else split.join(results), asked.options))
         except RequestError as error:
             self.metrics.errors.inc(reason=error.reason)
@@ -258,13 +259,22 @@ class Service:
                     self.batcher.cancel(job)
                 self.metrics.latency.observe(self._loop.time() - start)
 
-    async def _html(self, pages, texts, results, split, engine):
-        """The HTML of `pages` from the hypotheses of `texts` (their units, or with `split` the units' sentences)."""
+    async def _html(self, pages, texts, results, split, engine, deadline, expired=None):
+        """The HTML of `pages` from the hypotheses of `texts` (their units, or with `split` the units' sentences).
+
+        The alignment decodes each hypothesis once more, in the searches' thread (between two searches), within the
+        request's `deadline` (`expired`, or `request_timeout`'s 504, after it).
+        """
         from keras_transformer import markup
 
-        try:  # the alignment decodes each hypothesis once more: in the searches' thread, between two searches
-            aligned = await self._loop.run_in_executor(self._executor, engine.align, texts, [
-                found[0] if found else None for found in results])
+        work = self._loop.run_in_executor(self._executor, engine.align, texts, [
+            found[0] if found else None for found in results])
+        try:
+            aligned = await asyncio.wait_for(work, max(deadline - self._loop.time(), 0))
+        except asyncio.TimeoutError:
+            raise expired or RequestError(
+                504, f"no translation within {self.settings.request_timeout:g} s (--request-timeout)", "timeout",
+            ) from None
         except ValueError as error:  # an export without the fused decoder step gives no alignments
             raise RequestError(400, f'format "html": {error}', "bad_request") from None
         return markup.render_pages(pages, aligned if split is None else markup.joined(split, aligned))
