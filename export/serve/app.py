@@ -272,9 +272,7 @@ class Service:
         try:
             aligned = await asyncio.wait_for(work, max(deadline - self._loop.time(), 0))
         except asyncio.TimeoutError:
-            raise expired or RequestError(
-                504, f"no translation within {self.settings.request_timeout:g} s (--request-timeout)", "timeout",
-            ) from None
+            raise expired or self.timed_out() from None
         except ValueError as error:  # an export without the fused decoder step gives no alignments
             raise RequestError(400, f'format "html": {error}', "bad_request") from None
         return markup.render_pages(pages, aligned if split is None else markup.joined(split, aligned))
@@ -302,9 +300,12 @@ class Service:
             return None if first else job.future.result()
         if disconnected in done:
             raise RequestError(CLIENT_CLOSED, "the client disconnected", "disconnected")
-        raise expired or RequestError(
-            504, f"no translation within {self.settings.request_timeout:g} s (--request-timeout)", "timeout"
-        )
+        raise expired or self.timed_out()
+
+    def timed_out(self):
+        """The 504 of a request past the server's `request_timeout`."""
+        return RequestError(504, f"no translation within {self.settings.request_timeout:g} s (--request-timeout)",
+                            "timeout")
 
     async def health(self, request):
         from starlette.responses import JSONResponse
