@@ -3,17 +3,18 @@
 The parser is the standard library's `html.parser.HTMLParser` (CPython's,
 maintained and security-fixed with the interpreter; no dependency, so the
 server's `[serve]` extra needs nothing more). It is a tokenizer that refuses
-nothing but an unknown marked section (`<![foo[`: one line here); the tree is built here (`_TreeBuilder`), without recursion,
-with the repairs a browser makes most often: `<p>`, `<li>`, `<td>`, ... end
-where the next one starts, an end tag closes the elements left open inside
-it, a stray end tag is dropped, and what is open at the end is closed. It was
-chosen over lxml (lxml 6.x, libxml2 2.14: writes entities anew, `&eacute;` as
-`&#233;`, and wraps fragments, so "kept as they were" would not hold; and
-deeper than about 255 levels it stops nesting without a word), html5lib (pure
-Python, no release since 2020) and BeautifulSoup (a wrapper over one of
-these; lxml is only installed here for sacrebleu): it reports each
-token where it starts in the text, so start tags, entities, comments and
-untranslatable elements are written back exactly as they were written.
+nothing but an unknown marked section (`<![foo[`: one line here); the tree is
+built here (`_TreeBuilder`), without recursion, with the repairs a browser
+makes most often: `<p>`, `<li>`, `<td>`, ... end where the next one starts,
+an end tag closes the elements left open inside it, a stray end tag is
+dropped, and what is open at the end is closed. It was chosen over lxml
+(lxml 6.x, libxml2 2.14: writes entities anew, `&eacute;` as `&#233;`, and
+wraps fragments, so "kept as they were" would not hold; and deeper than
+about 255 levels it stops nesting without a word), html5lib (pure Python, no
+release since 2020) and BeautifulSoup (a wrapper over one of these; lxml is
+only installed here for sacrebleu): it reports each token where it starts in
+the text, so start tags, entities, comments and untranslatable elements are
+written back exactly as they were written.
 
 What is translated: each *run* of text and inline elements (`INLINE`: `<b>`,
 `<i>`, `<a>`, `<span>`, `<em>`, `<strong>`, ...) inside a block (`<p>`,
