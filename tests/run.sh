@@ -63,6 +63,9 @@ fi
 # compiling), so that the lanes take about as long: TensorFlow runs the
 # exports, JAX then PyTorch the rest. A caller's value stands.
 export KT_PROCESS_TESTS_BACKEND=${KT_PROCESS_TESTS_BACKEND:-${backends[-1]}}
+# A few of them (FIRST_LANE_PROCESS_TESTS in tests/conftest.py: notebook 04) go to the first lane's
+# backend instead, so that the lanes end together. A caller's value stands.
+export KT_FIRST_LANE_BACKEND=${KT_FIRST_LANE_BACKEND:-${backends[0]}}
 # Two lanes share the cores: OpenMP threads (PyTorch's) that spin while they
 # wait take the core from the other lane's work. Passive waiting: PyTorch's
 # reversal test beside a TensorFlow run took 108 s instead of 148 s, and the
