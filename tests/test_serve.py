@@ -182,6 +182,60 @@ def test_hypotheses_prefixes_and_samples_equal_the_onnx_translator(server, expor
     assert answer == {"translations": translator.translate([texts[0]], beam_size=1, **sampled, **search)}
 
 
+def _alignment_pairs(hypothesis):
+    """What the server answers for a hypothesis' `word_alignment`: one source-span/target-span pair per link."""
+    return [{"source": list(source), "target": list(word.target)}
+            for word in hypothesis.word_alignment for source in word.source]
+
+
+def test_alignments_equal_the_onnx_translators_and_bad_combinations_are_one_line_400s(server, exported, monkeypatch):
+    """`"return_alignment": true`: each translation's (and each hypothesis') word alignment is
+    `OnnxTranslator.translate_hypotheses(return_alignment=True)`'s, as character spans; greedy, beams, n-best and
+    samples. With stream or split_sentences, as a non-bool, or where the engine cannot align: a one-line 400."""
+    translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
+    search = dict(max_extra_length=MAX_EXTRA_LENGTH, return_alignment=True)
+    texts = ["the cat sees a dog.", "", "my bird eats the big fish.", "a red ball."]
+    said = [t for t in texts if t]
+
+    for asked, keywords in (({}, dict(beam_size=4)), ({"beam_size": 1}, dict(beam_size=1)),
+                            ({"sampling_topk": 0, "seed": 3}, dict(beam_size=1, sampling_topk=0, seed=3))):
+        answer = post(server.url, {"text": texts, "return_alignment": True, **asked}).json()
+        best = [found[0] for found in translator.translate_hypotheses(said, **keywords, **search)]
+        assert answer == {"translations": [best[0].text, "", best[1].text, best[2].text],
+                          "alignments": [_alignment_pairs(best[0]), [], *map(_alignment_pairs, best[1:])]}, asked
+        assert any(answer["alignments"])
+        for text, translation, links in zip(texts, answer["translations"], answer["alignments"]):
+            for link in links:  # spans of the text and of its translation
+                assert 0 <= link["source"][0] <= link["source"][1] <= len(text)
+                assert 0 <= link["target"][0] <= link["target"][1] <= len(translation)
+    answer = post(server.url, {"text": texts, "return_alignment": True}).json()
+    assert answer["translations"] == translator.translate(texts, beam_size=4, max_extra_length=MAX_EXTRA_LENGTH)
+
+    answer = post(server.url, {"text": texts, "return_alignment": True, "num_hypotheses": 2, "beam_size": 2}).json()
+    expected = translator.translate_hypotheses(said, beam_size=2, num_hypotheses=2, **search)
+    alignments = [[_alignment_pairs(h) for h in found] for found in expected]
+    assert [[h["alignment"] for h in found] for found in answer["hypotheses"]] == [alignments[0], [], *alignments[1:]]
+    assert answer["alignments"] == [alignments[0][0], [], *(found[0] for found in alignments[1:])]
+
+    for payload, message in (
+        ({"stream": True}, "return_alignment cannot be used with stream"),
+        ({"split_sentences": True}, "return_alignment cannot be used with split_sentences"),
+    ):
+        response = post(server.url, {"text": texts, "return_alignment": True, **payload})
+        assert response.status_code == 400 and response.json() == {"error": message}
+    response = post(server.url, {"text": texts, "return_alignment": "yes"})
+    assert response.status_code == 400
+    assert response.json() == {"error": "return_alignment must be true or false, received 'yes'"}
+
+    def refuse():
+        raise ValueError("return_alignment on ONNX Runtime builds the step's attention output with the onnx package: "
+                         "pip install onnx")
+
+    monkeypatch.setattr(server.service.engine, "check_alignment", refuse)
+    response = post(server.url, {"text": texts, "return_alignment": True})
+    assert response.status_code == 400 and "pip install onnx" in response.json()["error"]
+    assert "\n" not in response.json()["error"]
+
 def test_requests_with_and_without_prefixes_or_samples_batch_and_get_their_own_answers(server, exported, monkeypatch):
     """While a search runs, prefixed and plain requests of one beam size wait and share a batch; sampled texts get
     the samples of their seed whatever they are batched with."""
@@ -863,6 +917,12 @@ def test_the_ctranslate2_engine_gives_the_greedy_translations_of_onnx_runtime(ex
             assert response.json()["translations"] == translator.translate(
                 [text], beam_size=1, target_prefix=[prefix], max_extra_length=MAX_EXTRA_LENGTH
             )
+        # Word alignments: CTranslate2's return_attention, the export's layer and heads, as the ONNX translator's.
+        for text in CORPUS[:3]:
+            response = post(running.url, {"text": [text], "beam_size": 1, "return_alignment": True})
+            [best] = translator.translate_hypotheses([text], beam_size=1, max_extra_length=MAX_EXTRA_LENGTH,
+                                                     return_alignment=True)[0]
+            assert response.json() == {"translations": [best.text], "alignments": [_alignment_pairs(best)]}
         for field in ({"num_hypotheses": 1}, {"sampling_topk": 0}):
             response = post(running.url, {"text": ["a dog."], **field})
             assert response.status_code == 400

@@ -22,9 +22,12 @@ Endpoints:
   batch). `max_extra_length` (at most the server's, which is the default)
   caps the request's output length (requests are batched by it as by their
   other options); `timeout_ms` (at most `request_timeout`) is the request's
-  own deadline (504 past it). The CTranslate2 engine serves `target_prefix`
-  but not `num_hypotheses` or sampling (400 naming the engine); any other
-  field is refused as unknown. `"stream": true` answers with server-sent
+  own deadline (504 past it). `return_alignment: true` adds `"alignments"`:
+  per text the word links of its translation, `{"source": [start, end],
+  "target": [start, end]}` character spans (`requests.alignment_json`). The
+  CTranslate2 engine serves `target_prefix` and `return_alignment` but not
+  `num_hypotheses` or sampling (400 naming the engine); any other field is
+  refused as unknown. `"stream": true` answers with server-sent
   events instead, one per sentence as soon as it leaves the search
   (`{"index", "sentence", "sentences", "translation"}`, then `data:
   [DONE]`; the format and how it rebuilds the answer: `streaming.EventStream`,

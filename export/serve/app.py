@@ -222,9 +222,15 @@ class Service:
             texts = asked.texts if split is None else split.units  # the sentences are what the batcher and engine see
             info["sentences"] = len(texts)
             tokens = self._source_tokens(engine, texts, asked.target_prefix)
+            if asked.return_alignment:
+                try:  # an export without the fused step, or a server without the onnx package
+                    engine.check_alignment()
+                except ValueError as error:
+                    raise RequestError(400, str(error), "not_supported") from None
             try:
                 job = self.batcher.submit(texts, tokens, asked.options, asked.target_prefix, info.get("request_id"),
-                                          asked.stream, asked.languages if engine is not self.engine else None)
+                                          asked.stream, asked.languages if engine is not self.engine else None,
+                                          asked.return_alignment)
             except QueueFull as error:
                 raise RequestError(503, str(error), "queue_full", {"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
             expired = None
@@ -240,7 +246,8 @@ class Service:
             if pages is not None:
                 return JSONResponse({"translations": await self._html(pages, texts, results, split, engine,
                                                                       deadline, expired)})
-            return JSONResponse(answer_document(results if split is None else split.join(results), asked.options))
+            return JSONResponse(answer_document(results if split is None else split.join(results), asked.options,
+                                                asked.return_alignment))
         except RequestError as error:
             self.metrics.errors.inc(reason=error.reason)
             if error.reason == "disconnected":

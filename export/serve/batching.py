@@ -26,14 +26,15 @@ class _Job:
     """
 
     def __init__(self, texts, options, future, arrival, target_prefix=None, request_id=None, stream=False,
-                 languages=None):
+                 languages=None, align=False):
         self.texts, self.options, self.future, self.arrival = texts, options, future, arrival
         self.target_prefix, self.request_id, self.stream, self.languages = target_prefix, request_id, stream, languages
-        # What a search shares: the options and the language pair (a multilingual model's sources and forced code).
-        self.group = (options, languages)
+        # What a search shares: the options, the language pair (a multilingual model's sources and forced code) and
+        # whether it aligns.
+        self.group = (options, languages, align)
         self.abandoned = False
         # What a text without a search (nothing to translate) gets: no translation, or no hypotheses.
-        self.results = [[] if options.num_hypotheses is not None else "" for _ in texts]
+        self.results = [[] if options.num_hypotheses is not None or align else "" for _ in texts]
         self.remaining = 0
         self.answered = []  # text indices, in the order their results came
         self.changed = asyncio.Event()
@@ -96,7 +97,8 @@ class Batcher:
         self.running_dropped = 0  # of them, those whose request was abandoned
         self._arrived = asyncio.Event()
 
-    def submit(self, texts, tokens, options, target_prefix=None, request_id=None, stream=False, languages=None):
+    def submit(self, texts, tokens, options, target_prefix=None, request_id=None, stream=False, languages=None,
+               align=False):
         """Queues the texts with `tokens > 0`; returns a job whose future gives every text's translation.
 
         Texts with 0 tokens (nothing to translate) get "" (no hypotheses:
@@ -106,13 +108,16 @@ class Batcher:
         one, as they leave the search (`_Job.answered`, `_Job.changed`).
         `languages`: None, or a multilingual model's `(source_language,
         target_language)` (checked by the engine's `with_languages` before):
-        only sentences of the same pair share a search.
+        only sentences of the same pair share a search. `align`: the engine's
+        `translate` is asked for alignments (`return_alignment=True`), in
+        searches of their own.
 
         Raises:
             QueueFull: the sentences do not fit in the queue (nothing queued).
         """
         loop = asyncio.get_running_loop()
-        job = _Job(texts, options, loop.create_future(), loop.time(), target_prefix, request_id, stream, languages)
+        job = _Job(texts, options, loop.create_future(), loop.time(), target_prefix, request_id, stream, languages,
+                   align)
         items = [_Item(job, i, count) for i, count in enumerate(tokens) if count > 0]
         job.answered = [i for i, count in enumerate(tokens) if count <= 0]
         if self.queued + len(items) > self.settings.max_queue:
@@ -236,7 +241,7 @@ class Batcher:
                 await self._arrived.wait()
                 continue
             first = self.pending[0]
-            options, languages = group = first.job.group
+            options, languages, align = group = first.job.group
             remaining = first.job.arrival + delay - loop.time()
             if (
                 remaining > 0
@@ -257,6 +262,8 @@ class Batcher:
             # An engine's `translate` takes `target_prefix` only where it serves prefixes, and `cancelled` where it
             # drops rows (engines.py).
             extra = {"target_prefix": prefixes} if any(prefixes) else {}
+            if align:
+                extra["return_alignment"] = True
             if getattr(self.engine, "drops_rows", False):
                 extra["cancelled"] = self._cancelled(batch)
             if getattr(self.engine, "streams_rows", False) and any(item.job.stream for item in batch):

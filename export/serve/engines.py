@@ -10,8 +10,12 @@ serves more of a request's fields lists them in `features` (of
 `ValueError` naming the entry) for "target_prefix"; its `translate` then
 takes `target_prefix=` (one str or None per text; passed only when a text
 of the batch has one) and, with `options.num_hypotheses`, returns per text
-a list of hypotheses (`text`, `score`, `log_prob`), best first; for
-"format" it has `align(texts, hypotheses)` (`Translator.align`). An engine
+a list of hypotheses (`text`, `score`, `log_prob`), best first. For
+"format" it has `align(texts, hypotheses)` (`Translator.align`). For
+"alignment" it has `check_alignment()` (raises a one-line `ValueError`
+where it cannot align) and its `translate` takes `return_alignment=True`:
+it then returns per text a list of hypotheses with their `word_alignment`
+(`Translator.translate_hypotheses`'), even without `num_hypotheses`. An engine
 whose search can drop rows mid-search says `drops_rows = True`; its
 `translate` then takes `cancelled=` (`Translator.translate`'s: a callable
 that returns None or one bool per text, true for the texts whose request
@@ -30,10 +34,20 @@ import copy
 import json
 import os
 import pathlib
+from typing import NamedTuple
 
 ENGINES = ("onnxruntime", "ctranslate2")
-# The request fields beyond `text` and `beam_size` that an engine may serve ("sampling": the sampling_* fields, seed).
-FEATURES = ("num_hypotheses", "target_prefix", "sampling", "format")
+# The request fields beyond `text` and `beam_size` that an engine may serve ("sampling": the sampling_* fields, seed;
+# "format": "html"; "alignment": return_alignment).
+FEATURES = ("num_hypotheses", "target_prefix", "sampling", "format", "alignment")
+
+
+class AlignedTranslation(NamedTuple):
+    """A CTranslate2 engine's translation with its `word_alignment` (`Hypothesis.word_alignment`'s form)."""
+
+    text: str
+    alignment: list
+    word_alignment: list
 
 
 class OnnxRuntimeEngine:
@@ -79,11 +93,15 @@ class OnnxRuntimeEngine:
         """`check_target_prefix` (below) with the translator's tokenizer."""
         return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
 
-    def translate(self, texts, options, target_prefix=None, cancelled=None, finished=None):
-        """Translations (or with `options.num_hypotheses`, `Hypothesis` lists) of `texts`, in one search.
+    def check_alignment(self):
+        """Raises a one-line `ValueError` where this export cannot align (no fused step, or no onnx package)."""
+        self.translator.model.check_alignment()
 
-        `cancelled`: None or `Translator.translate`'s (a cancelled text gets "" or no hypotheses);
-        `finished`: None or `Translator.translate`'s.
+    def translate(self, texts, options, target_prefix=None, cancelled=None, finished=None, return_alignment=False):
+        """Translations (or with `options.num_hypotheses` or `return_alignment`, `Hypothesis` lists) of `texts`.
+
+        In one search. `cancelled`: None or `Translator.translate`'s (a cancelled text gets "" or no
+        hypotheses); `finished`: None or `Translator.translate`'s.
         """
         # The keywords, not options=: what `Translator.translate` is called with is the engine's interface
         # (tests/test_serve.py watches it); the translator makes them one `SearchOptions` again.
@@ -91,9 +109,11 @@ class OnnxRuntimeEngine:
             batch_size=max(len(texts), 1), target_prefix=target_prefix, cancelled=cancelled, finished=finished,
             **options.search_args(),
         )
-        if options.num_hypotheses is None:
+        if options.num_hypotheses is None and not return_alignment:
             return self.translator.translate(texts, **batch)
-        return self.translator.translate_hypotheses(texts, num_hypotheses=options.num_hypotheses, **batch)
+        return self.translator.translate_hypotheses(
+            texts, num_hypotheses=options.num_hypotheses or 1, return_alignment=return_alignment, **batch
+        )
 
 
     def align(self, texts, hypotheses):
@@ -112,8 +132,9 @@ class CTranslate2Engine:
     generate beyond its own limit when it does not end earlier. The length
     penalty is CTranslate2's (see `export.ctranslate2`): greedy search gives
     the ONNX engine's tokens, beams may differ. It serves `target_prefix`
-    (CTranslate2's own); `num_hypotheses` and sampling are the ONNX
-    engine's only (CTranslate2 scores hypotheses with its own length
+    (CTranslate2's own) and word alignments (its `return_attention`, whose
+    layer and heads the export sets to our rule's: `export.ctranslate2`);
+    `num_hypotheses` and sampling are the ONNX engine's only (CTranslate2 scores hypotheses with its own length
     penalty, and its draws depend on the batch, so a seed would not give a
     text the same samples in every batch). It cannot drop rows mid-search
     (`translate_batch` runs a batch to its end): an abandoned request's
@@ -128,7 +149,7 @@ class CTranslate2Engine:
     """
 
     name = "ctranslate2"
-    features = frozenset({"target_prefix"})
+    features = frozenset({"target_prefix", "alignment"})
 
     def __init__(self, directory, threads=None):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before ctranslate2 loads OpenMP
@@ -181,7 +202,12 @@ class CTranslate2Engine:
         """`check_target_prefix` (below) with this engine's tokenizer."""
         return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
 
-    def translate(self, texts, options, target_prefix=None):
+    def check_alignment(self):
+        """Nothing to refuse: CTranslate2 returns the attention of the layer and heads the export chose."""
+
+    def translate(self, texts, options, target_prefix=None, return_alignment=False):
+        """Translations of `texts` in one `translate_batch`; with `return_alignment`, per text `[AlignedTranslation]`
+        (`[]` for an empty text)."""
         from keras_transformer.translator import with_forced_prefix
 
         rows = self.tokenizer.encode(texts, add_start=False, add_end=False)
@@ -192,7 +218,7 @@ class CTranslate2Engine:
         # Empty texts translate to empty strings without a search, as Translator.translate.
         todo = [i for i, row in enumerate(rows) if row and texts[i].strip()]
         if not todo:
-            return results
+            return [[] for _ in texts] if return_alignment else results
         limit = self.max_sequence_length - 1  # room for the end piece CTranslate2 appends
         pieces = [[self.source_tokens[t] for t in rows[i][:limit]] for i in todo]
         prefix_pieces = [None if prefixes[i] is None else [self.tokens[t] for t in prefixes[i]] for i in todo]
@@ -202,6 +228,7 @@ class CTranslate2Engine:
             max_decoding_length=self._max_decoding_length(
                 max(len(row) for row in pieces), self.max_sequence_length, options.max_extra_length
             ),
+            return_attention=return_alignment,
             **self._translation_options(
                 options.beam_size, options.length_penalty, self.max_sequence_length, options.patience
             ),
@@ -209,7 +236,24 @@ class CTranslate2Engine:
         decoded = self.tokenizer.decode([[self.index[token] for token in output.hypotheses[0]] for output in outputs])
         for i, text in zip(todo, decoded):
             results[i] = text
-        return results
+        return self._aligned(texts, todo, pieces, outputs, results) if return_alignment else results
+
+    def _aligned(self, texts, todo, pieces, outputs, results):
+        """Per text `[AlignedTranslation]` (`[]` unsearched): `Translator._aligned`'s rule on CTranslate2's attention.
+
+        `attention[0]` is `[T, S]` over the source's pieces without the end
+        piece CTranslate2 appends, so its argmax is `hard_alignment`'s.
+        """
+        from keras_transformer.alignment import hard_alignment, word_alignment
+
+        aligned = [[] for _ in texts]
+        for i, source, output in zip(todo, pieces, outputs):
+            target = output.hypotheses[0]
+            alignment = hard_alignment(output.attention[0], len(source) + 1, len(target))
+            words = word_alignment(alignment, self.tokenizer.source_pieces(texts[i]), texts[i], target, results[i])
+            words = [word for word in words if word.target[0] < word.target[1]]  # pieces with no text (a code)
+            aligned[i] = [AlignedTranslation(results[i], alignment, words)]
+        return aligned
 
 
 def count_tokens(tokenizer, max_sequence_length, texts):

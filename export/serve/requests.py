@@ -20,7 +20,7 @@ FIELDS = {
     "text": None, "beam_size": None, "num_hypotheses": "num_hypotheses", "target_prefix": "target_prefix",
     "sampling_topk": "sampling", "sampling_topp": "sampling", "sampling_temperature": "sampling", "seed": "sampling",
     "split_sentences": None, "max_extra_length": None, "timeout_ms": None, "stream": None,
-    "source_language": None, "target_language": None, "format": "format",
+    "source_language": None, "target_language": None, "format": "format", "return_alignment": "alignment",
 }
 SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SearchOptions) if FIELDS.get(f.name) == "sampling"}
 # The status logged for a request whose client went away before its answer (nginx's).
@@ -257,17 +257,37 @@ class Request:
     languages: tuple | None = None
     split_sentences: bool | str = False
     format: str = "text"
+    return_alignment: bool = False
 
 
 def read_request(payload, settings, engine_name=None, features=FEATURES):
     """A `Request` from a payload (`parse_payload`), each field checked (`RequestError`, 400 naming it)."""
     texts, options, target_prefix = request_from_payload(payload, settings, engine_name, features)
     stream = stream_option(payload)
-    return Request(
+    asked = Request(
         texts, options, target_prefix, timeout_ms=timeout_option(payload, settings), stream=stream,
         languages=languages_option(payload), split_sentences=split_sentences_option(payload, options, target_prefix),
         format=format_option(payload, options, target_prefix, stream),
     )
+    return dataclasses.replace(asked, return_alignment=alignment_option(payload, asked))
+
+
+def alignment_option(payload, asked):
+    """The request's `return_alignment` (False when not given): true or false, and not with `stream`,
+    `split_sentences` or `"format": "html"` (400)."""
+    value = payload.get("return_alignment", False)
+    if not isinstance(value, bool):
+        raise RequestError(
+            400, f"return_alignment must be true or false, received "
+            f"{_json_type(value) if not isinstance(value, str) else repr(value)}", "bad_request",
+        )
+    for field, given in (
+        ("stream", asked.stream), ("split_sentences", asked.split_sentences is not False),
+        ('"format": "html"', asked.format == "html"),
+    ):
+        if value and given:
+            raise RequestError(400, f"return_alignment cannot be used with {field}", "bad_request")
+    return value
 
 def _check_text(text, name, settings):
     if not isinstance(text, str):
@@ -302,16 +322,36 @@ def _target_prefix(payload, texts, single, settings):
     return target_prefix if any(target_prefix) else None
 
 
-def answer_document(results, options):
-    """The JSON answer: `translations`, and with `num_hypotheses` each text's `hypotheses` (text, score, log_prob)."""
-    if options.num_hypotheses is None:
+def answer_document(results, options, align=False):
+    """The JSON answer: `translations`; with `num_hypotheses` each text's `hypotheses` (text, score, log_prob);
+    with `align` each translation's `alignments` (and each hypothesis' `alignment`): `alignment_json`."""
+    if options.num_hypotheses is None and not align:
         return {"translations": results}
-    return {"translations": [found[0].text if found else "" for found in results],
-            "hypotheses": [hypotheses_json(found) for found in results]}
+    document = {"translations": [found[0].text if found else "" for found in results]}
+    if options.num_hypotheses is not None:
+        document["hypotheses"] = [hypotheses_json(found, align) for found in results]
+    if align:
+        document["alignments"] = [alignment_json(found[0]) if found else [] for found in results]
+    return document
 
 
-def hypotheses_json(found):
-    return [{"text": h.text, "score": float(h.score), "log_prob": float(h.log_prob)} for h in found]
+def hypotheses_json(found, align=False):
+    """A text's hypotheses as JSON objects (text, score, log_prob; with `align`, alignment)."""
+    hypotheses = [{"text": h.text, "score": float(h.score), "log_prob": float(h.log_prob)} for h in found]
+    if align:
+        for hypothesis, json_object in zip(found, hypotheses):
+            json_object["alignment"] = alignment_json(hypothesis)
+    return hypotheses
+
+
+def alignment_json(hypothesis):
+    """A hypothesis' word alignment as one `{"source": [start, end], "target": [start, end]}` per aligned word pair.
+
+    The spans are character offsets (end excluded) into the request's text and the translation, in target-word
+    order, then source order (`Hypothesis.word_alignment`); a target word aligned to no source word has no pair.
+    """
+    return [{"source": list(source), "target": list(word.target)}
+            for word in hypothesis.word_alignment or () for source in word.source]
 
 
 def engine_error(error):
