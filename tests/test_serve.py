@@ -220,6 +220,7 @@ def test_alignments_equal_the_onnx_translators_and_bad_combinations_are_one_line
     for payload, message in (
         ({"stream": True}, "return_alignment cannot be used with stream"),
         ({"split_sentences": True}, "return_alignment cannot be used with split_sentences"),
+        ({"format": "html"}, 'return_alignment cannot be used with "format": "html"'),
     ):
         response = post(server.url, {"text": texts, "return_alignment": True, **payload})
         assert response.status_code == 400 and response.json() == {"error": message}
