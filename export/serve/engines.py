@@ -50,7 +50,19 @@ class AlignedTranslation(NamedTuple):
     word_alignment: list
 
 
-class OnnxRuntimeEngine:
+class _TokenizedEngine:
+    """What both engines do with their `tokenizer` and `max_sequence_length`."""
+
+    def count_tokens(self, texts):
+        """Source tokens of each text, end token included, at most `max_sequence_length` (longer are cut)."""
+        return count_tokens(self.tokenizer, self.max_sequence_length, texts)
+
+    def check_target_prefix(self, texts, target_prefix):
+        """`check_target_prefix` (below) with this engine's tokenizer."""
+        return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
+
+
+class OnnxRuntimeEngine(_TokenizedEngine):
     """`export.runtime.OnnxTranslator`: each batch is one `translate` call, so one ONNX Runtime search.
 
     Args:
@@ -85,14 +97,6 @@ class OnnxRuntimeEngine:
         bound.translator, bound.tokenizer = translator, translator.tokenizer
         return bound
 
-    def count_tokens(self, texts):
-        """Source tokens of each text, end token included, at most `max_sequence_length` (longer are cut)."""
-        return count_tokens(self.tokenizer, self.max_sequence_length, texts)
-
-    def check_target_prefix(self, texts, target_prefix):
-        """`check_target_prefix` (below) with the translator's tokenizer."""
-        return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
-
     def check_alignment(self):
         """Raises a one-line `ValueError` where this export cannot align (no fused step, or no onnx package)."""
         self.translator.model.check_alignment()
@@ -121,7 +125,7 @@ class OnnxRuntimeEngine:
         return self.translator.align(texts, hypotheses)
 
 
-class CTranslate2Engine:
+class CTranslate2Engine(_TokenizedEngine):
     """A CTranslate2 `Translator` on the directory written by `python -m export.ctranslate2`.
 
     The directory's tokenizer (`load_tokenizer`) gives our ids, which are
@@ -194,13 +198,6 @@ class CTranslate2Engine:
         bound = copy.copy(self)  # the same CTranslate2 translator
         bound.tokenizer = tokenizer
         return bound
-
-    def count_tokens(self, texts):
-        return count_tokens(self.tokenizer, self.max_sequence_length, texts)
-
-    def check_target_prefix(self, texts, target_prefix):
-        """`check_target_prefix` (below) with this engine's tokenizer."""
-        return check_target_prefix(self.tokenizer, self.max_sequence_length, texts, target_prefix)
 
     def check_alignment(self):
         """Nothing to refuse: CTranslate2 returns the attention of the layer and heads the export chose."""
