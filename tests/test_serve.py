@@ -322,7 +322,8 @@ def test_concurrent_requests_with_mixed_options_are_batched_by_options(server, r
 
 
 def test_a_server_with_a_patience_searches_with_it(exported, monkeypatch):
-    """`--patience`: every search of the server (warm-up included) stops rows as `translate(patience=...)`."""
+    """`--patience`: every search of the server (warm-up included) stops rows as `translate(options=...)`'s
+    `patience`: the engine hands the request's `SearchOptions` to the translator as it is."""
     engine = serve.load_engine(exported)
     calls, translate = [], engine.translator.translate
     monkeypatch.setattr(engine.translator, "translate", lambda texts, **search: calls.append(search) or translate(
@@ -333,7 +334,7 @@ def test_a_server_with_a_patience_searches_with_it(exported, monkeypatch):
     finally:
         server.close()
     assert response.status_code == 200, response.text
-    assert calls and all(search["patience"] == 0.5 for search in calls)
+    assert calls and all(search["options"].patience == 0.5 for search in calls)
     translator = OnnxTranslator(exported, providers=["CPUExecutionProvider"])
     assert response.json()["translations"] == translator.translate(
         sentences()[:3], max_extra_length=MAX_EXTRA_LENGTH, patience=0.5

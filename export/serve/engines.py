@@ -31,6 +31,7 @@ and no languages; one-line `ValueError` naming the codes otherwise,
 """
 
 import copy
+import dataclasses
 import json
 import os
 import pathlib
@@ -107,18 +108,13 @@ class OnnxRuntimeEngine(_TokenizedEngine):
         In one search. `cancelled`: None or `Translator.translate`'s (a cancelled text gets "" or no
         hypotheses); `finished`: None or `Translator.translate`'s.
         """
-        # The keywords, not options=: what `Translator.translate` is called with is the engine's interface
-        # (tests/test_serve.py watches it); the translator makes them one `SearchOptions` again.
-        batch = dict(
-            batch_size=max(len(texts), 1), target_prefix=target_prefix, cancelled=cancelled, finished=finished,
-            **options.search_args(),
-        )
+        batch = dict(batch_size=max(len(texts), 1), target_prefix=target_prefix, cancelled=cancelled, finished=finished)
         if options.num_hypotheses is None and not return_alignment:
-            return self.translator.translate(texts, **batch)
+            return self.translator.translate(texts, options=options, **batch)
         return self.translator.translate_hypotheses(
-            texts, num_hypotheses=options.num_hypotheses or 1, return_alignment=return_alignment, **batch
+            texts, options=dataclasses.replace(options, num_hypotheses=options.count), return_alignment=return_alignment,
+            **batch,
         )
-
 
     def align(self, texts, hypotheses):
         """`Translator.align`: each hypothesis (or None) of `texts` with its word alignment ("format": "html")."""
