@@ -35,7 +35,7 @@ from keras_transformer.presets import (  # noqa: F401 - some re-exported
     TOKENIZER_FILE, constructor_args, load_preset_directory, upgrade_preset_config, write_preset,
 )
 from keras_transformer.quantization import check_quantization
-from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
+from keras_transformer.tokenizers.sentencepiece import END_ID, PAD_ID, START_ID, UNK_ID
 
 # On JAX, glibc keeps the CPU runtime's freed step buffers instead of unmapping them (`allocator`): done
 # here, before the runtime starts, because an arena once given to its threads stays theirs.

@@ -72,7 +72,7 @@ class Translator:
 
     Args:
         model: a `TransformerModel` or another decoding-protocol object.
-        tokenizer: a `keras_transformer.tokenizer.Tokenizer` whose vocabulary
+        tokenizer: a `keras_transformer.tokenizers.sentencepiece.Tokenizer` whose vocabulary
             and special ids match the model's.
 
     Example:

@@ -163,7 +163,7 @@ class CTranslate2Engine(_TokenizedEngine):
             SOURCE_VOCABULARY_FILE, TARGET_VOCABULARY_FILE, VOCABULARY_FILE, max_decoding_length, read_metadata,
             translation_options,
         )
-        from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
+        from keras_transformer.tokenizers.sentencepiece import TOKENIZER_FILENAME, load_tokenizer
 
         self.directory = pathlib.Path(directory)
         metadata = read_metadata(self.directory)
