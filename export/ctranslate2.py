@@ -45,7 +45,7 @@ What the export maps, and how:
   log(1 - P(pad) - P(start)) per token: negligible for a trained model,
   which gives those ids almost no probability.
 - Alignments: the decoder spec's `alignment_layer` and `alignment_heads`
-  are our alignment rule's (`keras_transformer.alignment`: the last layer,
+  are our alignment rule's (`keras_transformer.documents.alignment`: the last layer,
   every head averaged; CTranslate2's default is the first head), so
   `translate_batch(..., return_attention=True)` gives the weights whose
   argmax is `translate_hypotheses(return_alignment=True)`'s alignment.

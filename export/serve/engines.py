@@ -241,7 +241,7 @@ class CTranslate2Engine(_TokenizedEngine):
         `attention[0]` is `[T, S]` over the source's pieces without the end
         piece CTranslate2 appends, so its argmax is `hard_alignment`'s.
         """
-        from keras_transformer.alignment import hard_alignment, word_alignment
+        from keras_transformer.documents.alignment import hard_alignment, word_alignment
 
         aligned = [[] for _ in texts]
         for i, source, output in zip(todo, pieces, outputs):

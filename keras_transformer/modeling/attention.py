@@ -62,7 +62,7 @@ class AttentionWeights:
         }
 
     def alignment_attention(self, encoder_token_ids, decoder_token_ids):
-        """The cross-attention that aligns (`keras_transformer.alignment`), teacher forced: float32 `[B, T, S]`.
+        """The cross-attention that aligns (`keras_transformer.documents.alignment`), teacher forced: float32 `[B, T, S]`.
 
         Row t of a batch row is the weights with which decoder position t
         (the start id at 0) attended to the source, in layer
@@ -70,7 +70,7 @@ class AttentionWeights:
         the search used to choose target token t + 1. Optional in the
         decoding protocol (`Translator.translate_hypotheses(return_alignment=True)`).
         """
-        from keras_transformer.alignment import ALIGNMENT_LAYER, mean_heads
+        from keras_transformer.documents.alignment import ALIGNMENT_LAYER, mean_heads
 
         scores = self.attention_scores(encoder_token_ids, decoder_token_ids)
         return mean_heads(scores["cross_attention"][ALIGNMENT_LAYER])
