@@ -542,7 +542,7 @@ def prepare_preset(preset, work, seed):
 
     from keras_transformer import datasets
     from keras_transformer.model import TransformerModel
-    from keras_transformer.tokenizer import train_tokenizer
+    from keras_transformer.tokenizers.sentencepiece import train_tokenizer
 
     logger.info("Building %s with random weights (seed %d) and a tokenizer on the bundled corpus", preset, seed)
     keras.utils.set_random_seed(seed)
@@ -628,7 +628,7 @@ def benchmark_sources(preset_dir, vocabulary_size, count, length, seed):
     Sentences of the bundled test split cut to `length` pieces when the
     preset has a tokenizer and enough of them are that long; else random ids.
     """
-    from keras_transformer.tokenizer import TOKENIZER_FILENAME, Tokenizer
+    from keras_transformer.tokenizers.sentencepiece import TOKENIZER_FILENAME, Tokenizer
 
     if (pathlib.Path(preset_dir) / TOKENIZER_FILENAME).is_file():
         from keras_transformer.datasets import load_bundled
@@ -746,7 +746,7 @@ def agreement(measured, workers):
 def natural_sources(preset_dir, count):
     """The first `count` sentences of the bundled test split as piece ids (no end id), at their own lengths."""
     from keras_transformer.datasets import load_bundled
-    from keras_transformer.tokenizer import TOKENIZER_FILENAME, Tokenizer
+    from keras_transformer.tokenizers.sentencepiece import TOKENIZER_FILENAME, Tokenizer
 
     if not (pathlib.Path(preset_dir) / TOKENIZER_FILENAME).is_file():
         raise ValueError(f"{preset_dir} has no {TOKENIZER_FILENAME}: the natural-length table translates text")

@@ -97,7 +97,7 @@ def write_corpus(path, lines):
 
 def worker(args):
     """One measurement in this process: prints a JSON line."""
-    from keras_transformer.tokenizer import load_tokenizer
+    from keras_transformer.tokenizers.sentencepiece import load_tokenizer
     from keras_transformer.translator import Translator
 
     if args.engine == "copy":
@@ -136,7 +136,7 @@ def measure(lines_list, engine="copy", model=None, window=10_000, max_batch_toke
         tokenizer_dir = directory / "tokenizer"
         if engine == "copy":
             from keras_transformer.datasets import bundled_paths
-            from keras_transformer.tokenizer import train_tokenizer
+            from keras_transformer.tokenizers.sentencepiece import train_tokenizer
 
             train_tokenizer(list(bundled_paths("train")), vocabulary_size=VOCABULARY_SIZE).save(tokenizer_dir)
         for lines in lines_list:

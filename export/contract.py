@@ -101,7 +101,7 @@ FIXED_AXES = {
     "head_value_dim": "Vh", "vocabulary_size": "V",
 }
 # The special ids' names, as the model, the tokenizers and every config.json
-# name them (their values have one home: `keras_transformer.tokenizer`).
+# name them (their values have one home: `keras_transformer.tokenizers.sentencepiece`).
 SPECIAL_IDS = ("pad_id", "unk_id", "start_id", "end_id")
 # The characters Python's `str.isspace()` is true for, as an RE2 class (TensorFlow's
 # and onnxruntime-extensions' regular expressions): the graphs strip and skip
@@ -593,7 +593,7 @@ def tokenizer_files(tokenizer):
 
     `tokenizer.model` for our shared vocabulary; source.spm, target.spm,
     vocab.json and marian_tokenizer.json for an imported Marian checkpoint's
-    (`keras_transformer.tokenizer.load_tokenizer` reads either back): the
+    (`keras_transformer.tokenizers.sentencepiece.load_tokenizer` reads either back): the
     tokenizer's own `files()`.
     """
     return tuple(tokenizer.files())

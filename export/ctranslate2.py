@@ -45,7 +45,7 @@ What the export maps, and how:
   log(1 - P(pad) - P(start)) per token: negligible for a trained model,
   which gives those ids almost no probability.
 - Alignments: the decoder spec's `alignment_layer` and `alignment_heads`
-  are our alignment rule's (`keras_transformer.alignment`: the last layer,
+  are our alignment rule's (`keras_transformer.documents.alignment`: the last layer,
   every head averaged; CTranslate2's default is the first head), so
   `translate_batch(..., return_attention=True)` gives the weights whose
   argmax is `translate_hypotheses(return_alignment=True)`'s alignment.
@@ -123,7 +123,7 @@ An imported Marian checkpoint's pieces come from `source.spm` (a leading
 decoded by `MarianTokenizer.decode` (NumPy and SentencePiece only):
 
 ```python
-from keras_transformer.marian_tokenizer import MarianTokenizer
+from keras_transformer.tokenizers.marian import MarianTokenizer
 
 tokenizer = MarianTokenizer.load("exported/ct2")
 index = {piece: i for i, piece in enumerate(tokenizer.pieces())}
@@ -138,7 +138,7 @@ Hugging Face's `forced_bos_token_id`); validation translates the bundled
 sentences from eng_Latn to deu_Latn (`export.exporter.VALIDATION_LANGUAGES`):
 
 ```python
-from keras_transformer.nllb_tokenizer import NllbTokenizer
+from keras_transformer.tokenizers.nllb import NllbTokenizer
 
 tokenizer = NllbTokenizer.load("exported/ct2").with_languages("eng_Latn", "fra_Latn")
 pieces = [tokenizer.source_pieces("A sentence.")]     # ["eng_Latn", ...]: CTranslate2 appends </s>

@@ -20,7 +20,7 @@ import numpy as np
 from export import contract
 from export.contract import UnsupportedModelError
 from export.exporter import MAX_EXTRA_LENGTH, float32
-from keras_transformer.alignment import ALIGNMENT_LAYER
+from keras_transformer.documents.alignment import ALIGNMENT_LAYER
 
 logger = logging.getLogger("export.ctranslate2")
 
@@ -238,7 +238,7 @@ def model_spec(model, tokens, source_tokens=None):
             )
         layers["head_dim"] = model.head_key_dim
     encoder = transformer_spec.TransformerEncoderSpec(len(model.encoder_layers), **layers)
-    # `return_attention` gives the alignment rule's attention (`keras_transformer.alignment`): one layer's
+    # `return_attention` gives the alignment rule's attention (`keras_transformer.documents.alignment`): one layer's
     # cross-attention averaged over all its heads (CTranslate2's default averages the first head only).
     decoder = transformer_spec.TransformerDecoderSpec(
         len(model.decoder_layers), alignment_layer=ALIGNMENT_LAYER, alignment_heads=model.num_heads, **layers

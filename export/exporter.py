@@ -255,7 +255,7 @@ def validation_sources(model, count, seed=0):
     NLLB-200 one encodes them in `validation_tokenizer`'s pair); without:
     random ordinary ids (`[FIRST_ORDINARY_ID, V)`) of lengths 1-24.
     """
-    from keras_transformer.tokenizer import FIRST_ORDINARY_ID
+    from keras_transformer.tokenizers.sentencepiece import FIRST_ORDINARY_ID
 
     limit = model.max_sequence_length - 1  # room for the end id
     tokenizer = validation_tokenizer(model)

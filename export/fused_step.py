@@ -385,7 +385,7 @@ def with_alignment_output(step, layer=-1):
     """A copy of the fused step `step` (an `onnx.ModelProto`) that also outputs `ALIGNMENT_OUTPUT`.
 
     The output is decoder layer `layer`'s cross-attention weights averaged
-    over its heads, float32 `[B*K, S]` (`keras_transformer.alignment`):
+    over its heads, float32 `[B*K, S]` (`keras_transformer.documents.alignment`):
     `softmax(q k^T * scale)` over the real source positions, from the query
     and keys that layer's `MultiHeadAttention` reads (the contrib op gives
     no weights), then the mean over the heads. Made when alignments are

@@ -360,7 +360,7 @@ def tokenizer_config(ids, languages, separate_vocabs=False):
 
 
 def _write_tokenizer(directory, tokenizer, ids, source_ids=None):
-    from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, TARGET_VOCAB_FILE, VOCAB_FILE
+    from keras_transformer.tokenizers.marian import SOURCE_SPM, TARGET_SPM, TARGET_VOCAB_FILE, VOCAB_FILE
 
     # Ours has one shared vocabulary: its source_proto and target_proto are the same model.
     (directory / SOURCE_SPM).write_bytes(tokenizer.source_proto)

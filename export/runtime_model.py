@@ -356,7 +356,7 @@ class OnnxSeq2Seq(OptimizedGraphCache):
                 raise ValueError("return_alignment on ONNX Runtime builds the step's attention output with the "
                                  "onnx package: pip install onnx") from None
             from export.fused_step import with_alignment_output
-            from keras_transformer.alignment import ALIGNMENT_LAYER
+            from keras_transformer.documents.alignment import ALIGNMENT_LAYER
 
             step = with_alignment_output(onnx.load(str(self._graph_path("fused_decoder_step"))), ALIGNMENT_LAYER)
             self._sessions["alignment_step"] = new_session(step.SerializeToString(), self._session_options,

@@ -4,7 +4,7 @@ import pathlib
 
 from export.runtime_model import OnnxSeq2Seq
 from export.runtime_sessions import read_config
-from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
+from keras_transformer.tokenizers.sentencepiece import TOKENIZER_FILENAME, load_tokenizer
 from keras_transformer.translator import Translator
 
 
@@ -19,7 +19,7 @@ class OnnxTranslator(Translator):
 
     Args:
         directory: written by `python -m export.onnx` from a preset with a
-            tokenizer (`keras_transformer.tokenizer.load_tokenizer`: ours, or
+            tokenizer (`keras_transformer.tokenizers.sentencepiece.load_tokenizer`: ours, or
             an imported Marian or NLLB-200 checkpoint's).
         providers, intra_op_threads, optimized_cache: as `OnnxSeq2Seq`.
 

@@ -179,8 +179,8 @@ def _in_graph_tokenizer(module, tokenizer):
     import tensorflow as tf
 
     from export.text_graph import LANGUAGE_CODE_RE2, marian_target_pieces
-    from keras_transformer.marian_tokenizer import SPIECE_UNDERLINE
-    from keras_transformer.tokenizer import FIRST_ORDINARY_ID
+    from keras_transformer.tokenizers.marian import SPIECE_UNDERLINE
+    from keras_transformer.tokenizers.sentencepiece import FIRST_ORDINARY_ID
 
     end_id = tokenizer.end_id
 

@@ -41,7 +41,7 @@ The optional inputs are graph inputs with an initializer of the same name
 `write_text_graph`'s arguments.
 
 What the graph computes, step by step, as `keras_transformer.Translator`
-does in Python (`translator.py`, `tokenizer.py`):
+does in Python (`translator.py`, `tokenizers/`):
 
 1. `SentencepieceTokenizer` encodes every text (no start or end id) into
    ragged pieces: values `[N]` and row splits `[batch + 1]`.
@@ -117,8 +117,8 @@ from export.text_graph_tokenizer import (  # noqa: F401 - some re-exported
     LANGUAGE_CODE_RE2, check_tokenizer, marian_source_model, marian_target_pieces,
 )
 from keras_transformer import cli
-from keras_transformer.tokenizer import FIRST_ORDINARY_ID, load_tokenizer
-from keras_transformer.tokenizer import TOKENIZER_FILENAME as TOKENIZER_FILE
+from keras_transformer.tokenizers.sentencepiece import FIRST_ORDINARY_ID, load_tokenizer
+from keras_transformer.tokenizers.sentencepiece import TOKENIZER_FILENAME as TOKENIZER_FILE
 
 logger = logging.getLogger("export.text_graph")
 

@@ -13,8 +13,8 @@ import typing
 import numpy as np
 
 from export import contract
-from keras_transformer.marian_tokenizer import SPIECE_UNDERLINE
-from keras_transformer.tokenizer import FIRST_ORDINARY_ID
+from keras_transformer.tokenizers.marian import SPIECE_UNDERLINE
+from keras_transformer.tokenizers.sentencepiece import FIRST_ORDINARY_ID
 
 # The custom-op domain of onnxruntime-extensions.
 EXTENSIONS_DOMAIN = "ai.onnx.contrib"

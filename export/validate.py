@@ -17,7 +17,7 @@ import numpy as np
 
 from export import contract
 from export.contract import CONFIG_FILE, ValidationError, check_graph_signature
-from keras_transformer.tokenizer import FIRST_ORDINARY_ID
+from keras_transformer.tokenizers.sentencepiece import FIRST_ORDINARY_ID
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ def run():
     import keras
 
     from keras_transformer.presets import PRESETS
-    from keras_transformer.tokenizer import FIRST_ORDINARY_ID
+    from keras_transformer.tokenizers.sentencepiece import FIRST_ORDINARY_ID
 
     counts = {name: kt.TransformerModel.from_preset(name).count_params() for name in PRESETS}
     model = kt.TransformerModel.from_preset("tiny", dropout=0.0)

@@ -19,13 +19,13 @@ from keras_transformer.layers.decoder import TransformerDecoderLayer
 from keras_transformer.layers.encoder import TransformerEncoderLayer
 from keras_transformer.layers.position import LearnedPositionEmbedding, SinusoidalPositionEncoding
 # The argument checks, the cached decoder step, the attention weights and the LoRA / int8 methods have their own
-# modules (the last three as mixins); the names below stay importable from here (plain re-exports).
-from keras_transformer.model_adapters import Adapters
-from keras_transformer.model_args import (  # noqa: F401 - re-exported
+# modules in `modeling/` (the last three as mixins); the names below stay importable from here (plain re-exports).
+from keras_transformer.modeling.adapters import Adapters
+from keras_transformer.modeling.args import (  # noqa: F401 - re-exported
     ACTIVATIONS, POSITION_ENCODINGS, SINUSOID_LAYOUT, check_model_args,
 )
-from keras_transformer.model_attention import AttentionWeights
-from keras_transformer.model_cache import _OUTPUT_KERNEL, CachedDecoding  # noqa: F401 - _OUTPUT_KERNEL re-exported
+from keras_transformer.modeling.attention import AttentionWeights
+from keras_transformer.modeling.cache import _OUTPUT_KERNEL, CachedDecoding  # noqa: F401 - _OUTPUT_KERNEL re-exported
 # Preset I/O lives in `presets` and Keras' export in `keras_export`; the names
 # below stay importable from here (plain re-exports) for code written before.
 from keras_transformer import keras_export
@@ -35,7 +35,7 @@ from keras_transformer.presets import (  # noqa: F401 - some re-exported
     TOKENIZER_FILE, constructor_args, load_preset_directory, upgrade_preset_config, write_preset,
 )
 from keras_transformer.quantization import check_quantization
-from keras_transformer.tokenizer import END_ID, PAD_ID, START_ID, UNK_ID
+from keras_transformer.tokenizers.sentencepiece import END_ID, PAD_ID, START_ID, UNK_ID
 
 # On JAX, glibc keeps the CPU runtime's freed step buffers instead of unmapping them (`allocator`): done
 # here, before the runtime starts, because an arena once given to its threads stays theirs.

@@ -292,7 +292,7 @@ def load_preset_directory(cls, directory, overrides):
         raise ValueError(
             f"Could not load {weights_path} into a model built from {config_path}: {reason}"
         ) from error
-    from keras_transformer.tokenizer import load_tokenizer
+    from keras_transformer.tokenizers.sentencepiece import load_tokenizer
 
     model.tokenizer = load_tokenizer(directory)
     return model

@@ -1,7 +1,7 @@
 """The special ids and the range check of token ids, in NumPy only (the ONNX Runtime server uses them without Keras).
 
 The special ids live here, the one home every module (both tokenizers, the
-model, the search, the exports) reads them from; `keras_transformer.tokenizer`
+model, the search, the exports) reads them from; `keras_transformer.tokenizers.sentencepiece`
 re-exports them.
 
 `keras_transformer.checks.check_token_ids` (the Keras model and the search)

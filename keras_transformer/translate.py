@@ -35,7 +35,7 @@ from keras_transformer.textio import (  # noqa: E402
     split_lines,
     write_lines,
 )
-from keras_transformer.markup import FORMATS  # noqa: E402
+from keras_transformer.documents.markup import FORMATS  # noqa: E402
 from keras_transformer.search.options import DEFAULTS, SearchOptions, resolve  # noqa: E402
 from keras_transformer.translator import DEFAULT_WINDOW, Translator  # noqa: E402  (no framework: NumPy)
 from keras_transformer.utils import positive_int  # noqa: E402
@@ -100,7 +100,7 @@ def add_file_arguments(parser):
     parser.add_argument(
         "--format", choices=FORMATS, default="text",
         help="text (default): one text per line; html: the whole input is one HTML page (or fragment), written "
-             "back with its markup and the text of each block translated (keras_transformer.markup)",
+             "back with its markup and the text of each block translated (keras_transformer.documents.markup)",
     )
     parser.add_argument(
         "--patience", type=float, default=None,

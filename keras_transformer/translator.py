@@ -14,7 +14,8 @@ import os
 
 import numpy as np
 
-from keras_transformer import documents, markup
+from keras_transformer import documents
+from keras_transformer.documents import markup
 from keras_transformer.translation.alignments import aligned_hypotheses, check_alignment
 from keras_transformer.translation.batching import (  # noqa: F401 (re-exports)
     DEFAULT_BATCH_SIZE,
@@ -72,7 +73,7 @@ class Translator:
 
     Args:
         model: a `TransformerModel` or another decoding-protocol object.
-        tokenizer: a `keras_transformer.tokenizer.Tokenizer` whose vocabulary
+        tokenizer: a `keras_transformer.tokenizers.sentencepiece.Tokenizer` whose vocabulary
             and special ids match the model's.
 
     Example:
@@ -269,7 +270,7 @@ class Translator:
                 into sentences with `split_sentences`), inline tags are put
                 around the target words aligned to the words they enclosed,
                 and markup, entities and untranslatable elements are kept
-                (`keras_transformer.markup`). The model must give alignments
+                (`keras_transformer.documents.markup`). The model must give alignments
                 (`return_alignment`). Not with `target_prefix`, `cancelled`
                 or `finished`.
 
@@ -367,7 +368,7 @@ class Translator:
         alignment: for each target token, the source token of largest
         weight in the last decoder layer's cross-attention averaged over its
         heads, the source's end token left out (fairseq's and CTranslate2's
-        rule; `keras_transformer.alignment`), and per target word the
+        rule; `keras_transformer.documents.alignment`), and per target word the
         aligned source words as character spans. The weights are those the
         decoder gives the finished hypothesis (decoded once more, teacher
         forced: the same as along its beam history), so the search itself

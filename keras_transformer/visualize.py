@@ -30,7 +30,7 @@ def token_labels(tokenizer, token_ids, drop_padding=True):
     """Axis labels for a sequence of ids: each id's text, specials as `<s>`, `</s>`, `<pad>`.
 
     Args:
-        tokenizer: a `keras_transformer.tokenizer.Tokenizer`.
+        tokenizer: a `keras_transformer.tokenizers.sentencepiece.Tokenizer`.
         token_ids: 1D ids.
         drop_padding: bool, drop pad ids (0).
 

@@ -435,7 +435,7 @@ def fsmt_random(request):
     pytest.importorskip("sacremoses")
     from keras_transformer.convert import standin
 
-    key = source_key("keras_transformer/convert/standin.py", "keras_transformer/fsmt_tokenizer.py",
+    key = source_key("keras_transformer/convert/standin.py", "keras_transformer/tokenizers/fsmt.py",
                      packages=("transformers", "torch", "sacremoses"))
     return build_once(request, "fsmt-random", key, standin.build_fsmt_checkpoint)
 

@@ -1,4 +1,4 @@
-"""Word alignments (`keras_transformer.alignment`, `translate_hypotheses(return_alignment=True)`).
+"""Word alignments (`keras_transformer.documents.alignment`, `translate_hypotheses(return_alignment=True)`).
 
 The rule against hand-made attention and pieces; the fused step's attention
 output against the Keras model's; Keras against ONNX Runtime through the
@@ -14,7 +14,7 @@ import pytest
 import keras_transformer as kt
 from conftest import BACKEND, TINY_CORPUS, tiny_export_model
 from keras_transformer import data, training
-from keras_transformer.alignment import WordAlignment, hard_alignment, word_alignment, word_spans
+from keras_transformer.documents.alignment import WordAlignment, hard_alignment, word_alignment, word_spans
 
 
 def test_word_spans_follow_the_word_start_mark():

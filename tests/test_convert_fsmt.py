@@ -30,7 +30,7 @@ pytest.importorskip("sacremoses")
 import keras_transformer as kt  # noqa: E402
 from keras_transformer.convert import CheckpointError  # noqa: E402
 from keras_transformer.datasets import load_bundled  # noqa: E402
-from keras_transformer.fsmt_tokenizer import FsmtTokenizer  # noqa: E402
+from keras_transformer.tokenizers.fsmt import FsmtTokenizer  # noqa: E402
 
 
 def hf_model(directory):

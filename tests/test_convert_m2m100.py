@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 import keras_transformer as kt  # noqa: E402
 from keras_transformer.convert import CheckpointError  # noqa: E402
 from keras_transformer.datasets import load_bundled  # noqa: E402
-from keras_transformer.nllb_tokenizer import NllbTokenizer  # noqa: E402
+from keras_transformer.tokenizers.nllb import NllbTokenizer  # noqa: E402
 
 SOURCE, TARGET = "eng_Latn", "deu_Latn"
 

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 import keras_transformer as kt  # noqa: E402
 from keras_transformer.convert import CheckpointError  # noqa: E402
 from keras_transformer.datasets import load_bundled  # noqa: E402
-from keras_transformer.marian_tokenizer import MarianTokenizer  # noqa: E402
+from keras_transformer.tokenizers.marian import MarianTokenizer  # noqa: E402
 
 
 def hf_logits(model, source, target):

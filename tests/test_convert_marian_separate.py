@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 import keras_transformer as kt  # noqa: E402
 from keras_transformer.convert import CheckpointError  # noqa: E402
 from keras_transformer.datasets import load_bundled  # noqa: E402
-from keras_transformer.marian_tokenizer import MarianTokenizer  # noqa: E402
+from keras_transformer.tokenizers.marian import MarianTokenizer  # noqa: E402
 
 
 def hf_logits(model, tokenizer, sources, targets):
@@ -166,7 +166,7 @@ def test_tokenizer_ids_and_strings_equal_marian_tokenizer_on_the_bundled_corpus(
 
 
 def test_tokenizer_saves_and_loads_its_target_vocabulary(marian_separate_random, tmp_path):
-    from keras_transformer.tokenizer import load_tokenizer
+    from keras_transformer.tokenizers.sentencepiece import load_tokenizer
 
     tokenizer = kt.TransformerModel.from_preset(marian_separate_random).tokenizer
     tokenizer.save(tmp_path / "tokenizer")

@@ -1,4 +1,4 @@
-"""Documents into sentences and back (keras_transformer/documents.py)."""
+"""Documents into sentences and back (keras_transformer/documents/sentences.py)."""
 
 import random
 
@@ -84,3 +84,14 @@ def test_split_with_a_limit_cuts_only_the_long_sentences():
     assert split.units[0] == "Short one." and split.units[-1] == "End."
     assert all(len(u.split()) <= 10 for u in split.units)
     assert split.join(split.units) == [text]
+
+
+@pytest.mark.parametrize("name", ["markup", "alignment"])
+def test_the_old_document_paths_re_export_the_documents_modules(name):
+    import importlib
+
+    old_module = importlib.import_module(f"keras_transformer.{name}")
+    new_module = importlib.import_module(f"keras_transformer.documents.{name}")
+    public = [key for key in vars(new_module) if not key.startswith("_")]
+    assert public and all(getattr(old_module, key) is getattr(new_module, key) for key in public)
+    assert documents.split_texts is importlib.import_module("keras_transformer.documents.sentences").split_texts

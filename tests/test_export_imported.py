@@ -43,8 +43,8 @@ from export import saved_model as saved_model_export  # noqa: E402
 from export import text_graph  # noqa: E402
 from export.validate import ValidationError, validate_onnx  # noqa: E402
 from keras_transformer.datasets import load_bundled  # noqa: E402
-from keras_transformer.marian_tokenizer import MarianTokenizer  # noqa: E402
-from keras_transformer.tokenizer import load_tokenizer  # noqa: E402
+from keras_transformer.tokenizers.marian import MarianTokenizer  # noqa: E402
+from keras_transformer.tokenizers.sentencepiece import load_tokenizer  # noqa: E402
 
 from conftest import refuse_graph_conversion  # noqa: E402
 

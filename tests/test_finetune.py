@@ -13,7 +13,7 @@ import pytest
 import keras_transformer as kt
 from conftest import populate_hub_cache, tiny_model, to_numpy
 from keras_transformer import training
-from keras_transformer.marian_tokenizer import MarianTokenizer
+from keras_transformer.tokenizers.marian import MarianTokenizer
 
 OFFLINE_HANDLE = "hf://Helsinki-NLP/opus-mt-en-de"
 
@@ -165,7 +165,7 @@ def test_fine_tuning_starts_from_the_imported_weights_keeps_the_tokenizer_and_re
 
 def test_init_from_a_preset_directory_keeps_its_tokenizer_architecture_and_weights(tmp_path, monkeypatch):
     """Our own preset (shared SentencePiece vocabulary, learned positions) is fine-tuned as an imported checkpoint."""
-    from keras_transformer.tokenizer import train_tokenizer
+    from keras_transformer.tokenizers.sentencepiece import train_tokenizer
 
     src, tgt = _write_pairs(tmp_path, "train", _short_pairs(24))
     trained = tmp_path / "trained"

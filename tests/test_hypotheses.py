@@ -17,7 +17,7 @@ from keras_transformer.generation import Hypotheses, generate, generate_hypothes
 from keras_transformer.search import sample
 from keras_transformer.search.log_probs import FORCED_END_LOG_PROB, token_log_probs, token_log_probs_numpy
 from keras_transformer.search.scoring import score_targets
-from keras_transformer.tokenizer import train_tokenizer
+from keras_transformer.tokenizers.sentencepiece import train_tokenizer
 from keras_transformer.translator import Hypothesis, Translator
 from test_scoring import sources
 from test_translator import SENTENCES

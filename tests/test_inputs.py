@@ -24,7 +24,7 @@ from conftest import BACKEND, tiny_model, to_numpy
 from keras_transformer import data, textio, translate
 from keras_transformer.evaluate import main as evaluate_main
 from keras_transformer.generation import generate
-from keras_transformer.tokenizer import _sentences, train_tokenizer
+from keras_transformer.tokenizers.sentencepiece import _sentences, train_tokenizer
 from keras_transformer.train import main as train_main
 from keras_transformer.translate import main as translate_main
 from keras_transformer.average import main as average_main

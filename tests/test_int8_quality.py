@@ -95,7 +95,7 @@ def check_int8_graphs(directory):
     import onnx
 
     from export.runtime import OnnxSeq2Seq
-    from keras_transformer.tokenizer import END_ID, START_ID
+    from keras_transformer.tokenizers.sentencepiece import END_ID, START_ID
 
     assert json.loads((directory / "config.json").read_text())["quantization"] == "int8"
     decoder = onnx.load(str(directory / "decoder_step.onnx"))

@@ -1,4 +1,4 @@
-"""HTML in, HTML out (`keras_transformer.markup`, `Translator.translate(format="html")`).
+"""HTML in, HTML out (`keras_transformer.documents.markup`, `Translator.translate(format="html")`).
 
 The tree, the units and the tag-carrying rule against translations made by
 hand (a copy and a word reversal with their alignments), on every backend;
@@ -17,8 +17,8 @@ import pytest
 import keras_transformer as kt
 from conftest import BACKEND, TINY_CORPUS, TINY_VOCABULARY_SIZE
 from keras_transformer import documents
-from keras_transformer.alignment import WordAlignment
-from keras_transformer.markup import MAX_DEPTH, VOID, Page, Translated, translate_html
+from keras_transformer.documents.alignment import WordAlignment
+from keras_transformer.documents.markup import MAX_DEPTH, VOID, Page, Translated, translate_html
 
 PAGES = {
     "nested inline": '<p>One <b>two <i>three</i></b> <a href="/x?a=1&amp;b=2" title="T">four</a> five.</p>',

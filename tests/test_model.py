@@ -460,3 +460,14 @@ def test_keras_export_onnx_on_jax_without_jax2onnx_names_the_project_exporter(tm
         pytest.skip("jax2onnx is installed")
     with pytest.raises(RuntimeError, match=r"format='onnx' on the jax backend \(ImportError: .*jax2onnx.*`python -m export.onnx "):
         tiny_model().export(str(tmp_path / "m.onnx"), format="onnx")
+
+
+@pytest.mark.parametrize("name", ["args", "cache", "attention", "adapters"])
+def test_the_old_model_helper_paths_re_export_the_modeling_modules(name):
+    import importlib
+
+    old_module = importlib.import_module(f"keras_transformer.model_{name}")
+    new_module = importlib.import_module(f"keras_transformer.modeling.{name}")
+    public = [key for key in vars(new_module) if not key.startswith("_")]
+    assert public and all(getattr(old_module, key) is getattr(new_module, key) for key in public)
+    assert kt.TransformerModel.__module__ == "keras_transformer.model"

@@ -21,7 +21,7 @@ from keras_transformer.search.log_probs import (
     token_log_probs_numpy,
 )
 from keras_transformer.search.scoring import score_targets
-from keras_transformer.tokenizer import train_tokenizer
+from keras_transformer.tokenizers.sentencepiece import train_tokenizer
 from keras_transformer.translator import TargetScore, Translator
 from test_translator import SENTENCES
 

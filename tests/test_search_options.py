@@ -13,7 +13,7 @@ import pytest
 
 from conftest import tiny_model
 from keras_transformer.search.options import DEFAULTS, SearchOptions, resolve
-from keras_transformer.tokenizer import train_tokenizer
+from keras_transformer.tokenizers.sentencepiece import train_tokenizer
 from keras_transformer.translator import Translator
 from test_translator import SENTENCES
 

@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from keras_transformer.tokenizer import TOKENIZER_FILENAME
-from keras_transformer.tokenizer import Tokenizer
-from keras_transformer.tokenizer import train_tokenizer
+from keras_transformer.tokenizers.sentencepiece import TOKENIZER_FILENAME
+from keras_transformer.tokenizers.sentencepiece import Tokenizer
+from keras_transformer.tokenizers.sentencepiece import train_tokenizer
 
 VOCABULARY_SIZE = 300
 
@@ -179,7 +179,7 @@ def test_rejects_a_proto_without_padding_at_zero():
 # ---------------------------------------------------------------------- #
 def _marian_tokenizer(language_codes=()):
     from keras_transformer.convert.standin import _marian_vocab, _train_spm
-    from keras_transformer.marian_tokenizer import MarianTokenizer
+    from keras_transformer.tokenizers.marian import MarianTokenizer
 
     source, target = _train_spm(ENGLISH + EXTRA, 70), _train_spm(GERMAN + EXTRA, 80)
     return MarianTokenizer(source, target, _marian_vocab(source, target, language_codes))
@@ -192,7 +192,7 @@ def marian():
 
 @pytest.mark.parametrize("kind", ["tokenizer", "marian"])
 def test_both_tokenizers_name_their_files_and_reload_from_them(kind, request, tmp_path):
-    from keras_transformer.tokenizer import load_tokenizer
+    from keras_transformer.tokenizers.sentencepiece import load_tokenizer
 
     tokenizer = request.getfixturevalue(kind)
     files = tokenizer.files()
@@ -247,23 +247,38 @@ def test_marian_source_pieces_keep_a_language_code_whole():
 
 
 @pytest.mark.parametrize("first, second", [
-    ("keras_transformer.marian_tokenizer", "keras_transformer.tokenizer"),
-    ("keras_transformer.tokenizer", "keras_transformer.marian_tokenizer"),
+    ("keras_transformer.tokenizers.marian", "keras_transformer.tokenizers.sentencepiece"),
+    ("keras_transformer.tokenizers.sentencepiece", "keras_transformer.tokenizers.marian"),
 ])
 def test_either_tokenizer_module_imports_first_without_a_cycle(first, second):
-    """marian_tokenizer needs nothing of tokenizer (the special ids live in token_ids); tokenizer imports it."""
+    """tokenizers.marian needs nothing of tokenizers.sentencepiece (the special ids live in token_ids); tokenizers.sentencepiece imports it."""
     import subprocess
     import sys
 
     code = (
         f"import sys, {first}, {second}\n"
-        "from keras_transformer.tokenizer import PAD_ID, MarianTokenizer, Tokenizer, load_tokenizer\n"
-        "from keras_transformer import marian_tokenizer\n"
-        "assert MarianTokenizer is marian_tokenizer.MarianTokenizer and PAD_ID == 0\n"
+        "from keras_transformer.tokenizers.sentencepiece import PAD_ID, MarianTokenizer, Tokenizer, load_tokenizer\n"
+        "from keras_transformer.tokenizers import marian\n"
+        "assert MarianTokenizer is marian.MarianTokenizer and PAD_ID == 0\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     alone = (
-        "import sys, keras_transformer.marian_tokenizer\n"
-        "assert 'keras_transformer.tokenizer' not in sys.modules, 'marian_tokenizer imports tokenizer'\n"
+        "import sys, keras_transformer.tokenizers.marian\n"
+        "assert 'keras_transformer.tokenizers.sentencepiece' not in sys.modules, 'tokenizers.marian imports tokenizers.sentencepiece'\n"
     )
     subprocess.run([sys.executable, "-c", alone], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("old, new", [
+    ("keras_transformer.tokenizer", "keras_transformer.tokenizers.sentencepiece"),
+    ("keras_transformer.tokenizer_base", "keras_transformer.tokenizers.base"),
+    ("keras_transformer.marian_tokenizer", "keras_transformer.tokenizers.marian"),
+    ("keras_transformer.nllb_tokenizer", "keras_transformer.tokenizers.nllb"),
+    ("keras_transformer.fsmt_tokenizer", "keras_transformer.tokenizers.fsmt"),
+])
+def test_the_old_tokenizer_paths_re_export_the_new_modules(old, new):
+    import importlib
+
+    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+    public = [name for name in vars(new_module) if not name.startswith("_")]
+    assert public and all(getattr(old_module, name) is getattr(new_module, name) for name in public)

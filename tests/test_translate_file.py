@@ -25,7 +25,7 @@ from conftest import BACKEND, tiny_model
 from keras_transformer.datasets import bundled_paths
 from keras_transformer.decoding import LENGTH_BUCKET
 from keras_transformer.textio import read_lines
-from keras_transformer.tokenizer import train_tokenizer
+from keras_transformer.tokenizers.sentencepiece import train_tokenizer
 from keras_transformer.translate import main as translate_main
 from keras_transformer.translator import DEFAULT_BATCH_SIZE, Translator, length_batches
 from test_translator import SENTENCES, CopyModel
@@ -236,7 +236,7 @@ KILLED_SCRIPT = """
 import sys, time
 sys.path.insert(0, sys.argv[4])
 import numpy as np
-from keras_transformer.tokenizer import load_tokenizer
+from keras_transformer.tokenizers.sentencepiece import load_tokenizer
 from keras_transformer.translator import Translator
 
 class SlowCopy:

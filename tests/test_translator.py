@@ -14,7 +14,7 @@ from conftest import tiny_model, to_numpy
 from keras_transformer.evaluate import evaluate
 from keras_transformer.evaluate import main as evaluate_main
 from keras_transformer.generation import generate
-from keras_transformer.tokenizer import train_tokenizer
+from keras_transformer.tokenizers.sentencepiece import train_tokenizer
 from keras_transformer.translate import main as translate_main
 from keras_transformer.translator import Translator
 

@@ -272,7 +272,7 @@ class Service:
         The alignment decodes each hypothesis once more, in the searches' thread (between two searches), within the
         request's `deadline` (`expired`, or `request_timeout`'s 504, after it).
         """
-        from keras_transformer import markup
+        from keras_transformer.documents import markup
 
         work = self._loop.run_in_executor(self._executor, engine.align, texts, [
             found[0] if found else None for found in results])

@@ -159,7 +159,7 @@ class CTranslate2Engine(_TokenizedEngine):
             SOURCE_VOCABULARY_FILE, TARGET_VOCABULARY_FILE, VOCABULARY_FILE, max_decoding_length, read_metadata,
             translation_options,
         )
-        from keras_transformer.tokenizer import TOKENIZER_FILENAME, load_tokenizer
+        from keras_transformer.tokenizers.sentencepiece import TOKENIZER_FILENAME, load_tokenizer
 
         self.directory = pathlib.Path(directory)
         metadata = read_metadata(self.directory)
@@ -237,7 +237,7 @@ class CTranslate2Engine(_TokenizedEngine):
         `attention[0]` is `[T, S]` over the source's pieces without the end
         piece CTranslate2 appends, so its argmax is `hard_alignment`'s.
         """
-        from keras_transformer.alignment import hard_alignment, word_alignment
+        from keras_transformer.documents.alignment import hard_alignment, word_alignment
 
         aligned = [[] for _ in texts]
         for i, source, output in zip(todo, pieces, outputs):

@@ -221,7 +221,7 @@ def split_sentences_option(payload, options, target_prefix):
 
 def format_option(payload, options, target_prefix, streamed):
     """The request's `format` ("text" or "html"; "text" when not given), checked against the other fields (400)."""
-    from keras_transformer.markup import FORMATS
+    from keras_transformer.documents.markup import FORMATS
 
     value = payload.get("format", "text")
     if value not in FORMATS:
@@ -237,7 +237,7 @@ def format_option(payload, options, target_prefix, streamed):
 
 def html_pages(texts):
     """`markup.Page` of each HTML text (its units to translate), or `RequestError` (400) in the parser's one line."""
-    from keras_transformer import markup
+    from keras_transformer.documents import markup
 
     try:
         return [markup.Page(text, f"text[{i}]") for i, text in enumerate(texts)]

@@ -37,7 +37,7 @@ from keras_transformer.convert.weights import (
     TOKENIZER_CONFIG, WeightWalk, check_all_used, config_field, load_family, port_layers, read_json,
     read_tokenizer_config, refusal, same_as, stack_arguments,
 )
-from keras_transformer.fsmt_tokenizer import (
+from keras_transformer.tokenizers.fsmt import (
     MERGES_FILE, SOURCE_VOCAB_FILE, TARGET_VOCAB_FILE, FsmtTokenizer, read_merges,
 )
 

@@ -32,7 +32,7 @@ from keras_transformer.convert.weights import (
     TOKENIZER_CONFIG, WeightWalk, check_all_used, config_field, load_family, port_layers, read_json,
     read_tokenizer_config, refusal, same_as, stack_arguments,
 )
-from keras_transformer.nllb_tokenizer import FAIRSEQ_OFFSET, FAIRSEQ_SPECIALS, SPM_FILE, NllbTokenizer
+from keras_transformer.tokenizers.nllb import FAIRSEQ_OFFSET, FAIRSEQ_SPECIALS, SPM_FILE, NllbTokenizer
 TOKENIZER_JSON = "tokenizer.json"
 NLLB_TOKENIZERS = ("NllbTokenizer", "NllbTokenizerFast")
 

@@ -34,7 +34,7 @@ from keras_transformer.convert.weights import (
     TOKENIZER_CONFIG, WeightWalk, check_all_used, config_field, load_family, port_layers, read_json,
     read_tokenizer_config, refusal, same_as, stack_arguments,
 )
-from keras_transformer.marian_tokenizer import SOURCE_SPM, TARGET_SPM, TARGET_VOCAB_FILE, VOCAB_FILE, MarianTokenizer
+from keras_transformer.tokenizers.marian import SOURCE_SPM, TARGET_SPM, TARGET_VOCAB_FILE, VOCAB_FILE, MarianTokenizer
 
 
 def convert_config(config, path="config.json"):

@@ -264,7 +264,7 @@ def _learn_bpe(counts, merges):
     Returns:
         list of (first, second, frequency), in rank order.
     """
-    from keras_transformer.fsmt_tokenizer import END_OF_WORD
+    from keras_transformer.tokenizers.fsmt import END_OF_WORD
 
     words = [(list(word[:-1]) + [word[-1] + END_OF_WORD], count) for word, count in counts.items()]
     learned = []
@@ -310,7 +310,7 @@ def build_fsmt_checkpoint(directory, merges=300, min_count=2, seed=0, max_senten
     import transformers
 
     from keras_transformer.datasets import load_bundled
-    from keras_transformer.fsmt_tokenizer import bpe_pieces
+    from keras_transformer.tokenizers.fsmt import bpe_pieces
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,7 @@ The decoding protocol (duck typing; nothing else of the model is used):
   the compiled loop used for Keras models (a scalar int32 tensor there).
 - optionally `alignment_attention(encoder_token_ids [B, S], decoder_token_ids
   [B, T]) -> float32 [B, T, S]`: the aligning layer's cross-attention,
-  averaged over its heads, teacher forced (`keras_transformer.alignment`;
+  averaged over its heads, teacher forced (`keras_transformer.documents.alignment`;
   `Translator.translate_hypotheses(return_alignment=True)` needs it), and
   `check_alignment()`, which refuses before a search where it cannot run;
 - optionally `run_search(encoder_token_ids, max_lengths, alpha, beam_size,

@@ -15,7 +15,7 @@ from keras_transformer import data as data_lib
 from keras_transformer import datasets
 from keras_transformer.model import TransformerModel
 from keras_transformer.presets import jsonable_config
-from keras_transformer.tokenizer import load_tokenizer, train_tokenizer
+from keras_transformer.tokenizers.sentencepiece import load_tokenizer, train_tokenizer
 from keras_transformer.training.config import TrainingConfig, _check_init_directory
 from keras_transformer.training.errors import BadArgumentError, OutputDirectoryError
 from keras_transformer.training.resume import RESUMABLE_CHANGES, RESUME_FILE, read_resume_point

@@ -1,9 +1,9 @@
 """Word alignments of a `Translator`'s hypotheses (`translate_hypotheses(return_alignment=True)`).
 
-The rule itself is `keras_transformer.alignment`'s; here it is applied to a batch of hypotheses.
+The rule itself is `keras_transformer.documents.alignment`'s; here it is applied to a batch of hypotheses.
 """
 
-from keras_transformer.alignment import hard_alignment, word_alignment
+from keras_transformer.documents.alignment import hard_alignment, word_alignment
 from keras_transformer.translation.batching import padded
 
 

@@ -33,7 +33,7 @@ class Hypothesis(NamedTuple):
             length penalty `length_penalty_factor(len(token_ids), alpha)`.
         alignment: None, or with `return_alignment=True` a list with, for
             each token of `token_ids` but the end id, the position of its
-            source token in the source's ids (`keras_transformer.alignment`).
+            source token in the source's ids (`keras_transformer.documents.alignment`).
         word_alignment: None, or with `return_alignment=True` a list of
             `alignment.WordAlignment(target, source)`, one per word of `text`:
             its `(start, end)` characters in `text` and those of the source
