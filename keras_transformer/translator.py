@@ -636,22 +636,6 @@ class Translator:
             return hypotheses
         return hypotheses[0].text if hypotheses else ""
 
-    def align(self, texts, hypotheses):
-        """`hypotheses` (one `Hypothesis` or None per text of `texts`) with `alignment` and `word_alignment` set.
-
-        What `translate_hypotheses(..., return_alignment=True)` gives, for
-        hypotheses searched elsewhere (the server's batches).
-        """
-        check_alignment(self.model, True)
-        rows = [i for i, hypothesis in enumerate(hypotheses) if hypothesis is not None]
-        aligned = list(hypotheses)
-        if rows:
-            sources = self.encode([texts[i] for i in rows])
-            for i, found in zip(rows, self._aligned([[hypotheses[i]] for i in rows], [texts[i] for i in rows],
-                                                    sources)):
-                aligned[i] = found[0]
-        return aligned
-
     @functools.cached_property
     def _target_pieces(self):
         """The tokenizer's piece of each target id (`pieces()`), read once."""

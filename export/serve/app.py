@@ -48,6 +48,14 @@ def warm_up_engine(engine):
     return engine.with_languages(codes[0], codes[min(1, len(codes) - 1)])
 
 
+def html_answer(pages, results, split=None):
+    """The HTML of `pages` from their units' aligned hypotheses (`results`; with `split`, the units' sentences')."""
+    from keras_transformer.documents import markup
+
+    best = [found[0] if found else None for found in results]
+    return markup.render_pages(pages, best if split is None else markup.joined(split, best))
+
+
 class Service:
     """What the app serves: the engine, its worker thread, the batcher, the metrics, and the server's state.
 
@@ -215,9 +223,9 @@ class Service:
             )
             engine = bound_engine(self.engine, asked.languages)  # the pair's tokenizer counts, splits, checks prefixes
             pages = html_pages(asked.texts) if asked.format == "html" else None  # the blocks' text is translated
-            if pages is not None:  # hypotheses, to align
+            if pages is not None:  # the units' best hypotheses with their word alignments, aligned in the search
                 asked = dataclasses.replace(asked, texts=[unit for page in pages for unit in page.units],
-                                            options=dataclasses.replace(asked.options, num_hypotheses=1))
+                                            return_alignment=True)
             split = self._split(asked.texts, asked.split_sentences, engine)
             texts = asked.texts if split is None else split.units  # the sentences are what the batcher and engine see
             info["sentences"] = len(texts)
@@ -226,7 +234,8 @@ class Service:
                 try:  # an export without the fused step, or a server without the onnx package
                     engine.check_alignment()
                 except ValueError as error:
-                    raise RequestError(400, str(error), "not_supported") from None
+                    prefix = 'format "html": ' if pages is not None else ""
+                    raise RequestError(400, f"{prefix}{error}", "not_supported") from None
             try:
                 job = self.batcher.submit(texts, tokens, asked.options, asked.target_prefix, info.get("request_id"),
                                           asked.stream, asked.languages if engine is not self.engine else None,
@@ -244,8 +253,7 @@ class Service:
             results = await self._answer(job, request, deadline, expired)
             self.metrics.sentences.inc(len(texts))
             if pages is not None:
-                return JSONResponse({"translations": await self._html(pages, texts, results, split, engine,
-                                                                      deadline, expired)})
+                return JSONResponse({"translations": html_answer(pages, results, split)})
             return JSONResponse(answer_document(results if split is None else split.join(results), asked.options,
                                                 asked.return_alignment))
         except RequestError as error:
@@ -265,24 +273,6 @@ class Service:
                 if job is not None and not job.future.done():
                     self.batcher.cancel(job)
                 self.metrics.latency.observe(self._loop.time() - start)
-
-    async def _html(self, pages, texts, results, split, engine, deadline, expired=None):
-        """The HTML of `pages` from the hypotheses of `texts` (their units, or with `split` the units' sentences).
-
-        The alignment decodes each hypothesis once more, in the searches' thread (between two searches), within the
-        request's `deadline` (`expired`, or `request_timeout`'s 504, after it).
-        """
-        from keras_transformer.documents import markup
-
-        work = self._loop.run_in_executor(self._executor, engine.align, texts, [
-            found[0] if found else None for found in results])
-        try:
-            aligned = await asyncio.wait_for(work, max(deadline - self._loop.time(), 0))
-        except asyncio.TimeoutError:
-            raise expired or self.timed_out() from None
-        except ValueError as error:  # an export without the fused decoder step gives no alignments
-            raise RequestError(400, f'format "html": {error}', "bad_request") from None
-        return markup.render_pages(pages, aligned if split is None else markup.joined(split, aligned))
 
     async def _answer(self, job, request, deadline, expired=None, first=False):
         """The job's translations; `RequestError` when the client leaves, the time runs out or the search fails.

@@ -11,8 +11,7 @@ serves more of a request's fields lists them in `features` (of
 takes `target_prefix=` (one str or None per text; passed only when a text
 of the batch has one) and, with `options.num_hypotheses`, returns per text
 a list of hypotheses (`text`, `score`, `log_prob`), best first. For
-"format" it has `align(texts, hypotheses)` (`Translator.align`). For
-"alignment" it has `check_alignment()` (raises a one-line `ValueError`
+"alignment" (and "format", whose units are searched with alignments) it has `check_alignment()` (raises a one-line `ValueError`
 where it cannot align) and its `translate` takes `return_alignment=True`:
 it then returns per text a list of hypotheses with their `word_alignment`
 (`Translator.translate_hypotheses`'), even without `num_hypotheses`. An engine
@@ -115,10 +114,6 @@ class OnnxRuntimeEngine(_TokenizedEngine):
             texts, options=dataclasses.replace(options, num_hypotheses=options.count), return_alignment=return_alignment,
             **batch,
         )
-
-    def align(self, texts, hypotheses):
-        """`Translator.align`: each hypothesis (or None) of `texts` with its word alignment ("format": "html")."""
-        return self.translator.align(texts, hypotheses)
 
 
 class CTranslate2Engine(_TokenizedEngine):
