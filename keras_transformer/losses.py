@@ -229,21 +229,42 @@ def _add_at_gold(values, labels, amounts):
     return tf.tensor_scatter_nd_add(values, tf.stack([rows, labels], -1), amounts)
 
 
-def _first_argmax(z, peak):
-    """`argmax(z, axis=-1)` as int32 (the first of equal maxima), given `peak = max(z, axis=-1, keepdims=True)`.
+def vocabulary_argmax(z, peak=None):
+    """`argmax(z, axis=-1)` as int32 (the first of equal maxima): the predicted ids of logits `[..., V]`.
 
-    On JAX, the largest of `-j` over the columns j where `z` equals its row's
-    maximum: an elementwise pass and a max-reduction. XLA's CPU backend
-    compiles `argmax` (a reduction over value-index pairs) to a scalar loop:
-    on a `[1944, 8001]` chunk of the `small` fine-tuning step it took 85 ms
-    against 16 ms this way (2-core CPU, 2026-12-06), 4% of the step. A row
-    with a NaN (whose maximum is NaN) gives the last id rather than the
-    NaN's; its loss is NaN either way.
+    The one home of the accuracy metric's and the fused loss's argmax, each
+    written for its backend because the generic `keras.ops.argmax` is slow
+    on the two compiled ones at a vocabulary's width:
+
+    - TensorFlow: `tf.argmax` itself. Keras' `ops.argmax` first rewrites
+      every -0.0 to the smallest negative float (a fix for a flush-to-zero
+      quirk of JAX's, jax-ml/jax#24280): five more passes over `[B, T, V]`
+      (`Equal`, the sign bit, `LogicalAnd`, `SelectV2`). In the Quick
+      start's bfloat16 step on a 2-core CPU (2026-12-07) they took 104 ms of
+      op time per step, with the `ArgMax` itself 37 ms: 9% of the step's
+      ops. A logit of exactly -0.0 tying a row's maximum of 0.0 is the only
+      case where the two differ, and no accuracy depends on it.
+    - JAX: the largest of `-j` over the columns j where `z` equals its
+      row's maximum (`peak = max(z, axis=-1, keepdims=True)`, computed here
+      when not given): an elementwise pass and a max-reduction. XLA's CPU
+      backend compiles `argmax` (a reduction over value-index pairs) to a
+      scalar loop: on a `[1944, 8001]` chunk of the `small` fine-tuning step
+      it took 85 ms against 16 ms this way (2-core CPU, 2026-12-06). A row
+      with a NaN (whose maximum is NaN) gives the last id rather than the
+      NaN's; its loss is NaN either way.
+    - PyTorch: `torch.argmax` (Keras' `ops.argmax`).
     """
-    if keras.backend.backend() != "jax":
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.argmax(z, axis=-1, output_type="int32")
+    if backend != "jax":
         return ops.cast(ops.argmax(z, axis=-1), "int32")
     import jax.numpy as jnp
 
+    if peak is None:
+        peak = jnp.max(z, axis=-1, keepdims=True)
     vocabulary_size = z.shape[-1]
     negated_ids = -jnp.arange(vocabulary_size, dtype="float32")  # exact below 2**24 ids
     first = -jnp.max(jnp.where(z == peak, negated_ids, -float(vocabulary_size)), axis=-1)
@@ -283,7 +304,7 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
         losses = log_normalizer - (1.0 - eps) * gold
         if eps > 0.0:
             losses = losses - eps * ops.mean(z, axis=-1)
-        predictions = _first_argmax(z, peak)
+        predictions = vocabulary_argmax(z, peak)
         correct = ops.sum(mc * ops.cast(ops.equal(predictions, yc), "float32"))
         dz = (ops.exp(z - ops.expand_dims(log_normalizer, -1)) - eps / vocabulary_size) * ops.expand_dims(wc, -1)
         dz = _add_at_gold(dz, yc, -(1.0 - eps) * wc)  # [C, V]

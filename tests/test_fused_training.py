@@ -139,3 +139,16 @@ def test_mixed_bfloat16_steps_agree():
     _, plain_logs = _train(False, batches, dtype="mixed_bfloat16")
     for a, b in zip(fused_logs, plain_logs):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=2e-2)
+
+
+@pytest.mark.parametrize("logits_bias", [False, True])
+def test_mixed_bfloat16_logits(logits_bias):
+    """Mixed precision: float32 logits from the bfloat16 product, within its rounding of the float32 model's."""
+    x, _ = _batches(count=1)[0]
+    exact = tiny_model(logits_bias=logits_bias)
+    mixed = tiny_model(logits_bias=logits_bias, dtype="mixed_bfloat16")
+    mixed(x)
+    mixed.set_weights(exact.get_weights())
+    expected, logits = to_numpy(exact(x)), mixed(x)
+    assert keras.backend.standardize_dtype(logits.dtype) == "float32"
+    np.testing.assert_allclose(to_numpy(logits), expected, atol=0.05 * np.abs(expected).max())

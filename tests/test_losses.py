@@ -373,3 +373,18 @@ def test_fused_output_losses_without_the_embedding_gradient():
     np.testing.assert_allclose(frozen_value, value, rtol=1e-6)
     np.testing.assert_allclose(frozen_dh, dh, rtol=1e-6)
     assert not np.any(frozen_dw) and np.any(dw)
+
+
+def test_vocabulary_argmax_is_numpy_s_argmax():
+    """The first of equal maxima, -0.0 tying 0.0 included (Keras' `ops.argmax` on TensorFlow picks the 0.0)."""
+    from keras_transformer.losses import vocabulary_argmax
+
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(2, 5, 11)).astype("float32")
+    z[0, 1, [3, 6, 9]] = 5.0  # tied maxima: the first, 3
+    z[1, 2] = -1.0
+    z[1, 2, 4], z[1, 2, 7] = -0.0, 0.0  # numpy: -0.0 == 0.0, so the first, 4
+    predictions = _value(vocabulary_argmax(z))
+    assert predictions.dtype == np.int32
+    np.testing.assert_array_equal(predictions, z.argmax(-1))
+    assert predictions[0, 1] == 3 and predictions[1, 2] == 4

@@ -21,7 +21,7 @@ import logging
 import keras
 import numpy as np
 
-from keras_transformer.losses import LabelSmoothedCrossEntropy
+from keras_transformer.losses import LabelSmoothedCrossEntropy, vocabulary_argmax
 from keras_transformer.optimizers import InPlaceAdam
 from keras_transformer.schedules import WarmupSchedule
 
@@ -134,7 +134,7 @@ def masked_accuracy(y_true, y_pred):
     """
     ops = keras.ops
     mask = ops.cast(ops.not_equal(y_true, 0), "float32")
-    predicted = y_pred if len(y_pred.shape) == len(y_true.shape) else ops.argmax(y_pred, axis=-1)
+    predicted = y_pred if len(y_pred.shape) == len(y_true.shape) else vocabulary_argmax(y_pred)
     correct = ops.cast(ops.equal(ops.cast(predicted, y_true.dtype), y_true), "float32")
     return ops.sum(correct * mask) / ops.maximum(ops.sum(mask), 1.0)
 
