@@ -36,8 +36,9 @@ def native_bfloat16():
 
     The accelerator Keras' backend trains on (a CUDA GPU of compute
     capability 8.0 or later, a TPU), else the CPU's own instructions
-    (`avx512_bf16` or `amx_bf16` in Linux's /proc/cpuinfo). Elsewhere
-    bfloat16 is emulated and slower than float32.
+    (`avx512_bf16` or `amx_bf16` in Linux's /proc/cpuinfo) on TensorFlow
+    and PyTorch (oneDNN). Elsewhere, JAX's CPU backend included, bfloat16
+    is emulated or no faster than float32.
     """
     backend = keras.backend.backend()
     if backend == "torch":
@@ -54,6 +55,10 @@ def native_bfloat16():
         if device.platform == "gpu":
             capability = getattr(device, "compute_capability", "0.0")
             return float(capability) >= 8.0, f"GPU compute capability {capability}"
+        # XLA's CPU backend does not run bfloat16 products on the CPU's bfloat16 units: on a 2-core CPU with
+        # AMX (2026-12-07) a 2048^3 bfloat16 matmul ran at 0.85x float32's rate (TensorFlow 4x, PyTorch 6x), and
+        # `benchmarks.finetune`'s bfloat16 step was 0.84-1.01x the float32 one.
+        return False, "JAX's CPU backend (XLA) multiplies bfloat16 no faster than float32"
     elif backend == "tensorflow":
         import tensorflow as tf
 
