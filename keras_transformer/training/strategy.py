@@ -56,8 +56,8 @@ def native_bfloat16():
             capability = getattr(device, "compute_capability", "0.0")
             return float(capability) >= 8.0, f"GPU compute capability {capability}"
         # XLA's CPU backend does not run bfloat16 products on the CPU's bfloat16 units: on a 2-core CPU with
-        # AMX (2026-12-07) a 2048^3 bfloat16 matmul ran at 0.85x float32's rate (TensorFlow 4x, PyTorch 6x), and
-        # `benchmarks.finetune`'s bfloat16 step was 0.84-1.01x the float32 one.
+        # AMX (2026-12-07, beside a test run) a 2048^3 bfloat16 matmul ran at 0.85x float32's rate (TensorFlow 4x
+        # and PyTorch 6x on a quiet machine), and `benchmarks.finetune`'s bfloat16 step 0.84-1.01x the float32 one.
         return False, "JAX's CPU backend (XLA) multiplies bfloat16 no faster than float32"
     elif backend == "tensorflow":
         import tensorflow as tf
