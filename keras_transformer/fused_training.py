@@ -23,7 +23,8 @@ soft-capped embedding, under a `keras.distribution` (the chunks would cut
 across its sharded batch), or when `model.fuse_output_loss` is False. Its
 default, "auto", fuses on PyTorch and JAX, where the fused step was faster
 and 0.7-1.0 GB smaller at the OPUS-MT base shape; not on TensorFlow, where it
-was 3-7% slower for 0.4 GB less. `True` fuses on every backend.
+was 3-7% slower for 0.4 GB less (and on a CPU with AMX, 1.5-2% slower for
+0.7 GB more). `True` fuses on every backend.
 """
 
 import contextlib
@@ -71,7 +72,8 @@ def why_not_fused(model):
     if fuse == "auto" and keras.backend.backend() == "tensorflow":
         # Measured on the 2-core CPU (benchmarks.finetune, 2026-12-06): the chunk loop made TensorFlow's step
         # 3-7% slower (base and small, 2,000 and 8,000 tokens) for 0.4 GB less at base 2,000; JAX and PyTorch
-        # were faster fused, and 0.7-1.0 GB smaller.
+        # were faster fused, and 0.7-1.0 GB smaller. Re-measured on a CPU with AMX (2026-12-07, base 2,000,
+        # float32, two interleaved pairs): 1.5-2% slower and 0.7 GB more (peak 5,250 against 4,500-4,550 MB).
         return "fuse_output_loss is 'auto', which fuses on PyTorch and JAX, not TensorFlow (True fuses here)"
     if not isinstance(getattr(model, "loss", None), LabelSmoothedCrossEntropy):
         return "the compiled loss is not LabelSmoothedCrossEntropy"
