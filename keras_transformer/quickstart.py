@@ -31,7 +31,7 @@ intervals) in batches of about 4,096 tokens a side, 400 warmup steps, half the p
 rate (a small model on small data), a checkpoint every 100 steps and the average of the last 3
 as the final weights, in bfloat16 where the CPU or GPU computes it natively (`"auto"`; float32
 elsewhere: the same BLEU per update, benchmarks/README.md). On a 2-core CPU with AMX that is
-25 minutes of training for about 27.8 test BLEU (40 minutes in float32;
+20-25 minutes of training for about 27.8 test BLEU (40 minutes in float32;
 benchmarks/README.md, "Quick start: BLEU against training time"); `"epochs": 18`
 (`EPOCHS=18 bash scripts/quickstart.sh`) is the longer setting that scored 33.1."""
 
