@@ -156,7 +156,12 @@ def make_dataset(
             target_flat[target_offsets[i]:target_offsets[i + 1]],
         )
 
-    dataset = tf.data.Dataset.range(len(source_ids)).with_options(_pipeline_options())
+    # No model-based autotuning: its thread sleeps on a timer that doubles up to 60 s, and an iterator's
+    # destructor waits for it (TF 2.21), so `model.fit` sat idle after its last step. The maps keep
+    # AUTOTUNE (then the number of cores); this pipeline only slices and pads ids.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    dataset = tf.data.Dataset.range(len(source_ids)).with_options(options)
     if shuffle:
         dataset = dataset.shuffle(len(source_ids), seed=seed, reshuffle_each_iteration=True)
     if repeat:
@@ -181,24 +186,6 @@ def make_dataset(
         # show progress and end validation without an "ran out of data" warning.
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(count_batches(dataset)))
     return dataset.prefetch(tf.data.AUTOTUNE)
-
-
-def _pipeline_options():
-    """tf.data options of every pipeline here: no model-based autotuning.
-
-    The autotuner's thread wakes up on a timer whose period doubles up to 60 s,
-    and an iterator's destructor waits for it (TF 2.21): the end of a
-    Quick start's `model.fit` waited 38-56 s after its last step (a validation
-    pass's iterator can wait too, for at most about its own length; not measured). This pipeline slices ids from two
-    tensors and pads them: the parallel maps keep `AUTOTUNE` (without the
-    autotuner, the number of cores) and the prefetch its own buffer rule.
-    Measured: 1,600 batches of the Quick start's shape in the same time either way.
-    """
-    import tensorflow as tf
-
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return options
 
 
 def count_batches(dataset):

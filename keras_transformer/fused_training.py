@@ -70,10 +70,7 @@ def why_not_fused(model):
     if fuse is False:
         return "fuse_output_loss is False"
     if fuse == "auto" and keras.backend.backend() == "tensorflow":
-        # Measured on the 2-core CPU (benchmarks.finetune, 2026-12-06): the chunk loop made TensorFlow's step
-        # 3-7% slower (base and small, 2,000 and 8,000 tokens) for 0.4 GB less at base 2,000; JAX and PyTorch
-        # were faster fused, and 0.7-1.0 GB smaller. Re-measured on a CPU with AMX (2026-12-07, base 2,000,
-        # float32, two interleaved pairs): 1.5-2% slower and 0.7 GB more (peak 5,250 against 4,500-4,550 MB).
+        # The chunk loop made TensorFlow's step slower (the module docstring; benchmarks/README.md has the runs).
         return "fuse_output_loss is 'auto', which fuses on PyTorch and JAX, not TensorFlow (True fuses here)"
     if not isinstance(getattr(model, "loss", None), LabelSmoothedCrossEntropy):
         return "the compiled loss is not LabelSmoothedCrossEntropy"
