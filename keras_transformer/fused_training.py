@@ -23,8 +23,8 @@ soft-capped embedding, under a `keras.distribution` (the chunks would cut
 across its sharded batch), or when `model.fuse_output_loss` is False. Its
 default, "auto", fuses on PyTorch and JAX, where the fused step was faster
 and 0.7-1.0 GB smaller at the OPUS-MT base shape; not on TensorFlow, where it
-was 3-7% slower for 0.4 GB less (and on a CPU with AMX, 1.5-2% slower for
-0.7 GB more). `True` fuses on every backend.
+was 3-7% slower for 0.4 GB less (2026-12-06), and on a CPU with AMX 1.5-2%
+slower for 0.7 GB more (2026-12-07). `True` fuses on every backend.
 """
 
 import contextlib
