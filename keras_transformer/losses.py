@@ -8,6 +8,8 @@ import functools
 import keras
 from keras import ops
 
+from keras_transformer.layers import products
+
 _REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight", "sum", "none", None)
 
 
@@ -289,13 +291,16 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
     weights = ops.pad(ops.cast(weights, "float32"), [[0, padding]])
     mask = ops.pad(ops.cast(mask, "float32"), [[0, padding]])
 
+    # JAX on a CPU with AMX, bfloat16: the products in the forms `products` runs on the matrix unit.
+    amx = products.on_amx_path(hidden, embeddings)
+
     def chunk_terms(h, w, b, start):
         """One chunk: loss sum, correct count, predictions, and its gradients' terms."""
         hc = ops.slice(h, [start, 0], [chunk_rows, width])  # [C, D]
         yc = ops.slice(labels, [start], [chunk_rows])
         wc = ops.slice(weights, [start], [chunk_rows])
         mc = ops.slice(mask, [start], [chunk_rows])
-        z = ops.cast(ops.matmul(hc, ops.transpose(w)), "float32")  # [C, V]
+        z = products.nt(hc, w, "float32")  # [C, V]
         if b is not None:
             z = z + b
         peak = ops.max(z, axis=-1, keepdims=True)  # [C, 1]
@@ -309,8 +314,10 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
         dz = (ops.exp(z - ops.expand_dims(log_normalizer, -1)) - eps / vocabulary_size) * ops.expand_dims(wc, -1)
         dz = _add_at_gold(dz, yc, -(1.0 - eps) * wc)  # [C, V]
         dz_compute = ops.cast(dz, h.dtype)
-        dw = ops.cast(ops.matmul(ops.transpose(dz_compute), hc), "float32") if embedding_gradient else 0.0
-        return (ops.sum(wc * losses), correct, predictions, ops.matmul(dz_compute, w), dw,
+        dw = 0.0
+        if embedding_gradient:  # [D, V] where the products run on AMX (`products.tn`), [V, D] elsewhere
+            dw = products.tn(hc, dz_compute, "float32") if amx else products.tn(dz_compute, hc, "float32")
+        return (ops.sum(wc * losses), correct, predictions, products.nn(dz_compute, w, h.dtype), dw,
                 ops.sum(dz, axis=0) if b is not None else 0.0)
 
     def forward(h, w, b):
@@ -327,11 +334,14 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
         initial = (
             ops.convert_to_tensor(0, "int32"), ops.zeros((), "float32"), ops.zeros((), "float32"),
             ops.zeros((chunks * chunk_rows,), "int32"), ops.zeros_like(h),
-            ops.zeros((vocabulary_size, width) if embedding_gradient else (), "float32"),
+            ops.zeros(((width, vocabulary_size) if amx else (vocabulary_size, width)) if embedding_gradient else (),
+                      "float32"),
             ops.zeros((vocabulary_size,) if b is not None else (), "float32"),
         )
         outputs = ops.while_loop(lambda i, *_: i < chunks, body, initial)
         _, loss_sum, correct, predictions, dh, dw, db = outputs
+        if amx and embedding_gradient:
+            dw = ops.transpose(dw)
         return loss_sum, correct, predictions[:count], dh[:count], dw, db
 
     def embedding_grad(dw, upstream, w):

@@ -13,6 +13,15 @@ import tempfile
 import uuid
 
 
+def cpu_flags():
+    """The CPU's feature flags from Linux's /proc/cpuinfo (`amx_bf16`, `avx512_bf16`, ...); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
 def is_integer(value):
     """True for Python and NumPy integers, False for bools (JSON `true` is not a layer count)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

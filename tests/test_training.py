@@ -13,6 +13,7 @@ import pytest
 import keras_transformer as kt
 from conftest import BACKEND, tiny_model, to_numpy
 from keras_transformer import data, training
+from keras_transformer.utils import cpu_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -451,7 +452,8 @@ def test_auto_mixed_precision_is_bfloat16_exactly_where_the_machine_computes_it_
     assert training.resolve_mixed_precision(None) is None
     assert training.resolve_mixed_precision("mixed_float16") == "mixed_float16"
     if why.startswith("JAX's CPU"):
-        assert not native  # XLA's CPU backend, whatever the CPU's flags: float32
+        # XLA's CPU backend: bfloat16 where `layers.products` runs its products on AMX.
+        assert native is ("amx_bf16" in cpu_flags())
         return
     if not why.startswith("CPU"):
         pytest.skip(f"an accelerator decides here ({why})")

@@ -2,6 +2,8 @@
 
 import keras
 
+from keras_transformer.layers import products
+
 
 def product_with_bias(inputs, kernel, bias):
     """`inputs @ kernel + bias` as one PyTorch product (`torch.nn.functional.linear`, i.e. `addmm`).
@@ -35,9 +37,12 @@ class Dense(keras.layers.Dense):
     """
 
     def call(self, inputs, training=None):
-        if keras.backend.backend() != "torch" or self.bias is None:
+        if products.on_amx_path(inputs):
+            x = products.matmul(inputs, self.kernel, self.bias)  # the kernel is LoRA's sum when enabled
+        elif keras.backend.backend() != "torch" or self.bias is None:
             return super().call(inputs, training=training)
-        x = product_with_bias(inputs, self.kernel, self.bias)  # the kernel is LoRA's sum when enabled
+        else:
+            x = product_with_bias(inputs, self.kernel, self.bias)  # the kernel is LoRA's sum when enabled
         if self.activation is not None:
             x = self.activation(x)
         return x

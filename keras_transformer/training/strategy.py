@@ -21,9 +21,11 @@ import logging
 import keras
 import numpy as np
 
+from keras_transformer.layers.products import jax_cpu_with_amx
 from keras_transformer.losses import LabelSmoothedCrossEntropy, vocabulary_argmax
 from keras_transformer.optimizers import InPlaceAdam
 from keras_transformer.schedules import WarmupSchedule
+from keras_transformer.utils import cpu_flags
 
 logger = logging.getLogger("keras_transformer.training")  # one logger for the whole package
 
@@ -37,8 +39,9 @@ def native_bfloat16():
     The accelerator Keras' backend trains on (a CUDA GPU of compute
     capability 8.0 or later, a TPU), else the CPU's own instructions
     (`avx512_bf16` or `amx_bf16` in Linux's /proc/cpuinfo) on TensorFlow
-    and PyTorch (oneDNN). Elsewhere, JAX's CPU backend included, bfloat16
-    is emulated or no faster than float32.
+    and PyTorch (oneDNN), and `amx_bf16` on JAX's CPU backend (XLA, through
+    `layers.products`). Elsewhere bfloat16 is emulated or no faster than
+    float32.
     """
     backend = keras.backend.backend()
     if backend == "torch":
@@ -55,10 +58,11 @@ def native_bfloat16():
         if device.platform == "gpu":
             capability = getattr(device, "compute_capability", "0.0")
             return float(capability) >= 8.0, f"GPU compute capability {capability}"
-        # XLA's CPU backend does not run bfloat16 products on the CPU's bfloat16 units: on a 2-core CPU with
-        # AMX (2026-12-07, beside a test run) a 2048^3 bfloat16 matmul ran at 0.85x float32's rate (TensorFlow 4x
-        # and PyTorch 6x on a quiet machine), and `benchmarks.finetune`'s bfloat16 step 0.84-1.01x the float32 one.
-        return False, "JAX's CPU backend (XLA) multiplies bfloat16 no faster than float32"
+        if jax_cpu_with_amx():
+            return True, "JAX's CPU backend on a CPU with amx_bf16 (the products of keras_transformer.layers.products)"
+        # Without AMX, XLA's CPU backend multiplies bfloat16 no faster than float32 (Keras' own bfloat16 products
+        # ran at 0.85x float32's rate even with AMX: `layers.products` says why).
+        return False, "JAX's CPU backend without amx_bf16 multiplies bfloat16 no faster than float32"
     elif backend == "tensorflow":
         import tensorflow as tf
 
@@ -66,11 +70,7 @@ def native_bfloat16():
         if gpus:
             capability = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability", (0, 0))
             return tuple(capability) >= (8, 0), f"GPU compute capability {capability}"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        flags = []
+    flags = cpu_flags()
     found = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
     return bool(found), f"CPU with {found[0]}" if found else "CPU without avx512_bf16 or amx_bf16"
 
