@@ -291,8 +291,9 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
     weights = ops.pad(ops.cast(weights, "float32"), [[0, padding]])
     mask = ops.pad(ops.cast(mask, "float32"), [[0, padding]])
 
-    # JAX on a CPU with AMX, bfloat16: the products in the forms `products` runs on the matrix unit.
-    amx = products.on_amx_path(hidden, embeddings)
+    # JAX's CPU backend: the products in `layers.products`' fast forms, the embedding's gradient summed as
+    # [D, V] (the narrower operand transposed) and transposed once after the loop.
+    fast = products.in_fast_forms(hidden, embeddings)
 
     def chunk_terms(h, w, b, start):
         """One chunk: loss sum, correct count, predictions, and its gradients' terms."""
@@ -315,8 +316,8 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
         dz = _add_at_gold(dz, yc, -(1.0 - eps) * wc)  # [C, V]
         dz_compute = ops.cast(dz, h.dtype)
         dw = 0.0
-        if embedding_gradient:  # [D, V] where the products run on AMX (`products.tn`), [V, D] elsewhere
-            dw = products.tn(hc, dz_compute, "float32") if amx else products.tn(dz_compute, hc, "float32")
+        if embedding_gradient:
+            dw = products.tn(hc, dz_compute, "float32") if fast else products.tn(dz_compute, hc, "float32")
         return (ops.sum(wc * losses), correct, predictions, products.nn(dz_compute, w, h.dtype), dw,
                 ops.sum(dz, axis=0) if b is not None else 0.0)
 
@@ -334,13 +335,13 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
         initial = (
             ops.convert_to_tensor(0, "int32"), ops.zeros((), "float32"), ops.zeros((), "float32"),
             ops.zeros((chunks * chunk_rows,), "int32"), ops.zeros_like(h),
-            ops.zeros(((width, vocabulary_size) if amx else (vocabulary_size, width)) if embedding_gradient else (),
+            ops.zeros(((width, vocabulary_size) if fast else (vocabulary_size, width)) if embedding_gradient else (),
                       "float32"),
             ops.zeros((vocabulary_size,) if b is not None else (), "float32"),
         )
         outputs = ops.while_loop(lambda i, *_: i < chunks, body, initial)
         _, loss_sum, correct, predictions, dh, dw, db = outputs
-        if amx and embedding_gradient:
+        if fast and embedding_gradient:
             dw = ops.transpose(dw)
         return loss_sum, correct, predictions[:count], dh[:count], dw, db
 

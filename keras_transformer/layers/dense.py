@@ -26,18 +26,20 @@ def product_with_bias(inputs, kernel, bias):
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class Dense(keras.layers.Dense):
-    """`keras.layers.Dense`, with the bias added inside the product on PyTorch.
+    """`keras.layers.Dense`, with the bias added inside the product on PyTorch, its gradient written out on JAX.
 
     Keras' Dense computes `x @ kernel` and then `+ bias`: two passes over the
     `[B, T, units]` output and, in training, two nodes of the backward
     graph. On PyTorch this layer calls `torch.nn.functional.linear` instead,
     one fused product (`addmm`), as `torch.nn.Linear` and Hugging Face's
-    models do. The weights, their names and every other path (TensorFlow,
-    JAX, quantized kernels, LoRA's merged `kernel`) are Keras'.
+    models do. On JAX's CPU backend the product and its gradient take the
+    forms of `layers.products` (float32, and bfloat16 on a CPU with AMX).
+    The weights, their names and every other path (TensorFlow, JAX on a GPU,
+    quantized kernels, LoRA's merged `kernel`) are Keras'.
     """
 
     def call(self, inputs, training=None):
-        if products.on_amx_path(inputs):
+        if products.in_fast_forms(inputs):
             x = products.matmul(inputs, self.kernel, self.bias)  # the kernel is LoRA's sum when enabled
         elif keras.backend.backend() != "torch" or self.bias is None:
             return super().call(inputs, training=training)

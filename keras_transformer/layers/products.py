@@ -1,20 +1,34 @@
-"""Matrix products of bfloat16 operands that XLA's CPU backend runs on AMX (JAX).
+"""The projections' products and gradients in the forms XLA's CPU backend runs fastest (JAX).
 
-On a CPU with AMX, XLA's CPU backend (JAX 0.10) runs a bfloat16 product on
-the matrix unit only when the product accumulates to float32
-(`preferred_element_type=float32`) and its left operand is not transposed.
-Keras' `ops.matmul` of two bfloat16 tensors asks for a bfloat16 result, and
-XLA then converts both operands to float32 and multiplies in float32; the
-gradient of a product (`x^T g`) transposes its left operand. Measured on a
-2-core CPU with AMX (2026-12-07), 2048^3: 217 GFLOP/s as Keras asks, 1,310
-GFLOP/s accumulated to float32; `[256, 2000] x [2000, 1024]` with the left
-operand transposed, 180-206 GFLOP/s however the transpose is written (XLA
-folds it back into the product), 535-749 GFLOP/s with the transpose made
-by `rows_first` below.
+Keras' `x @ kernel + bias` on JAX's CPU backend (JAX 0.10) leaves three
+costs in a training step that the same arithmetic written otherwise avoids:
 
-`matmul` is Keras' `ops.matmul(x, kernel)` with a gradient whose three
-products take those forms. Everywhere else (float32, TensorFlow, PyTorch,
-JAX on GPU) the functions here are Keras' ops.
+- **bfloat16 products off AMX.** On a CPU with AMX, XLA runs a bfloat16
+  product on the matrix unit only when it accumulates to float32
+  (`preferred_element_type=float32`) and its left operand is not
+  transposed. Keras asks for a bfloat16 result, and XLA then converts both
+  operands to float32 and multiplies in float32. 2048^3 on a 2-core CPU
+  with AMX (2026-12-07): 217 GFLOP/s as Keras asks, 1,310 accumulated to
+  float32.
+- **The weight's gradient `x^T g`** transposes its left operand. XLA folds
+  any transpose written before the product back into it (its dimension
+  numbers or a column-major layout), and then multiplies bfloat16 in
+  float32 and float32 off its fast path: `[256, 2000] x [2000, 1024]` in
+  bfloat16, 180-206 GFLOP/s however the transpose is written, 535-749 with
+  the transpose made by `rows_first` below.
+- **The bias's gradient** sums `[B, T, N]` over two axes, which XLA does by
+  a tree of 32 x 32 windows (`reduce-window`): 11 ms for `[54, 36, 1024]`
+  against 0.3 ms for the same sum over the rows of `[1944, 1024]`.
+
+`matmul(x, kernel, bias)` is Keras' product with a gradient written out in
+the fast forms (`nn`, `nt`, `tn`, `column_sums`). The `small` shape's
+training step at 2,000 tokens (`benchmarks.finetune`, 2026-12-07) took
+0.58 s against 0.65 s in float32, and 0.33 s against 0.67 s in bfloat16.
+The forms are taken on JAX's CPU backend for float32 operands, and for
+bfloat16 ones on a CPU with `amx_bf16` only: elsewhere XLA's CPU backend may
+refuse a bfloat16 product that accumulates to float32 (`DotThunk`:
+`BF16 x BF16 = F32` is unimplemented). Everywhere else (TensorFlow,
+PyTorch, JAX on a GPU) the functions here are Keras' ops.
 """
 
 import functools
@@ -26,24 +40,27 @@ from keras_transformer.utils import cpu_flags
 
 
 @functools.cache
-def jax_cpu_with_amx():
-    """Whether Keras runs on JAX's CPU backend, on a CPU with AMX's bfloat16 products (`amx_bf16`)."""
-    if keras.backend.backend() != "jax" or "amx_bf16" not in cpu_flags():
+def jax_cpu():
+    """Whether Keras runs on JAX's CPU backend."""
+    if keras.backend.backend() != "jax":
         return False
     import jax
 
     return jax.default_backend() == "cpu"
 
 
-def on_amx_path(*tensors):
-    """Whether the products of these tensors take the forms here: `jax_cpu_with_amx()`, bfloat16 operands.
+@functools.cache
+def jax_cpu_with_amx():
+    """Whether Keras runs on JAX's CPU backend, on a CPU with AMX's bfloat16 products (`amx_bf16`)."""
+    return jax_cpu() and "amx_bf16" in cpu_flags()
 
-    Only there: elsewhere XLA's CPU backend may not take a bfloat16 product
-    that accumulates to float32 (`DotThunk` refuses `BF16 x BF16 = F32`).
-    """
-    if not all(keras.backend.standardize_dtype(t.dtype) == "bfloat16" for t in tensors):
-        return False
-    return jax_cpu_with_amx()
+
+def in_fast_forms(*tensors):
+    """Whether products of these tensors take the forms here: float32 on `jax_cpu()`, bfloat16 with AMX."""
+    dtypes = {keras.backend.standardize_dtype(t.dtype) for t in tensors}
+    if dtypes == {"float32"}:
+        return jax_cpu()
+    return dtypes == {"bfloat16"} and jax_cpu_with_amx()
 
 
 def _product(a, b, a_axis, b_axis):
@@ -69,14 +86,14 @@ def rows_first(a):
 
 def nn(a, b, dtype):
     """`a @ b` for `a [..., K]`, `b [K, N]`, in `dtype`."""
-    if not on_amx_path(a, b):
+    if not in_fast_forms(a, b):
         return ops.cast(ops.matmul(a, b), dtype)
     return _product(a, b, a.ndim - 1, 0).astype(dtype)
 
 
 def nt(a, b, dtype):
     """`a @ b.T` for `a [..., K]`, `b [N, K]`, in `dtype`."""
-    if not on_amx_path(a, b):
+    if not in_fast_forms(a, b):
         return ops.cast(ops.matmul(a, ops.transpose(b)), dtype)
     return _product(a, b, a.ndim - 1, 1).astype(dtype)
 
@@ -84,11 +101,11 @@ def nt(a, b, dtype):
 def tn(a, b, dtype):
     """`a.T @ b` for `a [M, K]`, `b [M, N]` (a sum over the rows: a weight's gradient), in `dtype`.
 
-    On AMX's path the smaller operand is transposed (`rows_first`; XLA's
+    In the fast forms the narrower operand is transposed (`rows_first`; XLA's
     CPU transpose of a `[1944, 8001]` bfloat16 array took 27 ms, longer than
     the product), and the `[K, N]` result then, where it was `b`.
     """
-    if not on_amx_path(a, b):
+    if not in_fast_forms(a, b):
         return ops.cast(ops.matmul(ops.transpose(a), b), dtype)
     from jax import lax
 
@@ -135,10 +152,10 @@ def _matmul_with_gradient():
 
 
 def matmul(x, kernel, bias=None):
-    """`x @ kernel (+ bias)` for `x [..., K]`, a 2-D `kernel [K, N]` and `bias [N]`, its gradient on AMX's forms."""
+    """`x @ kernel (+ bias)` for `x [..., K]`, a 2-D `kernel [K, N]` and `bias [N]`, its gradient in the fast forms."""
     kernel = ops.cast(kernel, x.dtype)
     bias = None if bias is None else ops.cast(bias, x.dtype)
-    if not on_amx_path(x, kernel):
+    if not in_fast_forms(x, kernel):
         y = ops.matmul(x, kernel)
         return y if bias is None else ops.add(y, bias)
     return _matmul_with_gradient()(x, kernel, bias)

@@ -25,36 +25,48 @@ def test_the_three_forms_in_float32_are_keras_products(rng, form):
     np.testing.assert_allclose(to_numpy(getattr(products, form)(a, b, "float32")), expected, rtol=1e-5)
 
 
-@on_amx
+def _skip_unless_fast_forms(dtype):
+    if not products.jax_cpu():
+        pytest.skip("JAX's CPU backend only")
+    if dtype == "bfloat16" and not products.jax_cpu_with_amx():
+        pytest.skip("bfloat16: a CPU with amx_bf16 only")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shapes", [
     ((37, 16), (16, 24)),
     ((3, 5, 16), (16, 24)),  # [B, T, D] inputs
     ((1, 16), (16, 24)),  # one row, as a decoding step of one sentence
+    ((6, 40), (40, 8)),  # the gradient's product transposes the narrower operand, the upstream here
 ])
-def test_bfloat16_products_and_their_gradients_accumulate_in_float32(rng, shapes):
-    """Each value is the float32 product of the same bfloat16 inputs, rounded once to bfloat16."""
+def test_products_and_their_gradients_are_keras_ones(rng, shapes, dtype):
+    """In bfloat16, each value is the float32 product of the same bfloat16 inputs, rounded once to bfloat16."""
+    _skip_unless_fast_forms(dtype)
     import jax
     import jax.numpy as jnp
 
-    (x, x16), (kernel, kernel16) = _bfloat16(rng, *shapes[0]), _bfloat16(rng, *shapes[1])
-    bias, bias16 = _bfloat16(rng, shapes[1][1])
-    upstream, upstream16 = _bfloat16(rng, *shapes[0][:-1], shapes[1][1])
+    (x, x_in), (kernel, kernel_in) = _bfloat16(rng, *shapes[0]), _bfloat16(rng, *shapes[1])
+    bias, bias_in = _bfloat16(rng, shapes[1][1])
+    upstream = _bfloat16(rng, *shapes[0][:-1], shapes[1][1])[0]
+    if dtype == "float32":
+        x_in, kernel_in, bias_in = x, kernel, bias
 
     def reference(x, kernel, bias):
         return jnp.sum((x @ kernel + bias) * upstream)
 
     def ours(x, kernel, bias):
         y = products.matmul(x, kernel, bias)
-        assert y.dtype == jnp.bfloat16
+        assert y.dtype == dtype
         return jnp.sum(y.astype("float32") * upstream)
 
+    tolerance = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=1e-2, atol=2e-2)}[dtype]
     expected = jax.grad(reference, argnums=(0, 1, 2))(x, kernel, bias)
-    actual = jax.grad(ours, argnums=(0, 1, 2))(x16, kernel16, bias16)
-    np.testing.assert_allclose(to_numpy(products.matmul(x16, kernel16, bias16)).astype("float32"),
-                               x @ kernel + bias, rtol=1e-2, atol=1e-2)
+    actual = jax.grad(ours, argnums=(0, 1, 2))(x_in, kernel_in, bias_in)
+    np.testing.assert_allclose(to_numpy(products.matmul(x_in, kernel_in, bias_in)).astype("float32"),
+                               x @ kernel + bias, **tolerance)
     for name, a, e in zip(("x", "kernel", "bias"), actual, expected):
-        assert a.dtype == jnp.bfloat16, name
-        np.testing.assert_allclose(np.asarray(a, "float32"), e, rtol=1e-2, atol=2e-2, err_msg=name)
+        assert a.dtype == dtype, name
+        np.testing.assert_allclose(np.asarray(a, "float32"), e, err_msg=name, **tolerance)
 
 
 @on_amx
