@@ -56,7 +56,13 @@ def jax_cpu_with_amx():
 
 
 def in_fast_forms(*tensors):
-    """Whether products of these tensors take the forms here: float32 on `jax_cpu()`, bfloat16 with AMX."""
+    """Whether products of these tensors take the forms here: float32 on `jax_cpu()`, bfloat16 with AMX.
+
+    Not under a `keras.distribution`: `rows_first` flattens the rows, which
+    a batch sharded across devices would have to gather.
+    """
+    if keras.distribution.distribution() is not None:
+        return False
     dtypes = {keras.backend.standardize_dtype(t.dtype) for t in tensors}
     if dtypes == {"float32"}:
         return jax_cpu()

@@ -99,3 +99,10 @@ def test_a_bfloat16_model_computes_and_decodes_as_keras_products_do(rng, monkeyp
     expected = to_numpy(keras_products(inputs))
     np.testing.assert_allclose(logits, expected, atol=0.02 * np.abs(expected).max())
     assert ids.shape[0] == 3 and ids.shape[1] >= 2
+
+
+def test_a_distribution_keeps_keras_products(monkeypatch):
+    """Under a `keras.distribution` the rows may be sharded: `rows_first` would gather them, so Keras' ops run."""
+    x = np.ones((4, 3), "float32")
+    monkeypatch.setattr(keras.distribution, "distribution", lambda: object())
+    assert not products.in_fast_forms(x)
