@@ -82,7 +82,7 @@ def build_parser():
                         help="average the last K checkpoints (default: the preset's; paper: 5 base, 20 big)")
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--mixed-precision", choices=MIXED_PRECISIONS,
-                        help="auto: mixed_bfloat16 where the CPU (AVX512-BF16, AMX; not on JAX) or GPU "
+                        help="auto: mixed_bfloat16 where the CPU (AVX512-BF16 or AMX; on JAX, AMX) or GPU "
                              "computes it natively, else float32 (default: float32)")
     parser.add_argument("--jit-compile", type=auto_or_bool, default="auto", metavar="{auto,true,false}",
                         help="XLA-compile the training step (default auto: off under MirroredStrategy and for "
