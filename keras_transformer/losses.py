@@ -319,7 +319,7 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
         if embedding_gradient:
             dw = products.tn(hc, dz_compute, "float32") if fast else products.tn(dz_compute, hc, "float32")
         return (ops.sum(wc * losses), correct, predictions, products.nn(dz_compute, w, h.dtype), dw,
-                ops.sum(dz, axis=0) if b is not None else 0.0)
+                products.column_sums(dz, "float32") if b is not None else 0.0)
 
     def forward(h, w, b):
         h = ops.pad(h, [[0, padding], [0, 0]])

@@ -129,8 +129,12 @@ def column_sums(a, dtype):
     Keras' gradient of a bias added to `[B, T, N]` sums over two axes, which
     XLA's CPU backend does by a tree of 32 x 32 windows (`reduce-window`):
     11 ms for `[54, 36, 1024]`, against 0.3 ms for the same sum over the
-    rows of `[1944, 1024]`.
+    rows of `[1944, 1024]`. A float32 sum in the fast forms is a product
+    with a row of ones: XLA's own reduction of the fused loss's `[278,
+    58102]` chunk took 129 ms, the product 3 ms (op time, 2026-12-07).
     """
+    if in_fast_forms(a) and keras.backend.standardize_dtype(a.dtype) == "float32":
+        return _product(ops.ones((1, a.shape[0]), "float32"), a, 1, 0).reshape(a.shape[1]).astype(dtype)
     return ops.cast(ops.sum(ops.cast(a, "float32"), axis=0), dtype)
 
 
