@@ -61,12 +61,10 @@ def in_fast_forms(*tensors):
     Not under a `keras.distribution`: `rows_first` flattens the rows, which
     a batch sharded across devices would have to gather.
     """
-    if keras.distribution.distribution() is not None:
+    if not jax_cpu() or keras.distribution.distribution() is not None:
         return False
     dtypes = {keras.backend.standardize_dtype(t.dtype) for t in tensors}
-    if dtypes == {"float32"}:
-        return jax_cpu()
-    return dtypes == {"bfloat16"} and jax_cpu_with_amx()
+    return dtypes == {"float32"} or (dtypes == {"bfloat16"} and jax_cpu_with_amx())
 
 
 def _product(a, b, a_axis, b_axis):
