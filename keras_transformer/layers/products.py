@@ -78,7 +78,8 @@ def rows_first(a):
 
     XLA folds a transpose into the product that reads it (its `dot`'s
     dimension numbers, or a column-major layout), whatever elementwise work
-    sits between them, and then runs the bfloat16 product in float32. A 1-D
+    sits between them, and then runs the product off its fast path (a
+    bfloat16 one converted to float32). A 1-D
     array has one layout only, and an optimization barrier keeps the
     reshapes around it from being folded: the transpose is written out.
     """
