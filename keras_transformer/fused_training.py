@@ -123,7 +123,7 @@ def compute_loss(model, step, y, hidden, sample_weight):
     with keras.name_scope(loss.name):
         total, _, predictions = fused_output_losses(
             ops.reshape(hidden, (-1, model.hidden_dim)),
-            ops.cast(embeddings, hidden.dtype),
+            embeddings,
             model.logits_bias_weight if model.logits_bias else None,
             ops.reshape(labels, (-1,)),
             ops.reshape(weights, (-1,)),

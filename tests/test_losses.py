@@ -335,6 +335,37 @@ def test_fused_output_losses_equal_the_projection_then_the_loss(eps, with_bias, 
     assert _value(correct) == (mask * (z.argmax(-1) == labels)).sum()
 
 
+@pytest.mark.parametrize("n", [13, 16])
+def test_fused_output_losses_in_bfloat16_with_a_float32_matrix(n):
+    """Mixed precision: bfloat16 rows, the float32 matrix and bias; 7 and 8 chunks of 2 rows (the embedding
+    gradient's bfloat16 sums go to float32 every `MIXED_GRADIENT_CHUNKS` chunks and after the last). Within
+    bfloat16's rounding of float64 from the same bfloat16 values."""
+    from keras_transformer.losses import MIXED_GRADIENT_CHUNKS, fused_output_losses
+
+    assert MIXED_GRADIENT_CHUNKS == 4  # the chunk counts above straddle it
+    rng = np.random.default_rng(6)
+    d, v = 8, 29
+    hidden = rng.normal(size=(n, d)).astype("float32")
+    embeddings = rng.normal(size=(v, d)).astype("float32") * 0.5
+    bias = rng.normal(size=(v,)).astype("float32")
+    labels = rng.integers(0, v, size=(n,)).astype("int32")
+    weights = rng.uniform(0.5, 2.0, size=(n,)).astype("float32")
+
+    def total(h, w, b):
+        return fused_output_losses(keras.ops.cast(h, "bfloat16"), w, b, labels, weights, weights, 0.1, chunk_rows=2)[0]
+
+    value, (dh, dw, db) = _gradients(total, hidden, embeddings, bias)
+    h, w = (np.asarray(_value(keras.ops.cast(keras.ops.cast(x, "bfloat16"), "float32")), "float64")
+            for x in (hidden, embeddings))
+    z = h @ w.T + bias
+    log_probs = _log_softmax(z)
+    q = _smoothed_targets(labels, 0.1, v)
+    dz = weights[:, None] * (np.exp(log_probs) - q)
+    np.testing.assert_allclose(value, (weights * -(q * log_probs).sum(-1)).sum(), rtol=2e-2)
+    for got, want in ((dh, dz @ w), (dw, dz.T @ h), (db, dz.sum(0))):
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+
+
 def test_fused_output_losses_predict_the_first_of_equal_maxima():
     """Tied logits (duplicate embedding rows): the prediction is the first of them, as `argmax`'s."""
     from keras_transformer.losses import fused_output_losses
