@@ -21,10 +21,11 @@ A step takes Keras' own path (`why_not_fused` says why) when the model was
 compiled with another loss or metric, a reduction of `"none"`, a quantized or
 soft-capped embedding, under a `keras.distribution` (the chunks would cut
 across its sharded batch), or when `model.fuse_output_loss` is False. Its
-default, "auto", fuses on PyTorch and JAX, where the fused step was faster
-and 0.7-1.0 GB smaller at the OPUS-MT base shape; not on TensorFlow, where it
-was 3-7% slower for 0.4 GB less (2026-12-06), and on a CPU with AMX 1.5-2%
-slower for 0.7 GB more (2026-12-07). `True` fuses on every backend.
+default, "auto", fuses wherever it can, as True does: the fused step was faster
+on every backend and 0.7-1.0 GB smaller at the OPUS-MT base shape on PyTorch
+and JAX; on TensorFlow, once its chunk loop ran one chunk at a time, 3-17% faster
+at `small` and base (2026-12-07, benchmarks/README.md), its peak within 0.1 GB of
+Keras' path at 2,000 tokens and 0.3-0.4 GB below it at 8,000.
 """
 
 import contextlib
@@ -69,9 +70,6 @@ def why_not_fused(model):
     fuse = getattr(model, "fuse_output_loss", "auto")
     if fuse is False:
         return "fuse_output_loss is False"
-    if fuse == "auto" and keras.backend.backend() == "tensorflow":
-        # The chunk loop made TensorFlow's step slower (the module docstring; benchmarks/README.md has the runs).
-        return "fuse_output_loss is 'auto', which fuses on PyTorch and JAX, not TensorFlow (True fuses here)"
     if not isinstance(getattr(model, "loss", None), LabelSmoothedCrossEntropy):
         return "the compiled loss is not LabelSmoothedCrossEntropy"
     if model.loss.reduction in (None, "none"):

@@ -383,7 +383,15 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
                       "float32"),
             ops.zeros((vocabulary_size,) if b is not None else (), "float32"),
         )
-        outputs = ops.while_loop(lambda i, *_: i < chunks, body, initial)
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            # One chunk at a time: with `tf.while_loop`'s default of 10 iterations in flight (Keras' `while_loop`),
+            # the next chunks' [C, V] logits were made while one was reduced.
+            outputs = tf.while_loop(lambda i, *_: i < chunks, lambda *state: tuple(body(*state)), initial,
+                                    parallel_iterations=1)
+        else:
+            outputs = ops.while_loop(lambda i, *_: i < chunks, body, initial)
         _, loss_sum, correct, predictions, dh, dw, db = outputs
         if fast and embedding_gradient:
             dw = ops.transpose(dw)

@@ -472,8 +472,8 @@ class TransformerModel(CachedDecoding, AttentionWeights, Adapters, keras.Model):
     # ------------------------------------------------------------------ #
     # Training steps (fused_training: the output projection and the loss together)
     # ------------------------------------------------------------------ #
-    # "auto": fused on JAX and PyTorch, Keras' own path on TensorFlow (fused_training.why_not_fused);
-    # True: fused wherever the compiled loss and metrics allow; False: never (the logits, then the compiled loss).
+    # "auto" or True: fused wherever the compiled loss and metrics allow (fused_training.why_not_fused);
+    # False: never (the logits, then the compiled loss).
     fuse_output_loss = "auto"
 
     def train_step(self, *args, **kwargs):

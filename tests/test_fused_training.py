@@ -104,14 +104,11 @@ def test_keras_path_when_the_step_cannot_be_fused(change, reason):
     assert np.isfinite(logs["loss"])
 
 
-def test_auto_fuses_except_on_tensorflow():
+def test_auto_fuses_on_every_backend():
     model = tiny_model()
     training.compile_model(model)
-    reason = fused_training.why_not_fused(model)
-    if keras.backend.backend() == "tensorflow":
-        assert "'auto'" in reason
-    else:
-        assert reason is None
+    assert model.fuse_output_loss == "auto"
+    assert fused_training.why_not_fused(model) is None
 
 
 def test_per_token_losses_are_not_fused():
