@@ -200,7 +200,8 @@ def _fused_output_losses_torch():
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
             correct = torch.zeros((), dtype=torch.float32, device=device)
             predictions = torch.empty(rows_total, dtype=torch.int32, device=device)
-            bias_compute = None if bias is None else bias.to(compute)
+            # The bias in the dtype its sum is taken in: the product's (float32), or the float32 logits' under mixed.
+            bias_compute = None if bias is None else bias.to(torch.float32 if mixed else compute)
             buffer_rows = min(chunk_rows, rows_total)
             logits_buffer = torch.empty((buffer_rows, vocabulary_size), dtype=torch.float32, device=device)
             compute_buffer = (torch.empty((buffer_rows, vocabulary_size), dtype=compute, device=device)
@@ -221,8 +222,8 @@ def _fused_output_losses_torch():
                     zc = compute_buffer[: hc.shape[0]]
                     torch.mm(hc, embeddings.t(), out=zc)
                     z.copy_(zc)
-                    if bias is not None:
-                        z += bias.float()
+                    if bias_compute is not None:
+                        z += bias_compute
                 log_normalizer = torch.logsumexp(z, dim=-1)  # [C]
                 gold = z.gather(1, yc.unsqueeze(1)).squeeze(1)
                 losses = log_normalizer - (1.0 - eps) * gold
