@@ -29,8 +29,15 @@ run_backend() {
   local backend=$1 status=0 code argument
   shift
   echo "=== KERAS_BACKEND=$backend ==="
+  local value=0
   for argument in "$@"; do
-    [[ "$argument" == -* ]] || processes=1
+    # The value of an option given apart (`-o cache_dir=DIR`, `-k EXPR`, `-m MARK`, `-p PLUGIN`) is not a path.
+    if [[ $value == 1 ]]; then value=0; continue; fi
+    case "$argument" in
+      -o|-k|-m|-p|-c|-W|--override-ini|--deselect|--ignore|--rootdir|--maxfail|--durations) value=1 ;;
+      -*) ;;
+      *) processes=1 ;;
+    esac
   done
   if [[ "$processes" -le 1 ]]; then
     KERAS_BACKEND=$backend python -m pytest -q "$@"
