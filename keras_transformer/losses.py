@@ -202,6 +202,9 @@ def _fused_output_losses_torch():
             predictions = torch.empty(rows_total, dtype=torch.int32, device=device)
             # The bias in the dtype its sum is taken in: the product's (float32), or the float32 logits' under mixed.
             bias_compute = None if bias is None else bias.to(torch.float32 if mixed else compute)
+            # mean_v z_v = h . mean_v w_v + mean_v b_v: the smoothing term's mean logit without a pass over [C, V].
+            mean_row = torch.mean(embeddings, dim=0, dtype=torch.float32) if eps > 0.0 else None  # [D]
+            mean_bias = 0.0 if bias_compute is None or eps == 0.0 else bias_compute.float().mean()
             buffer_rows = min(chunk_rows, rows_total)
             logits_buffer = torch.empty((buffer_rows, vocabulary_size), dtype=torch.float32, device=device)
             compute_buffer = (torch.empty((buffer_rows, vocabulary_size), dtype=compute, device=device)
@@ -224,19 +227,20 @@ def _fused_output_losses_torch():
                     z.copy_(zc)
                     if bias_compute is not None:
                         z += bias_compute
-                log_normalizer = torch.logsumexp(z, dim=-1)  # [C]
+                peak, best = z.max(dim=-1)  # one pass: each row's maximum and the first id holding it
                 gold = z.gather(1, yc.unsqueeze(1)).squeeze(1)
-                losses = log_normalizer - (1.0 - eps) * gold
-                if eps > 0.0:
-                    losses -= eps * z.mean(dim=-1)
-                loss_sum += (wc * losses).sum()
-                best = z.argmax(dim=-1)
                 predictions[rows] = best.int()
                 correct += (mask[rows] * (best == yc).float()).sum()
-                dz = z.sub_(log_normalizer.unsqueeze(1)).exp_()  # the softmax, in the logits' memory
+                dz = z.sub_(peak.unsqueeze(1)).exp_()  # exp(z - peak), in the logits' memory: the one exp
+                total = dz.sum(dim=-1)
+                losses = peak + total.log() - (1.0 - eps) * gold
                 if eps > 0.0:
-                    dz.sub_(eps / vocabulary_size)
-                dz.mul_(wc.unsqueeze(1)).scatter_add_(1, yc.unsqueeze(1), (-(1.0 - eps) * wc).unsqueeze(1))
+                    losses -= eps * (torch.mv(hc.float() if mixed else hc, mean_row) + mean_bias)
+                loss_sum += (wc * losses).sum()
+                dz.mul_((wc / total).unsqueeze(1))  # softmax(z) * weight
+                if eps > 0.0:
+                    dz.sub_((eps / vocabulary_size * wc).unsqueeze(1))
+                dz.scatter_add_(1, yc.unsqueeze(1), (-(1.0 - eps) * wc).unsqueeze(1))
                 if db is not None:
                     db += dz.sum(dim=0)
                 if mixed:
@@ -340,7 +344,7 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
     # [D, V] (the narrower operand transposed) and transposed once after the loop.
     fast = products.in_fast_forms(hidden, embeddings)
 
-    def chunk_terms(h, w, b, start):
+    def chunk_terms(h, w, b, start, mean_row, mean_bias):
         """One chunk: loss sum, correct count, predictions, and its gradients' terms."""
         hc = ops.slice(h, [start, 0], [chunk_rows, width])  # [C, D]
         yc = ops.slice(labels, [start], [chunk_rows])
@@ -350,14 +354,19 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
         if b is not None:
             z = z + b
         peak = ops.max(z, axis=-1, keepdims=True)  # [C, 1]
-        log_normalizer = ops.squeeze(peak, -1) + ops.log(ops.sum(ops.exp(z - peak), axis=-1))  # [C]
+        shifted = ops.exp(z - peak)  # [C, V], the one exp: the softmax below is it over its row sum
+        total = ops.sum(shifted, axis=-1)  # [C]
+        log_normalizer = ops.squeeze(peak, -1) + ops.log(total)
         gold = ops.squeeze(ops.take_along_axis(z, ops.expand_dims(yc, -1), axis=-1), -1)
         losses = log_normalizer - (1.0 - eps) * gold
         if eps > 0.0:
-            losses = losses - eps * ops.mean(z, axis=-1)
+            # mean(z) over the vocabulary as a [C, D] x [D] product, not a pass over [C, V].
+            losses = losses - eps * (ops.matmul(ops.cast(hc, "float32"), mean_row) + mean_bias)
         predictions = vocabulary_argmax(z, peak)
         correct = ops.sum(mc * ops.cast(ops.equal(predictions, yc), "float32"))
-        dz = (ops.exp(z - ops.expand_dims(log_normalizer, -1)) - eps / vocabulary_size) * ops.expand_dims(wc, -1)
+        dz = shifted * ops.expand_dims(wc / total, -1)  # softmax(z) * weight
+        if eps > 0.0:
+            dz = dz - ops.expand_dims(eps / vocabulary_size * wc, -1)
         dz = _add_at_gold(dz, yc, -(1.0 - eps) * wc)  # [C, V]
         dz_compute = ops.cast(dz, h.dtype)
         dw = 0.0
@@ -368,10 +377,13 @@ def _fused_output_losses_graph(hidden, embeddings, bias, labels, weights, mask, 
 
     def forward(h, w, b):
         h = ops.pad(h, [[0, padding], [0, 0]])
+        # mean_v z_v = h . mean_v w_v + mean_v b_v: the smoothing term's mean logit from a [D] vector.
+        mean_row = ops.mean(ops.cast(w, "float32"), axis=0) if eps > 0.0 else None  # [D]
+        mean_bias = ops.mean(b) if eps > 0.0 and b is not None else 0.0
 
         def body(i, loss_sum, correct, predictions, dh, dw, db):
             start = i * chunk_rows
-            terms = chunk_terms(h, w, b, start)
+            terms = chunk_terms(h, w, b, start, mean_row, mean_bias)
             predictions = ops.slice_update(predictions, [start], terms[2])
             dh = ops.slice_update(dh, [start, 0], terms[3])
             return (i + 1, loss_sum + terms[0], correct + terms[1], predictions, dh, dw + terms[4],
