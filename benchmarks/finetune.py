@@ -53,8 +53,13 @@ nothing else in memory (beside a test suite, a 24 GB machine ran out).
 ```
 python -m benchmarks.finetune                                  # everything (most of an hour on 2 cores)
 python -m benchmarks.finetune --shapes small --budgets 2000 --backends torch
+git worktree add ../before HEAD~1                              # an A/B of a change: the code before it ...
+python -m benchmarks.finetune --shapes small --budgets 8000 --no-check --baseline ../before   # ... in turns with ours
 ```
 
+`--baseline DIR` measures a change: a second checkout's code on each backend
+(`<backend>@baseline`) takes turns with ours and Hugging Face's in the same
+rounds, and ours gets `speedup_over_baseline` (the ratio of median steps).
 Writes `benchmarks/results/finetune.json` (`--output`), after each group; the
 checkpoints and batches are kept in `runs/bench-finetune/` and reused.
 """
@@ -79,6 +84,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 WORK = ROOT / "runs" / "bench-finetune"
 BACKENDS = ("tensorflow", "jax", "torch")
 CONTENDERS = ("huggingface",) + BACKENDS
+BASELINE_SUFFIX = "@baseline"  # the row of a backend run from `--baseline DIR`, a second checkout
 
 # Marian checkpoints of the two shapes (MarianConfig fields), built by `convert.standin`.
 SHAPES = {
@@ -367,14 +373,16 @@ def _sender():
 # The coordinator
 # --------------------------------------------------------------------- #
 class Process:
-    def __init__(self, name, shape, budget, mode="speed", check_steps=3, precision="float32"):
+    def __init__(self, name, shape, budget, mode="speed", check_steps=3, precision="float32", root=ROOT):
         backend = "torch" if name == "huggingface" else name
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+        if root != ROOT:  # a second checkout's code (`--baseline`): its package, not the installed one
+            env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in [env.get("PYTHONPATH")] if p])
         command = [sys.executable, "-m", "benchmarks.finetune", "--worker", name, "--shapes", shape,
                    "--budgets", str(budget), "--mode", mode, "--check-steps", str(check_steps),
                    "--precision", precision]
-        self.name = name
-        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.name = name if root == ROOT else f"{name}{BASELINE_SUFFIX}"
+        self.process = subprocess.Popen(command, cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True)
 
     def ask(self, command=None):
@@ -419,8 +427,12 @@ def summarize(times, indices, batches, flops):
     }
 
 
-def run_group(shape, budget, backends, rounds, steps, precision):
-    """One (shape, budget, precision): Hugging Face beside each of our backends in turn."""
+def run_group(shape, budget, backends, rounds, steps, precision, baseline=None):
+    """One (shape, budget, precision): Hugging Face beside each of our backends in turn.
+
+    With `baseline` (a second checkout of this repository), that checkout's code on the same backend takes
+    turns too: its row is `<backend>@baseline`, and ours gets `speedup_over_baseline`, from the same rounds.
+    """
     batches, _ = load_batches(shape, budget)
     logger.info("%s, budget %d: %d batches, shapes %s, %d target tokens", shape, budget, len(batches),
                 sorted({b[0].shape + b[1].shape for b in batches}), sum(int((b[2] != 0).sum()) for b in batches))
@@ -434,13 +446,21 @@ def run_group(shape, budget, backends, rounds, steps, precision):
         if (ready["encoder_parameters"], ready["decoder_parameters"]) != (
                 hf_ready["encoder_parameters"], hf_ready["decoder_parameters"]):
             raise RuntimeError(f"{backend}: the layers' parameter counts differ from Hugging Face's: {ready} {hf_ready}")
-        times = {"ours": ([], []), "hf": ([], [])}
+        turns = [("ours", ours), ("hf", hf)]
+        if baseline is not None:
+            old = Process(backend, shape, budget, precision=precision, root=baseline)
+            old_ready = old.ask()
+            turns.insert(1, ("baseline", old))
+        times = {key: ([], []) for key, _ in turns}
         for _ in range(rounds):
-            for key, process in (("ours", ours), ("hf", hf)):
+            for key, process in turns:
                 reply = process.ask(f"steps {steps}")
                 times[key][0].extend(reply["times"])
                 times[key][1].extend(reply["batches"])
         done = ours.finish()
+        if baseline is not None:
+            old_done = old.finish()
+            old_row = summarize(*times["baseline"], batches, flops)
         row = summarize(*times["ours"], batches, flops)
         reference = summarize(*times["hf"], batches, flops)
         hf_times += times["hf"][0]
@@ -455,6 +475,17 @@ def run_group(shape, budget, backends, rounds, steps, precision):
         logger.info("%s %d %s: %.0f target tokens/s, %.3f s/step, %.2fx Hugging Face, peak RSS %.0f MB", shape,
                     budget, backend, row["target_tokens_per_second"], row["seconds_per_step"], row["ratio"],
                     row["peak_rss_mb"])
+        if baseline is not None:
+            old_row.update(
+                ratio=old_row["target_tokens_per_second"] / reference["target_tokens_per_second"],
+                peak_rss_mb=old_done["peak_rss_mb"], matmul_peak_gflops=old_done["matmul_peak_gflops"],
+                first_step_seconds=old_ready["first_step_seconds"], parameters=old_ready["parameters"],
+                checkout=str(baseline),
+            )
+            row["speedup_over_baseline"] = old_row["seconds_per_step"] / row["seconds_per_step"]
+            rows[backend + BASELINE_SUFFIX] = old_row
+            logger.info("%s %d %s: %.3f s/step; ours %.3f s/step, %.2fx it", shape, budget, old.name,
+                        old_row["seconds_per_step"], row["seconds_per_step"], row["speedup_over_baseline"])
     done = hf.finish()
     row = summarize(hf_times, hf_indices, batches, flops)
     row.update(peak_rss_mb=done["peak_rss_mb"], matmul_peak_gflops=done["matmul_peak_gflops"],
@@ -503,7 +534,7 @@ def table(results):
         check = results["checks"].get(group["shape"], {}).get("max_abs_difference", {})
         if group["precision"] != "float32":
             check = {}
-        for name in ("huggingface",) + BACKENDS:
+        for name in ("huggingface",) + tuple(n for b in BACKENDS for n in (b, b + BASELINE_SUFFIX)):
             row = group["contenders"].get(name)
             if row is None:
                 continue
@@ -530,6 +561,9 @@ def main(argv=None):
                         help="float32 and/or bfloat16 (ours: mixed_bfloat16; Hugging Face: autocast to bfloat16)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness column")
     parser.add_argument("--output", default=str(RESULTS / "finetune.json"))
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="a second checkout of this repository (e.g. `git worktree add DIR REF`): its code on "
+                             "each backend takes turns with ours, as `<backend>@baseline` (an A/B of a change)")
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=("speed", "check"), default="speed", help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="float32", help=argparse.SUPPRESS)
@@ -549,8 +583,11 @@ def main(argv=None):
     backends = [b for b in args.backends.split(",") if b]
     if set(backends) - set(BACKENDS):
         parser.error(f"--backends: choose from {','.join(BACKENDS)}")
+    baseline = _baseline(parser, args.baseline) if args.baseline else None
     for shape in shapes:
         prepare(shape, budgets, args.batches)
+        if baseline is not None:
+            _share_work(baseline)
     results = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                "versions": _versions(), "rounds": args.rounds, "steps_per_round": args.steps,
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "groups": [], "checks": {}}
@@ -561,10 +598,35 @@ def main(argv=None):
             results["checks"][shape] = run_check(shape, min(budgets), backends, args.check_steps)
         for budget in budgets:
             for precision in precisions:
-                results["groups"].append(run_group(shape, budget, backends, args.rounds, args.steps, precision))
+                results["groups"].append(
+                    run_group(shape, budget, backends, args.rounds, args.steps, precision, baseline))
                 _write(results, output)  # after each group: a later failure (memory) keeps what was measured
     print(table(results))
     return 0
+
+
+def _baseline(parser, directory):
+    """`--baseline DIR` resolved, or a parser error in one line."""
+    root = pathlib.Path(directory).expanduser().resolve()
+    if not (root / "benchmarks" / "finetune.py").is_file() or not (root / "keras_transformer").is_dir():
+        parser.error(f"--baseline {directory}: not a checkout of this repository (no benchmarks/finetune.py and "
+                     "keras_transformer/ there); make one with `git worktree add DIR REF`")
+    if root == ROOT.resolve():
+        parser.error(f"--baseline {directory}: that is this checkout; give a second one (`git worktree add DIR REF`)")
+    return root
+
+
+def _share_work(root):
+    """The baseline's workers read the same checkpoints and batches: its `runs/bench-finetune` is a link to ours.
+
+    An existing directory there is left alone (its batches come from the same corpus and budgets).
+    """
+    link = root / "runs" / "bench-finetune"
+    if link.exists() or link.is_symlink():
+        return
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(WORK.resolve(), target_is_directory=True)
+    logger.info("linked %s to %s for the baseline's workers", link, WORK)
 
 
 def _write(results, output):

@@ -44,6 +44,44 @@ def test_table_gives_ratio_mfu_and_the_loss_difference():
     assert lines[3] == "| base | 2000 | float32 | torch | 1,500 | 1.50x | 2.000 | 50% | 2,048 | 1.9e-04 |"
 
 
+def test_table_puts_a_baseline_row_after_its_backend():
+    row = {"target_tokens_per_second": 1500.0, "ratio": 1.5, "seconds_per_step": 2.0,
+           "flops_per_second": 50e9, "peak_rss_mb": 2048.0}
+    results = {
+        "matmul_peak_gflops": 100.0,
+        "groups": [{"shape": "small", "budget": 8000, "precision": "float32", "contenders": {
+            "huggingface": dict(row, ratio=1.0, target_tokens_per_second=1000.0),
+            "jax@baseline": dict(row, ratio=1.2, seconds_per_step=2.5), "jax": row}}],
+        "checks": {},
+    }
+    names = [line.split(" | ")[3] for line in finetune.table(results).splitlines()[2:]]
+    assert names == ["huggingface", "jax", "jax@baseline"]
+
+
+def test_baseline_must_be_a_second_checkout(tmp_path, capsys):
+    import pytest
+
+    for directory, message in ((tmp_path, "not a checkout of this repository"),
+                               (finetune.ROOT, "that is this checkout")):
+        with pytest.raises(SystemExit):
+            finetune.main(["--baseline", str(directory), "--shapes", "small", "--budgets", "2000"])
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message in error and "git worktree add" in error
+
+
+def test_the_baseline_reads_the_same_batches_and_keeps_a_directory_of_its_own(tmp_path, monkeypatch):
+    work = tmp_path / "ours" / "runs" / "bench-finetune"
+    work.mkdir(parents=True)
+    monkeypatch.setattr(finetune, "WORK", work)
+    finetune._share_work(tmp_path / "before")
+    assert (tmp_path / "before" / "runs" / "bench-finetune").resolve() == work.resolve()
+    kept = tmp_path / "other" / "runs" / "bench-finetune"
+    kept.mkdir(parents=True)
+    (kept / "mine").write_text("x")
+    finetune._share_work(tmp_path / "other")
+    assert not kept.is_symlink() and (kept / "mine").read_text() == "x"
+
+
 def test_set_random_seed_seeds_as_keras_does_without_importing_tensorflow_on_jax_and_torch():
     import os
     import subprocess
