@@ -586,8 +586,8 @@ def main(argv=None):
     baseline = _baseline(parser, args.baseline) if args.baseline else None
     for shape in shapes:
         prepare(shape, budgets, args.batches)
-        if baseline is not None:
-            _share_work(baseline)
+    if baseline is not None:
+        _share_work(baseline)
     results = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                "versions": _versions(), "rounds": args.rounds, "steps_per_round": args.steps,
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "groups": [], "checks": {}}

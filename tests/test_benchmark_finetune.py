@@ -30,13 +30,16 @@ def test_summary_counts_the_labels_of_the_batches_that_ran():
     assert summary["flops_per_second"] == (10 + 40 + 10) / 6.0
 
 
+# One contender's figures, as `run_group` writes them.
+_ROW = {"target_tokens_per_second": 1500.0, "ratio": 1.5, "seconds_per_step": 2.0, "flops_per_second": 50e9,
+        "peak_rss_mb": 2048.0}
+
+
 def test_table_gives_ratio_mfu_and_the_loss_difference():
-    row = {"target_tokens_per_second": 1500.0, "ratio": 1.5, "seconds_per_step": 2.0,
-           "flops_per_second": 50e9, "peak_rss_mb": 2048.0}
     results = {
         "matmul_peak_gflops": 100.0,
         "groups": [{"shape": "base", "budget": 2000, "precision": "float32", "contenders": {
-            "huggingface": dict(row, ratio=1.0, target_tokens_per_second=1000.0), "torch": row}}],
+            "huggingface": dict(_ROW, ratio=1.0, target_tokens_per_second=1000.0), "torch": _ROW}}],
         "checks": {"base": {"max_abs_difference": {"torch": 1.9e-4}}},
     }
     lines = finetune.table(results).splitlines()
@@ -45,13 +48,11 @@ def test_table_gives_ratio_mfu_and_the_loss_difference():
 
 
 def test_table_puts_a_baseline_row_after_its_backend():
-    row = {"target_tokens_per_second": 1500.0, "ratio": 1.5, "seconds_per_step": 2.0,
-           "flops_per_second": 50e9, "peak_rss_mb": 2048.0}
     results = {
         "matmul_peak_gflops": 100.0,
         "groups": [{"shape": "small", "budget": 8000, "precision": "float32", "contenders": {
-            "huggingface": dict(row, ratio=1.0, target_tokens_per_second=1000.0),
-            "jax@baseline": dict(row, ratio=1.2, seconds_per_step=2.5), "jax": row}}],
+            "huggingface": dict(_ROW, ratio=1.0, target_tokens_per_second=1000.0),
+            "jax@baseline": dict(_ROW, ratio=1.2, seconds_per_step=2.5), "jax": _ROW}}],
         "checks": {},
     }
     names = [line.split(" | ")[3] for line in finetune.table(results).splitlines()[2:]]
