@@ -36,7 +36,13 @@ Figures: target tokens/s (non-padding labels), s/step, the process's peak
 RSS, and MFU: training FLOPs (`benchmarks.train.transformer_training_flops`,
 padded positions included) per second over the best float32 2048^3 matmul
 measured in this run (each process measures its own framework's before and
-after its steps; the best of all of them is the reference).
+after its steps; the best of all of them is the reference). And the kernel's
+share: the median step's system time and memory faulted in (`getrusage`).
+A process whose step maps its largest buffers afresh (glibc unmaps a freed
+block over its mmap threshold) waits on the kernel for them, and the kernel
+takes longer when the machine's memory is short: Hugging Face at base, 8,000
+tokens, faulted in 11 GB and spent 7.7 s of CPU in the kernel a step
+(2026-12-07), and its step took 19-32 s within the hour, alone or beside ours.
 
 Correctness column: a separate process per contender with dropout 0 and the
 same constant-rate optimizer (Adam(1e-4, 0.9, 0.98, 1e-9) / AdamW with weight
@@ -101,6 +107,7 @@ SHAPES = {
 }
 MAX_LENGTH = 128
 CHECK_LEARNING_RATE = 1e-4
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 WARMUP_STEPS = 4000
 LABEL_SMOOTHING = 0.1
 DROPOUT = 0.1
@@ -344,15 +351,19 @@ def worker(name, shape, budget, mode, check_steps, precision):
     for line in sys.stdin:
         command = line.split()
         if command[0] == "steps":
-            times, indices = [], []
+            times, indices, kernel, faults = [], [], [], []
             for _ in range(int(command[1])):
                 index = position % len(prepared)
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 start = time.perf_counter()
                 contender.step(prepared[index])  # the loss is read back: the step has finished
                 times.append(time.perf_counter() - start)
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                kernel.append(after.ru_stime - before.ru_stime)
+                faults.append(after.ru_minflt - before.ru_minflt)
                 indices.append(index)
                 position += 1
-            send({"times": times, "batches": indices})
+            send({"times": times, "batches": indices, "system_seconds": kernel, "minor_faults": faults})
         elif command[0] == "done":
             peaks.append(_matmul_peak(contender.framework))
             send({"peak_rss_mb": _peak_rss_mb(), "matmul_peak_gflops": max(peaks) / 1e9})
@@ -415,15 +426,23 @@ def flops_per_batch(batch, parameters, shape):
     )
 
 
-def summarize(times, indices, batches, flops):
-    """Median step, target tokens/s and FLOP/s over the measured steps."""
+def summarize(measured, batches, flops):
+    """Median step, target tokens/s and FLOP/s over the measured steps, and the kernel's share of them.
+
+    `measured`: the workers' replies to `steps` merged (lists `times`, `batches`, `system_seconds`,
+    `minor_faults`). The system time and the memory faulted in per step are medians: a process that maps
+    its step's buffers afresh each step (glibc unmaps a freed block over its mmap threshold) spends that
+    time in the kernel, and how long the kernel takes varies with the machine's memory state.
+    """
+    times, indices = measured["times"], measured["batches"]
     tokens = [int((batches[i][2] != 0).sum()) for i in indices]
-    step = float(np.median(times))
     return {
-        "seconds_per_step": step,
+        "seconds_per_step": float(np.median(times)),
         "target_tokens_per_second": float(np.sum(tokens) / np.sum(times)),
         "flops_per_second": float(np.sum([flops[i] for i in indices]) / np.sum(times)),
         "steps": len(times),
+        "system_seconds_per_step": float(np.median(measured["system_seconds"])),
+        "faulted_mb_per_step": float(np.median(measured["minor_faults"])) * PAGE_BYTES / 2**20,
     }
 
 
@@ -439,7 +458,7 @@ def run_group(shape, budget, backends, rounds, steps, precision, baseline=None):
     hf = Process("huggingface", shape, budget, precision=precision)
     hf_ready = hf.ask()
     flops = [flops_per_batch(b, hf_ready, shape) for b in batches]
-    rows, hf_times, hf_indices = {}, [], []
+    rows, hf_measured = {}, {}
     for backend in backends:
         ours = Process(backend, shape, budget, precision=precision)
         ready = ours.ask()
@@ -451,20 +470,19 @@ def run_group(shape, budget, backends, rounds, steps, precision, baseline=None):
             old = Process(backend, shape, budget, precision=precision, root=baseline)
             old_ready = old.ask()
             turns.insert(1, ("baseline", old))
-        times = {key: ([], []) for key, _ in turns}
+        measured = {key: {} for key, _ in turns}
         for _ in range(rounds):
             for key, process in turns:
-                reply = process.ask(f"steps {steps}")
-                times[key][0].extend(reply["times"])
-                times[key][1].extend(reply["batches"])
+                for field, values in process.ask(f"steps {steps}").items():
+                    measured[key].setdefault(field, []).extend(values)
         done = ours.finish()
         if baseline is not None:
             old_done = old.finish()
-            old_row = summarize(*times["baseline"], batches, flops)
-        row = summarize(*times["ours"], batches, flops)
-        reference = summarize(*times["hf"], batches, flops)
-        hf_times += times["hf"][0]
-        hf_indices += times["hf"][1]
+            old_row = summarize(measured["baseline"], batches, flops)
+        row = summarize(measured["ours"], batches, flops)
+        reference = summarize(measured["hf"], batches, flops)
+        for field, values in measured["hf"].items():
+            hf_measured.setdefault(field, []).extend(values)
         row.update(
             ratio=row["target_tokens_per_second"] / reference["target_tokens_per_second"],
             huggingface_alongside=reference, peak_rss_mb=done["peak_rss_mb"],
@@ -487,7 +505,7 @@ def run_group(shape, budget, backends, rounds, steps, precision, baseline=None):
             logger.info("%s %d %s: %.3f s/step; ours %.3f s/step, %.2fx it", shape, budget, old.name,
                         old_row["seconds_per_step"], row["seconds_per_step"], row["speedup_over_baseline"])
     done = hf.finish()
-    row = summarize(hf_times, hf_indices, batches, flops)
+    row = summarize(hf_measured, batches, flops)
     row.update(peak_rss_mb=done["peak_rss_mb"], matmul_peak_gflops=done["matmul_peak_gflops"],
                first_step_seconds=hf_ready["first_step_seconds"], parameters=hf_ready["parameters"], ratio=1.0)
     rows["huggingface"] = row
@@ -527,8 +545,9 @@ def _versions():
 
 def table(results):
     """benchmarks/README.md's table: one row per (shape, budget, contender)."""
-    lines = ["| shape | budget | precision | contender | target tokens/s | ratio to HF | s/step | MFU | peak RSS (MB) | "
-             "loss difference |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | budget | precision | contender | target tokens/s | ratio to HF | s/step | MFU | system s/step "
+             "(GB faulted in) | peak RSS (MB) | loss difference |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     peak = results["matmul_peak_gflops"] * 1e9
     for group in results["groups"]:
         check = results["checks"].get(group["shape"], {}).get("max_abs_difference", {})
@@ -543,9 +562,16 @@ def table(results):
             lines.append(
                 f"| {group['shape']} | {group['budget']} | {group['precision']} | {name} | {row['target_tokens_per_second']:,.0f} | "
                 f"{row['ratio']:.2f}x | {row['seconds_per_step']:.3f} | {row['flops_per_second'] / peak:.0%} | "
-                f"{row['peak_rss_mb']:,.0f} | {difference} |"
+                f"{_kernel_share(row)} | {row['peak_rss_mb']:,.0f} | {difference} |"
             )
     return "\n".join(lines)
+
+
+def _kernel_share(row):
+    """`0.37 (0.6)`: the median step's system seconds and GB of memory faulted in; `-` in results from before."""
+    if "system_seconds_per_step" not in row:
+        return "-"
+    return f"{row['system_seconds_per_step']:.2f} ({row['faulted_mb_per_step'] / 1024:.1f})"
 
 
 def main(argv=None):

@@ -24,10 +24,15 @@ def test_training_flops_count_layers_output_projection_and_attention():
 def test_summary_counts_the_labels_of_the_batches_that_ran():
     labels = [np.array([[5, 6, 0], [7, 0, 0]]), np.array([[5, 6, 7], [8, 9, 4]])]  # 3 and 6 target tokens
     batches = [(None, None, y) for y in labels]
-    summary = finetune.summarize([1.0, 2.0, 3.0], [0, 1, 0], batches, flops=[10.0, 40.0])
+    measured = {"times": [1.0, 2.0, 3.0], "batches": [0, 1, 0], "system_seconds": [0.1, 0.4, 0.2],
+                "minor_faults": [0, 2 * 2**20 // finetune.PAGE_BYTES, 2**30 // finetune.PAGE_BYTES]}
+    summary = finetune.summarize(measured, batches, flops=[10.0, 40.0])
     assert summary["seconds_per_step"] == 2.0
     assert summary["target_tokens_per_second"] == (3 + 6 + 3) / 6.0
     assert summary["flops_per_second"] == (10 + 40 + 10) / 6.0
+    # The kernel's share: medians of the steps' system time and of the memory they faulted in (2 MB).
+    assert summary["system_seconds_per_step"] == 0.2
+    assert summary["faulted_mb_per_step"] == 2.0
 
 
 # One contender's figures, as `run_group` writes them.
@@ -39,12 +44,15 @@ def test_table_gives_ratio_mfu_and_the_loss_difference():
     results = {
         "matmul_peak_gflops": 100.0,
         "groups": [{"shape": "base", "budget": 2000, "precision": "float32", "contenders": {
-            "huggingface": dict(_ROW, ratio=1.0, target_tokens_per_second=1000.0), "torch": _ROW}}],
+            "huggingface": dict(_ROW, ratio=1.0, target_tokens_per_second=1000.0, system_seconds_per_step=0.37,
+                                faulted_mb_per_step=614.4),
+            "torch": _ROW}}],  # measured before the system time was: "-"
         "checks": {"base": {"max_abs_difference": {"torch": 1.9e-4}}},
     }
     lines = finetune.table(results).splitlines()
-    assert lines[2] == "| base | 2000 | float32 | huggingface | 1,000 | 1.00x | 2.000 | 50% | 2,048 | reference |"
-    assert lines[3] == "| base | 2000 | float32 | torch | 1,500 | 1.50x | 2.000 | 50% | 2,048 | 1.9e-04 |"
+    assert lines[2] == ("| base | 2000 | float32 | huggingface | 1,000 | 1.00x | 2.000 | 50% | 0.37 (0.6) | 2,048 | "
+                        "reference |")
+    assert lines[3] == "| base | 2000 | float32 | torch | 1,500 | 1.50x | 2.000 | 50% | - | 2,048 | 1.9e-04 |"
 
 
 def test_table_puts_a_baseline_row_after_its_backend():
