@@ -46,13 +46,18 @@ def test_table_gives_ratio_mfu_and_the_loss_difference():
         "groups": [{"shape": "base", "budget": 2000, "precision": "float32", "contenders": {
             "huggingface": dict(_ROW, ratio=1.0, target_tokens_per_second=1000.0, system_seconds_per_step=0.37,
                                 faulted_mb_per_step=614.4),
-            "torch": _ROW}}],  # measured before the system time was: "-"
+            "torch": _ROW,  # measured before the system time and Hugging Face alone were: "-", no second ratio
+            "jax": dict(_ROW, ratio_to_huggingface_alone=1.25),
+            finetune.ALONE: dict(_ROW, ratio=1.0, target_tokens_per_second=1200.0, seconds_per_step=1.6)}}],
         "checks": {"base": {"max_abs_difference": {"torch": 1.9e-4}}},
     }
     lines = finetune.table(results).splitlines()
     assert lines[2] == ("| base | 2000 | float32 | huggingface | 1,000 | 1.00x | 2.000 | 50% | 0.37 (0.6) | 2,048 | "
                         "reference |")
-    assert lines[3] == "| base | 2000 | float32 | torch | 1,500 | 1.50x | 2.000 | 50% | - | 2,048 | 1.9e-04 |"
+    assert lines[3] == ("| base | 2000 | float32 | huggingface alone | 1,200 | 1.00x | 1.600 | 50% | - | 2,048 | "
+                        "reference |")
+    assert lines[4] == "| base | 2000 | float32 | jax | 1,500 | 1.50x (1.25x) | 2.000 | 50% | - | 2,048 | - |"
+    assert lines[5] == "| base | 2000 | float32 | torch | 1,500 | 1.50x | 2.000 | 50% | - | 2,048 | 1.9e-04 |"
 
 
 def test_table_puts_a_baseline_row_after_its_backend():
