@@ -14,13 +14,15 @@ TensorFlow (whose allocator keeps its memory).
 
 - `M_MMAP_MAX = 0`: no allocation is served by `mmap`; all come from the
   heap, whose freed chunks are reused;
-- `M_TRIM_THRESHOLD = -1`: freed memory at the top of the heap is kept
-  rather than given back to the kernel, however large. glibc stores the
-  `int` as a `size_t`, so -1 is the largest size there is; the largest
-  positive `int`, 2**31 - 1, still gives back a freed block over 2 GiB at
-  the heap's top, and the base-shaped fine-tuning step at 8,000 tokens
-  (`benchmarks.finetune`) frees several of those a step: 7 GB faulted in and
-  4.5 s of system time a step of 23 s, against 0.1 GB with -1;
+- `M_TRIM_THRESHOLD = 2**31 - 1`: freed memory at the top of the heap is
+  kept rather than given back to the kernel, up to 2 GiB. A freed top block
+  larger than that still goes back: the base-shaped fine-tuning step at
+  8,000 tokens (`benchmarks.finetune`, 2026-12-07) faults in 7 GB and spends
+  4.5 s in the kernel a step of 23 s. Never trimming (-1, which glibc reads
+  as the largest `size_t`) stops that, but there the kept heap grew past
+  16 GB (the step's buffers of two batch shapes do not fit in each other's
+  holes), against an 8.9 GB peak, and the process ran out of memory beside
+  Hugging Face's;
 - `M_ARENA_MAX = 1`: one heap for every thread. A thread's own arena (glibc
   gives threads their own) holds at most 64 MiB, and a larger allocation
   there is mapped with `mmap` whatever `M_MMAP_MAX` says; XLA allocates from
@@ -50,7 +52,7 @@ ENVIRONMENT_VARIABLE = "KERAS_TRANSFORMER_ALLOCATOR"
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
-SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: SIZE_MAX, never trim
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
 
 _state = {"applied": None}
 
