@@ -112,7 +112,7 @@ SHAPES = {
 }
 MAX_LENGTH = 128
 CHECK_LEARNING_RATE = 1e-4
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE_BYTES = resource.getpagesize()
 WARMUP_STEPS = 4000
 LABEL_SMOOTHING = 0.1
 DROPOUT = 0.1
@@ -431,13 +431,17 @@ def flops_per_batch(batch, parameters, shape):
     )
 
 
+def _extend(measured, reply):
+    """Adds a worker's reply to `steps` (a list per figure) to `measured`, figure by figure."""
+    for field, values in reply.items():
+        measured.setdefault(field, []).extend(values)
+
+
 def summarize(measured, batches, flops):
     """Median step, target tokens/s and FLOP/s over the measured steps, and the kernel's share of them.
 
-    `measured`: the workers' replies to `steps` merged (lists `times`, `batches`, `system_seconds`,
-    `minor_faults`). The system time and the memory faulted in per step are medians: a process that maps
-    its step's buffers afresh each step (glibc unmaps a freed block over its mmap threshold) spends that
-    time in the kernel, and how long the kernel takes varies with the machine's memory state.
+    `measured`: the workers' replies to `steps` merged by `_extend` (lists `times`, `batches`,
+    `system_seconds`, `minor_faults`); the system time and the memory faulted in are medians per step.
     """
     times, indices = measured["times"], measured["batches"]
     tokens = [int((batches[i][2] != 0).sum()) for i in indices]
@@ -468,8 +472,7 @@ def run_group(shape, budget, backends, rounds, steps, precision, baseline=None):
     def hf_alone():
         """Hugging Face's steps with no process of ours alive: a partner's resident memory slows its page faults."""
         for _ in range(max(1, rounds // 2)):
-            for field, values in hf.ask(f"steps {steps}").items():
-                alone.setdefault(field, []).extend(values)
+            _extend(alone, hf.ask(f"steps {steps}"))
 
     hf_alone()
     for backend in backends:
@@ -486,16 +489,14 @@ def run_group(shape, budget, backends, rounds, steps, precision, baseline=None):
         measured = {key: {} for key, _ in turns}
         for _ in range(rounds):
             for key, process in turns:
-                for field, values in process.ask(f"steps {steps}").items():
-                    measured[key].setdefault(field, []).extend(values)
+                _extend(measured[key], process.ask(f"steps {steps}"))
         done = ours.finish()
         if baseline is not None:
             old_done = old.finish()
             old_row = summarize(measured["baseline"], batches, flops)
         row = summarize(measured["ours"], batches, flops)
         reference = summarize(measured["hf"], batches, flops)
-        for field, values in measured["hf"].items():
-            hf_measured.setdefault(field, []).extend(values)
+        _extend(hf_measured, measured["hf"])
         row.update(
             ratio=row["target_tokens_per_second"] / reference["target_tokens_per_second"],
             huggingface_alongside=reference, peak_rss_mb=done["peak_rss_mb"],
